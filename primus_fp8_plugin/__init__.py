@@ -1,0 +1,31 @@
+"""primus-fp8-plugin: FP8 blockwise-scaled training (TE ``Float8BlockScaling`` numerics) for Megatron-core."""
+
+from .backends import (
+    BackendUnavailableError,
+    available_backends,
+    backend_availability,
+    get_backend,
+)
+from .gemm import gemm_dgrad, gemm_fwd, gemm_wgrad
+from .quantize import quantize_activation, quantize_weight
+from .recipe import BlockwiseRecipe, Fp8Format, QuantParams, TensorRole
+from .tensor import BlockwiseFp8Tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "BlockwiseFp8Tensor",
+    "BlockwiseRecipe",
+    "Fp8Format",
+    "QuantParams",
+    "TensorRole",
+    "available_backends",
+    "backend_availability",
+    "gemm_dgrad",
+    "gemm_fwd",
+    "gemm_wgrad",
+    "get_backend",
+    "quantize_activation",
+    "quantize_weight",
+]

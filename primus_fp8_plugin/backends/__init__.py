@@ -1,0 +1,104 @@
+"""The one backend registry: a backend name -> its kernels, availability and ``auto`` resolution.
+
+Adding a backend is one sub-module plus one ``_REGISTRY`` line; nothing outside this file
+branches on backend names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from .base import Availability, Backend
+
+__all__ = [
+    "Availability",
+    "Backend",
+    "BackendUnavailableError",
+    "available_backends",
+    "backend_availability",
+    "backend_names",
+    "get_backend",
+]
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run here (the message says why and what to use)."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    module: str  # imported lazily, so an absent optional dependency costs nothing until asked for
+    cls: str
+    auto_rank: int  # lower = preferred by "auto" (fastest correct first)
+
+
+_REGISTRY: dict[str, _Entry] = {
+    "reference": _Entry("primus_fp8_plugin.backends.reference", "ReferenceBackend", auto_rank=100),
+}
+
+_INSTANCES: dict[str, Backend] = {}
+
+
+def backend_names() -> list[str]:
+    """Every registered backend name, in ``auto`` preference order."""
+    return sorted(_REGISTRY, key=lambda n: _REGISTRY[n].auto_rank)
+
+
+def _load(name: str) -> Backend | Availability:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose one of {['auto', *backend_names()]}")
+    if name not in _INSTANCES:
+        entry = _REGISTRY[name]
+        try:
+            module = importlib.import_module(entry.module)
+        except ImportError as err:  # an optional dependency is missing
+            return Availability(False, f"backend {name!r} could not be imported: {err}")
+        _INSTANCES[name] = getattr(module, entry.cls)()
+    return _INSTANCES[name]
+
+
+def _as_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def backend_availability(name: str, device: torch.device | str | None = None) -> Availability:
+    """Whether backend ``name`` can run on ``device`` (default: the current CUDA device, else CPU)."""
+    loaded = _load(name)
+    if isinstance(loaded, Availability):
+        return loaded
+    return loaded.availability(_as_device(device))
+
+
+def available_backends(device: torch.device | str | None = None) -> dict[str, Availability]:
+    """Availability of every registered backend on ``device``, in ``auto`` preference order."""
+    return {name: backend_availability(name, device) for name in backend_names()}
+
+
+def get_backend(name: str = "auto", device: torch.device | str | None = None) -> Backend:
+    """The backend called ``name`` for ``device``; ``"auto"`` picks the preferred available one.
+
+    Raises:
+        ValueError: unknown name.
+        BackendUnavailableError: the named backend cannot run on ``device`` (says why).
+    """
+    dev = _as_device(device)
+    if name == "auto":
+        reasons = []
+        for candidate in backend_names():
+            avail = backend_availability(candidate, dev)
+            if avail:
+                return _INSTANCES[candidate]
+            reasons.append(f"{candidate}: {avail.reason}")
+        raise BackendUnavailableError(f"no backend can run on {dev}: " + "; ".join(reasons))
+    avail = backend_availability(name, dev)
+    if not avail:
+        usable = [n for n, a in available_backends(dev).items() if a]
+        raise BackendUnavailableError(
+            f"backend {name!r} is not available on {dev}: {avail.reason}. Available here: {usable}"
+        )
+    return _INSTANCES[name]
