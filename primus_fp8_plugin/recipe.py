@@ -63,9 +63,7 @@ class QuantParams:
 
     def __post_init__(self) -> None:
         if self.fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(
-                f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}"
-            )
+            raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
         if self.block_dim not in (1, 2):
             raise ValueError(f"block_dim must be 1 (1x128 tiles) or 2 (128x128 blocks), got {self.block_dim}")
         if not (self.amax_epsilon >= 0.0 and self.amax_epsilon < float("inf")):
@@ -119,9 +117,7 @@ class BlockwiseRecipe:
             try:
                 object.__setattr__(self, "fp8_format", Fp8Format(self.fp8_format.upper()))
             except ValueError:
-                raise ValueError(
-                    f"unknown fp8_format {self.fp8_format!r}: use 'E4M3' or 'HYBRID'"
-                ) from None
+                raise ValueError(f"unknown fp8_format {self.fp8_format!r}: use 'E4M3' or 'HYBRID'") from None
         if self.fp8_format is Fp8Format.E5M2:
             raise ValueError(
                 "Pure E5M2 training is not supported by FP8 block scaling (TE rejects it too): "

@@ -212,7 +212,7 @@ class BlockwiseFp8Tensor:
     # ---- TE interop --------------------------------------------------------------------------
     def to_te(self) -> dict[str, torch.Tensor | None]:
         """The stored copies under TE's names, data as uint8 (as TE's ``Float8BlockwiseQTensor`` holds it)."""
-        u8 = (lambda t: None if t is None else t.view(torch.uint8))  # noqa: E731
+        u8 = lambda t: None if t is None else t.view(torch.uint8)  # noqa: E731
         return {
             "rowwise_data": u8(self.rowwise_data),
             "rowwise_scale_inv": self.rowwise_scale_inv,
@@ -234,7 +234,7 @@ class BlockwiseFp8Tensor:
         columnwise_scale_inv: torch.Tensor | None = None,
     ) -> BlockwiseFp8Tensor:
         """Wrap TE's buffers (data as uint8 or FP8, scales in TE's layout). Shapes are checked."""
-        f8 = (lambda t: None if t is None else (t.view(fp8_dtype) if t.dtype == torch.uint8 else t))  # noqa: E731
+        f8 = lambda t: None if t is None else (t.view(fp8_dtype) if t.dtype == torch.uint8 else t)  # noqa: E731
         return cls(
             shape=shape,
             block_dim=block_dim,

@@ -74,7 +74,10 @@ def check_quant_case(case: QuantCase, backend: str, device: torch.device) -> lis
         else:
             ours = quantize_weight(x, params, backend=backend)
         te = BlockwiseFp8Tensor.from_te(
-            shape=tuple(x.shape), block_dim=v.block_dim, fp8_dtype=v.fp8_dtype, orig_dtype=x.dtype,
+            shape=tuple(x.shape),
+            block_dim=v.block_dim,
+            fp8_dtype=v.fp8_dtype,
+            orig_dtype=x.dtype,
             **{k: t.to(device) for k, t in v.tensors.items()},
         )
         details, ok = [], True
@@ -119,7 +122,13 @@ def check_linear_case(case: LinearCase, backend: str, device: torch.device) -> l
             continue
         err = rel_frobenius(ours[name], t[name])
         checks.append(
-            Check("linear", case.name, name, err <= REL_FROB_TOL, f"rel. Frobenius error {err:.2e} (tol {REL_FROB_TOL:.0e})")
+            Check(
+                "linear",
+                case.name,
+                name,
+                err <= REL_FROB_TOL,
+                f"rel. Frobenius error {err:.2e} (tol {REL_FROB_TOL:.0e})",
+            )
         )
     if case.snr_db is not None:
         x2 = t["x"].reshape(-1, t["x"].shape[-1]).double()
@@ -160,7 +169,9 @@ def format_table(checks: list[Check]) -> str:
     lines = [f"{'kind':6}  {'case':{w_case}}  {'item':{w_item}}  result  detail"]
     lines.append("-" * len(lines[0]) + "-" * 40)
     for c in checks:
-        lines.append(f"{c.kind:6}  {c.case:{w_case}}  {c.item:{w_item}}  {'PASS' if c.passed else 'FAIL':6}  {c.detail}")
+        lines.append(
+            f"{c.kind:6}  {c.case:{w_case}}  {c.item:{w_item}}  {'PASS' if c.passed else 'FAIL':6}  {c.detail}"
+        )
     return "\n".join(lines)
 
 

@@ -140,7 +140,9 @@ class ReferenceBackend(Backend):
         )
 
     def gemm_fwd(self, x, w, bias, out_dtype):
-        return blockwise_gemm(x.rowwise_data, x.scales("rowwise"), w.rowwise_data, w.scales("rowwise"), 2, out_dtype, bias)
+        return blockwise_gemm(
+            x.rowwise_data, x.scales("rowwise"), w.rowwise_data, w.scales("rowwise"), 2, out_dtype, bias
+        )
 
     def gemm_dgrad(self, dy, w, out_dtype):
         return blockwise_gemm(

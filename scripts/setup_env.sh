@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project virtualenv at $VENV (default .venv) with everything the tests
+# and the main job need. Sourced by scripts/test.sh and scripts/run.sh; safe to run again.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"  # CPU build; lies on disk on our CI machines
+
+stamp="$VENV/.primus-fp8-setup"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  return 0 2>/dev/null || exit 0
+fi
+echo "[setup] creating virtualenv $VENV"
+"$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+echo "[setup] installing $TORCH_SPEC"
+"$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+echo "[setup] installing primus-fp8-plugin[dev] (editable)"
+"$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+echo "$want" > "$stamp"

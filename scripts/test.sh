@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test command (README): sets up .venv from scratch if needed, lints, runs the CPU test suite.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k quantize`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+source scripts/setup_env.sh
+PY="$VENV/bin/python"
+
+echo "[test] ruff"
+"$PY" -m ruff check primus_fp8_plugin tests scripts
+
+echo "[test] pytest"
+set +e
+"$PY" -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "[test] pytest collected no tests: that proves nothing, so it counts as a failure" >&2
+  exit 1
+fi
+exit "$rc"

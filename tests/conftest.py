@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+GOLDEN_DIR = Path(__file__).parent / "data" / "te_golden"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped where there is none)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    return GOLDEN_DIR
+
+
+def make_input(shape, dtype=torch.bfloat16, seed=0, device="cpu", spread=True) -> torch.Tensor:
+    """Random input whose rows span many binades (so tiles get different scales)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=torch.float32)
+    if spread:
+        rows = torch.exp2(torch.randint(-20, 20, (shape[0],) + (1,) * (len(shape) - 1), generator=g).float())
+        x = x * rows
+    return x.to(dtype).to(device)

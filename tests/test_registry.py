@@ -1,0 +1,86 @@
+import sys
+import types
+
+import pytest
+import torch
+
+from primus_fp8_plugin import BackendUnavailableError, available_backends, backend_availability, get_backend
+from primus_fp8_plugin import backends as registry
+from primus_fp8_plugin.backends.base import Availability
+from primus_fp8_plugin.backends.reference import ReferenceBackend
+
+
+class _GpuOnly(ReferenceBackend):
+    name = "gpu_only"
+
+    def availability(self, device):
+        if device.type != "cuda":
+            return Availability(False, "needs an NVIDIA Hopper GPU")
+        return Availability(True)
+
+
+@pytest.fixture
+def fake_backends(monkeypatch):
+    mod = types.ModuleType("fake_gpu_backend")
+    mod.GpuOnly = _GpuOnly
+    monkeypatch.setitem(sys.modules, "fake_gpu_backend", mod)
+    reg = dict(registry._REGISTRY)
+    reg["gpu_only"] = registry._Entry("fake_gpu_backend", "GpuOnly", auto_rank=1)
+    reg["missing_dep"] = registry._Entry("no_such_module_xyz", "X", auto_rank=2)
+    monkeypatch.setattr(registry, "_REGISTRY", reg)
+    monkeypatch.setattr(registry, "_INSTANCES", {})
+
+
+def test_reference_is_available_everywhere():
+    assert backend_availability("reference", "cpu")
+    assert get_backend("reference", "cpu").name == "reference"
+    assert get_backend("auto", torch.device("cpu")).name in available_backends("cpu")
+
+
+def test_auto_skips_unavailable_and_reports_reasons(fake_backends):
+    assert registry.backend_names()[:2] == ["gpu_only", "missing_dep"]
+    assert get_backend("auto", "cpu").name == "reference"
+    avail = available_backends("cpu")
+    assert not avail["gpu_only"] and "Hopper" in avail["gpu_only"].reason
+    assert not avail["missing_dep"] and "could not be imported" in avail["missing_dep"].reason
+
+
+def test_explicit_unavailable_backend_is_a_clear_error(fake_backends):
+    with pytest.raises(
+        BackendUnavailableError, match=r"'gpu_only' is not available on cpu: needs an NVIDIA Hopper GPU.*reference"
+    ):
+        get_backend("gpu_only", "cpu")
+    with pytest.raises(BackendUnavailableError, match="no_such_module_xyz"):
+        get_backend("missing_dep", "cpu")
+
+
+def test_unknown_backend_name():
+    with pytest.raises(ValueError, match="unknown backend 'cuda_magic'"):
+        get_backend("cuda_magic")
+
+
+def test_operands_on_different_devices_are_refused():
+    from primus_fp8_plugin import BlockwiseFp8Tensor, QuantParams, gemm_fwd, quantize_activation, quantize_weight
+
+    x = torch.randn(8, 128)
+    xq = quantize_activation(x, QuantParams(torch.float8_e4m3fn, 1))
+    wq = quantize_weight(torch.randn(128, 128), QuantParams(torch.float8_e4m3fn, 2))
+    w_meta = BlockwiseFp8Tensor(
+        wq.shape,
+        2,
+        wq.fp8_dtype,
+        wq.orig_dtype,
+        rowwise_data=wq.rowwise_data.to("meta"),
+        rowwise_scale_inv=wq.rowwise_scale_inv.to("meta"),
+    )
+    with pytest.raises(ValueError, match="different devices"):
+        gemm_fwd(xq, w_meta)
+    with pytest.raises(ValueError, match="one device"):
+        BlockwiseFp8Tensor(
+            wq.shape,
+            2,
+            wq.fp8_dtype,
+            wq.orig_dtype,
+            rowwise_data=wq.rowwise_data,
+            rowwise_scale_inv=wq.rowwise_scale_inv.to("meta"),
+        )
