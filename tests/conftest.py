@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run on CPU tensors through Triton's interpreter; the switch must be
+# set before any kernel is defined (the backends import lazily, so here is early enough).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 GOLDEN_DIR = Path(__file__).parent / "data" / "te_golden"
 

@@ -36,6 +36,7 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {
+    "triton": _Entry("primus_fp8_plugin.backends.triton", "TritonBackend", auto_rank=10),
     "reference": _Entry("primus_fp8_plugin.backends.reference", "ReferenceBackend", auto_rank=100),
 }
 
@@ -91,9 +92,9 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
         reasons = []
         for candidate in backend_names():
             avail = backend_availability(candidate, dev)
-            if avail:
+            if avail and avail.auto:
                 return _INSTANCES[candidate]
-            reasons.append(f"{candidate}: {avail.reason}")
+            reasons.append(f"{candidate}: {avail.reason or 'not chosen automatically'}")
         raise BackendUnavailableError(f"no backend can run on {dev}: " + "; ".join(reasons))
     avail = backend_availability(name, dev)
     if not avail:

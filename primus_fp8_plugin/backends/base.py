@@ -18,10 +18,15 @@ from ..tensor import BlockwiseFp8Tensor
 
 @dataclass(frozen=True)
 class Availability:
-    """Whether a backend can run on a device, and if not, why (a sentence a user can act on)."""
+    """Whether a backend can run on a device, and if not, why (a sentence a user can act on).
+
+    ``auto=False`` marks a backend that works but that ``"auto"`` should not pick (e.g. Triton's
+    CPU interpreter, which exists for tests).
+    """
 
     available: bool
     reason: str = ""
+    auto: bool = True
 
     def __bool__(self) -> bool:
         return self.available

@@ -1,0 +1,74 @@
+"""The Triton backend: quantization and blockwise GEMM kernels for NVIDIA Hopper and AMD gfx950.
+
+On a CPU it runs through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before import
+(for tests: slow, exact once ``interpreter_fix`` corrects the interpreter's float casts).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..base import Availability, Backend
+from .gemm import blockwise_gemm
+from .quantize_act import quantize_1x128_dual
+from .quantize_weight import quantize_128x128
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRET:
+    from . import interpreter_fix
+
+    interpreter_fix.apply()
+
+
+def device_availability(device: torch.device) -> Availability:
+    """Whether Triton kernels run on ``device``: Hopper-class NVIDIA, AMD gfx950, or the CPU interpreter."""
+    if INTERPRET:
+        if device.type == "cpu":
+            return Availability(True, "CPU interpreter (TRITON_INTERPRET=1): exact but slow, for tests", auto=False)
+        return Availability(False, "TRITON_INTERPRET=1 is set: Triton kernels run on CPU tensors only")
+    if device.type != "cuda":
+        return Availability(False, f"Triton kernels need a GPU (or TRITON_INTERPRET=1 for CPU tensors), got {device}")
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip:
+        arch = getattr(props, "gcnArchName", "")
+        if not arch.startswith("gfx950"):
+            return Availability(False, f"AMD GPU {arch} is not gfx950 (MI355X); FP8 kernels here target gfx950 only")
+        return Availability(True)
+    if (props.major, props.minor) < (8, 9):
+        return Availability(False, f"{props.name} (sm_{props.major}{props.minor}) has no FP8 tensor cores; need sm_89+")
+    return Availability(True)
+
+
+class TritonBackend(Backend):
+    """Triton kernels for all five operations."""
+
+    name = "triton"
+
+    def availability(self, device):
+        return device_availability(device)
+
+    def quantize_act(self, x, params, *, rowwise, columnwise):
+        return quantize_1x128_dual(x, params, rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_weight(self, w, params):
+        return quantize_128x128(w, params)
+
+    def gemm_fwd(self, x, w, bias, out_dtype):
+        return blockwise_gemm(
+            x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv,
+            b_block_dim=2, out_dtype=out_dtype, bias=bias,
+        )  # fmt: skip
+
+    def gemm_dgrad(self, dy, w, out_dtype):
+        return blockwise_gemm(
+            dy.rowwise_data, dy.rowwise_scale_inv, w.columnwise_data, w.columnwise_scale_inv,
+            b_block_dim=2, out_dtype=out_dtype,
+        )  # fmt: skip
+
+    def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
+        return blockwise_gemm(
+            dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
+            b_block_dim=1, out_dtype=out_dtype, accumulate_into=accumulate_into,
+        )  # fmt: skip

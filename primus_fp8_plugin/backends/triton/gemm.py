@@ -1,0 +1,129 @@
+"""Blockwise FP8 GEMM ``C [M, N] = A [M, K] @ B [N, K]^T`` with per-128-K-block scale promotion.
+
+A is 1x128-scaled (its scale_inv in TE's 1D layout: entry [kb, m]); B is 128x128-scaled (entry
+[n // 128, kb], fprop and dgrad) or 1x128-scaled (entry [kb, n], wgrad). Both operands are
+K-contiguous, as Hopper's FP8 wgmma requires. Each K block's tensor-core product is multiplied by
+the two scales and added to an fp32 accumulator (DeepSeek-V3's promotion).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...recipe import BLOCK
+
+
+@triton.jit
+def _blockwise_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    a_s_ptr,
+    b_s_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    stride_as,
+    stride_bs,
+    B_2D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # L2-friendly order: GROUP_M rows of tiles sweep the N tiles together.
+    group = pid // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    if B_2D:
+        b_s_ptrs = b_s_ptr + (offs_n // BLOCK_K) * stride_bs
+    else:
+        b_s_ptrs = b_s_ptr + offs_n
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        a_s = tl.load(a_s_ptr + kb * stride_as + offs_m, mask=m_mask, other=0.0)
+        if B_2D:
+            b_s = tl.load(b_s_ptrs + kb, mask=n_mask, other=0.0)
+        else:
+            b_s = tl.load(b_s_ptrs + kb * stride_bs, mask=n_mask, other=0.0)
+        partial = tl.dot(a, tl.trans(b))
+        acc += partial * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def blockwise_gemm(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    *,
+    b_block_dim: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    accumulate_into: torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    group_m: int = 8,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """``a [M, K] @ b [N, K]^T``; scale tensors in TE's layouts (see module docstring)."""
+    m, k = a.shape
+    n = b.shape[0]
+    assert b.shape[1] == k and a.is_contiguous() and b.is_contiguous()
+    assert a_scale_inv.shape[0] == triton.cdiv(k, BLOCK) and a_scale_inv.shape[1] >= m
+    if b_block_dim == 2:
+        assert b_scale_inv.shape[0] == triton.cdiv(n, BLOCK) and b_scale_inv.shape[1] >= triton.cdiv(k, BLOCK)
+    else:
+        assert b_scale_inv.shape[0] == triton.cdiv(k, BLOCK) and b_scale_inv.shape[1] >= n
+    if accumulate_into is not None:
+        c = accumulate_into
+    else:
+        c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+        if k == 0:
+            return c.zero_()
+    if m == 0 or n == 0:
+        return c
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _blockwise_gemm_kernel[grid](
+        a, b, c, a_scale_inv, b_scale_inv, bias if bias is not None else c,
+        m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale_inv.stride(0), b_scale_inv.stride(0),
+        B_2D=b_block_dim == 2, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=group_m,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return c

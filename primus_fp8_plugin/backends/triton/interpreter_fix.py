@@ -1,0 +1,49 @@
+"""Exact float conversions for Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+
+As shipped (triton 3.6), the interpreter converts floats bit by bit and gets RNE wrong: fp32/bf16
+-> fp8 rounds ties away from zero and loses carries (124.3 -> 64), subnormals come out wrong, and
+fp32 -> bf16 truncates (triton issue #8322). Routing conversions between the dtypes torch knows
+through torch's round-to-nearest-even casts makes the interpreter match the GPU bit for bit
+(the kernels clamp to the FP8 range before casting, so saturation never matters).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton.language as tl
+
+_TORCH_DTYPES = {
+    tl.float32: torch.float32,
+    tl.float16: torch.float16,
+    tl.bfloat16: torch.bfloat16,
+    tl.float8e4nv: torch.float8_e4m3fn,
+    tl.float8e5: torch.float8_e5m2,
+}
+_INT_OF_WIDTH = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
+_NP_OF_WIDTH = {8: np.uint8, 16: np.uint16, 32: np.uint32}
+
+_applied = False
+
+
+def apply() -> None:
+    """Patch ``triton.runtime.interpreter._convert_float`` once (no-op when already patched)."""
+    global _applied
+    if _applied:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._convert_float
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        src, dst = _TORCH_DTYPES.get(input_dtype), _TORCH_DTYPES.get(output_dtype)
+        if src is None or dst is None:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        in_bits = np.ascontiguousarray(input).view(_NP_OF_WIDTH[input_dtype.primitive_bitwidth])
+        signed = torch.from_numpy(in_bits.astype(in_bits.dtype.newbyteorder("="), copy=False))
+        as_int = signed.view(_INT_OF_WIDTH[input_dtype.primitive_bitwidth])
+        out = as_int.view(src).to(dst).view(_INT_OF_WIDTH[output_dtype.primitive_bitwidth]).numpy()
+        return out.view(_NP_OF_WIDTH[output_dtype.primitive_bitwidth]).reshape(np.shape(input))
+
+    interpreter._convert_float = convert_float
+    _applied = True
