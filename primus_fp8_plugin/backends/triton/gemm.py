@@ -8,11 +8,26 @@ the two scales and added to an fp32 accumulator (DeepSeek-V3's promotion).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from ...recipe import BLOCK
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128
+    block_n: int = 128
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def default_config() -> GemmConfig:
+    return GemmConfig()
 
 
 @triton.jit
@@ -95,11 +110,7 @@ def blockwise_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     accumulate_into: torch.Tensor | None = None,
-    block_m: int = 128,
-    block_n: int = 128,
-    group_m: int = 8,
-    num_warps: int = 8,
-    num_stages: int = 3,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """``a [M, K] @ b [N, K]^T``; scale tensors in TE's layouts (see module docstring)."""
     m, k = a.shape
@@ -118,12 +129,13 @@ def blockwise_gemm(
             return c.zero_()
     if m == 0 or n == 0:
         return c
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    cfg = config or default_config()
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _blockwise_gemm_kernel[grid](
         a, b, c, a_scale_inv, b_scale_inv, bias if bias is not None else c,
         m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale_inv.stride(0), b_scale_inv.stride(0),
         B_2D=b_block_dim == 2, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=group_m,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c

@@ -18,6 +18,8 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
 from .scales import quantize_with_scale, scale_from_amax
 
+NUM_WARPS = 8  # 128x128 tile in flight per program; checked for spills by aot.py
+
 
 @triton.jit
 def _quantize_1x128_dual_kernel(
@@ -78,7 +80,7 @@ def _quantize_1x128_dual_kernel(
 
 
 def quantize_1x128_dual(
-    x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool, num_warps: int = 8
+    x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool, num_warps: int = NUM_WARPS
 ) -> BlockwiseFp8Tensor:
     """Rowwise and/or columnwise 1x128 quantization of a contiguous 2-D ``x [M, K]`` in one pass."""
     assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1

@@ -14,6 +14,8 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .scales import quantize_with_scale, scale_from_amax
 
+NUM_WARPS = 8
+
 
 @triton.jit
 def _quantize_128x128_kernel(
@@ -56,7 +58,7 @@ def _quantize_128x128_kernel(
     tl.store(st_ptr + pid_k * stride_st + pid_n, s_inv)
 
 
-def quantize_128x128(w: torch.Tensor, params: QuantParams, *, num_warps: int = 8) -> BlockwiseFp8Tensor:
+def quantize_128x128(w: torch.Tensor, params: QuantParams, *, num_warps: int = NUM_WARPS) -> BlockwiseFp8Tensor:
     """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, in one pass."""
     assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
     n, k = w.shape

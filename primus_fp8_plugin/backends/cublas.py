@@ -1,0 +1,107 @@
+"""The cuBLAS backend: blockwise FP8 GEMMs through ``torch.nn.functional.scaled_mm`` (cuBLASLt >= 12.9,
+NVIDIA Hopper only), with the Triton quantization kernels.
+
+cuBLAS layout rules (FACTS.md §3), satisfied without copies by TE's layouts where possible:
+* A [M, K] row-major with 1x128 scales as an ``[M, K/128]`` view of strides ``(1, M)``;
+* B [K, N] column-major (our K-major copy, transposed view);
+* 128x128 scales of B as ``[pad4(K/128), N/128]`` with strides ``(1, pad4(K/128))``: the K-block
+  dim **padded to a multiple of 4** (an unpadded scale tensor is silently wrong for odd K/128);
+* 1x128 scales of B (wgrad) as ``[N, K/128]`` with strides ``(1, N)``.
+
+cuBLAS FP8 also needs 16-byte aligned leading dimensions: where a GEMM's contraction or row
+length is not a multiple of 16 (e.g. wgrad with M % 16 != 0, which TE refuses), this backend uses
+the Triton GEMM for that call instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Availability
+from .triton import TritonBackend, device_availability
+from .triton.gemm import blockwise_gemm
+
+
+def _scale_1x128(te_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """TE 1D layout [KB, pad4(rows)] -> cuBLAS [rows, KB] with strides (1, rows)."""
+    if te_scale.shape[1] != rows:  # padding columns: cuBLAS wants the stride to equal rows
+        te_scale = te_scale[:, :rows].contiguous()
+    return te_scale.t()
+
+
+def _scale_128x128(te_scale: torch.Tensor) -> torch.Tensor:
+    """TE 2D layout [NB, pad4(KB)] -> cuBLAS [pad4(KB), NB] with strides (1, pad4(KB)): a view."""
+    return te_scale.t()
+
+
+def _aligned(*dims: int) -> bool:
+    return all(d % 16 == 0 for d in dims)
+
+
+class CublasBackend(TritonBackend):
+    """cuBLAS blockwise GEMMs (Hopper) + Triton quantization."""
+
+    name = "cublas"
+
+    def availability(self, device):
+        base = device_availability(device)
+        if not base:
+            return base
+        if device.type != "cuda" or torch.version.hip:
+            return Availability(False, "cuBLAS blockwise FP8 exists on NVIDIA GPUs only")
+        major, minor = torch.cuda.get_device_capability(device)
+        if major != 9:
+            return Availability(
+                False, f"cuBLAS blockwise FP8 (1x128/128x128) runs on Hopper (sm_90) only; this is sm_{major}{minor}"
+            )
+        if not hasattr(torch.nn.functional, "scaled_mm"):
+            return Availability(False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (need >= 2.9)")
+        return Availability(True)
+
+    @staticmethod
+    def _mm(a, a_scale, b_kmajor, b_scale, b_recipe, out_dtype):
+        F = torch.nn.functional
+        return F.scaled_mm(
+            a, b_kmajor.t(), a_scale, F.ScalingType.BlockWise1x128, b_scale, b_recipe, output_dtype=out_dtype
+        )
+
+    def gemm_fwd(self, x, w, bias, out_dtype):
+        m, k = x.shape
+        n = w.shape[0]
+        if not _aligned(k, n) or m == 0:
+            return super().gemm_fwd(x, w, bias, out_dtype)
+        F = torch.nn.functional
+        y = self._mm(
+            x.rowwise_data, _scale_1x128(x.rowwise_scale_inv, m),
+            w.rowwise_data, _scale_128x128(w.rowwise_scale_inv), F.ScalingType.BlockWise128x128, out_dtype,
+        )  # fmt: skip
+        return y.add_(bias) if bias is not None else y
+
+    def gemm_dgrad(self, dy, w, out_dtype):
+        m, n = dy.shape
+        k = w.shape[1]
+        if not _aligned(k, n) or m == 0:
+            return super().gemm_dgrad(dy, w, out_dtype)
+        F = torch.nn.functional
+        return self._mm(
+            dy.rowwise_data, _scale_1x128(dy.rowwise_scale_inv, m),
+            w.columnwise_data, _scale_128x128(w.columnwise_scale_inv), F.ScalingType.BlockWise128x128, out_dtype,
+        )  # fmt: skip
+
+    def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
+        m, n = dy.shape
+        k = x.shape[1]
+        if not _aligned(m, n, k) or m == 0:
+            return blockwise_gemm(
+                dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
+                b_block_dim=1, out_dtype=out_dtype, accumulate_into=accumulate_into,
+            )  # fmt: skip
+        F = torch.nn.functional
+        dw = self._mm(
+            dy.columnwise_data, _scale_1x128(dy.columnwise_scale_inv, n),
+            x.columnwise_data, _scale_1x128(x.columnwise_scale_inv, k), F.ScalingType.BlockWise1x128,
+            torch.float32 if accumulate_into is not None else out_dtype,
+        )  # fmt: skip
+        if accumulate_into is not None:
+            return accumulate_into.add_(dw)
+        return dw

@@ -1,0 +1,209 @@
+"""Ahead-of-time compilation of every Triton kernel for sm_90 (H100/H200) and gfx950 (MI355X).
+
+Runs without a GPU: Triton compiles to PTX + cubin (its wheel bundles ptxas and cuobjdump) and to
+AMDGCN + hsaco. For each kernel variant that the launchers use, it reports the instructions that
+prove the FP8 path was taken and the resources (registers, spills, scratch, shared memory).
+
+    python -m primus_fp8_plugin.backends.triton.aot [--json FILE]
+
+Must run in a process without ``TRITON_INTERPRET=1`` (interpreted kernels do not compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from . import gemm, quantize_act, quantize_weight
+
+TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx950": GPUTarget("hip", "gfx950", 64)}
+
+
+@dataclass
+class KernelSpec:
+    name: str
+    fn: object
+    signature: dict[str, str]
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int
+    # regexes that must occur in the PTX/SASS (sm90) or AMDGCN (gfx950)
+    expect: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class AotReport:
+    kernel: str
+    target: str
+    registers: int
+    spill_bytes: int  # sm90: stack + local bytes; gfx950: private segment (scratch) bytes
+    vgpr_spills: int  # gfx950 only (VGPRs spilled to scratch)
+    sgpr_spills: int  # gfx950 only (SGPRs spilled to VGPR lanes: no memory traffic)
+    shared_bytes: int
+    found: dict[str, bool]
+
+    @property
+    def ok(self) -> bool:
+        return all(self.found.values()) and self.spill_bytes == 0 and self.vgpr_spills == 0
+
+
+def _quant_act_spec(in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool) -> KernelSpec:
+    sig = {"x_ptr": f"*{in_ty}", "row_q_ptr": f"*{fp8_ty}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{fp8_ty}",
+           "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "stride_xm": "i32",
+           "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr",
+           "COLWISE": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    cvt = "e4m3x2" if fp8_ty == "fp8e4nv" else "e5m2x2"
+    amd = "v_cvt_scalef32_pk_fp8_f32" if fp8_ty == "fp8e4nv" else "v_cvt_scalef32_pk_bf8_f32"
+    return KernelSpec(
+        f"quantize_1x128_dual[{in_ty}->{fp8_ty},row={int(rowwise)},col={int(columnwise)}]",
+        quantize_act._quantize_1x128_dual_kernel,
+        sig,
+        {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": True, "BLOCK": 128},
+        quantize_act.NUM_WARPS,
+        1,
+        {"sm90": [rf"cvt\.rn\.satfinite\.{cvt}\.f32"], "gfx950": [amd]},
+    )
+
+
+def _quant_weight_spec() -> KernelSpec:
+    sig = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
+           "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
+           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    return KernelSpec(
+        "quantize_128x128[bf16->fp8e4nv]",
+        quantize_weight._quantize_128x128_kernel,
+        sig,
+        {"POW2": True, "BLOCK": 128},
+        quantize_weight.NUM_WARPS,
+        1,
+        {"sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32"], "gfx950": ["v_cvt_scalef32_pk_fp8_f32"]},
+    )
+
+
+def _gemm_spec(direction: str) -> KernelSpec:
+    b_2d = direction != "wgrad"
+    out_ty = "fp32" if direction == "wgrad" else "bf16"
+    cfg = gemm.default_config()
+    sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": f"*{out_ty}", "a_s_ptr": "*fp32", "b_s_ptr": "*fp32",
+           "bias_ptr": f"*{out_ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_bn": "i32",
+           "stride_cm": "i32", "stride_as": "i32", "stride_bs": "i32", "B_2D": "constexpr", "HAS_BIAS": "constexpr",
+           "ACCUMULATE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+           "GROUP_M": "constexpr"}  # fmt: skip
+    cons = {"B_2D": b_2d, "HAS_BIAS": direction == "fwd", "ACCUMULATE": direction == "wgrad",
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "GROUP_M": cfg.group_m}  # fmt: skip
+    return KernelSpec(
+        f"blockwise_gemm[{direction}]",
+        gemm._blockwise_gemm_kernel,
+        sig,
+        cons,
+        cfg.num_warps,
+        cfg.num_stages,
+        {
+            "sm90": [r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", r"QGMMA"],
+            "gfx950": [r"v_mfma_f32_\w+_f8f6f4"],
+        },  # fmt: skip
+    )
+
+
+def kernel_specs() -> list[KernelSpec]:
+    return [
+        _quant_act_spec("bf16", "fp8e4nv", True, True),
+        _quant_act_spec("bf16", "fp8e5", True, True),
+        _quant_act_spec("fp32", "fp8e4nv", True, False),
+        _quant_weight_spec(),
+        _gemm_spec("fwd"),
+        _gemm_spec("wgrad"),
+    ]
+
+
+def _cuda_tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, str]]:
+    # Integer arguments are specialised as multiples of 16, as a launch with aligned shapes would be.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty in ("i32",)}
+    attrs.update({(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty[0] == "*"})
+    src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+    k = triton.compile(
+        src, target=TARGETS[target], options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+    )
+    shared = int(getattr(k.metadata, "shared", 0))
+    if target == "sm90":
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run(
+                [_cuda_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+            ).stdout
+            sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+        res = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+        text = k.asm["ptx"] + "\n" + sass
+        report = AotReport(spec.name, target, int(res["REG"]), int(res["STACK"]) + int(res["LOCAL"]), 0, 0, shared, {})
+        asm = {"ptx": k.asm["ptx"], "sass": sass}
+    else:
+        text = k.asm["amdgcn"]
+
+        def meta(key: str) -> int:
+            m = re.search(rf"\.{key}:\s+(\d+)", text)
+            return int(m.group(1)) if m else 0
+
+        report = AotReport(
+            spec.name, target, meta("vgpr_count"), meta("private_segment_fixed_size"),
+            meta("vgpr_spill_count"), meta("sgpr_spill_count"), shared, {},
+        )  # fmt: skip
+        asm = {"amdgcn": text}
+    report.found = {pattern: re.search(pattern, text) is not None for pattern in spec.expect[target]}
+    return report, asm
+
+
+def run_all(dump_dir: Path | None = None) -> list[AotReport]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled ahead of time")
+    reports = []
+    for spec in kernel_specs():
+        for target in TARGETS:
+            report, asm = compile_spec(spec, target)
+            reports.append(report)
+            if dump_dir:
+                dump_dir.mkdir(parents=True, exist_ok=True)
+                stem = re.sub(r"[^\w.-]+", "_", f"{spec.name}.{target}")
+                for ext, body in asm.items():
+                    (dump_dir / f"{stem}.{ext}").write_text(body)
+    return reports
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="AOT-compile the Triton kernels for sm_90 and gfx950 and check them")
+    ap.add_argument("--json", type=Path, help="write the reports as JSON")
+    ap.add_argument("--dump", type=Path, help="write PTX/SASS/AMDGCN of every kernel into this folder")
+    args = ap.parse_args(argv)
+    reports = run_all(args.dump)
+    print(
+        f"{'kernel':58} {'target':7} {'regs':>5} {'spill B':>8} {'vgpr sp':>7} {'sgpr sp':>7} {'smem':>7}  instructions"
+    )
+    for r in reports:
+        found = ", ".join(f"{'ok' if v else 'MISSING'} {k}" for k, v in r.found.items())
+        print(f"{r.kernel:58} {r.target:7} {r.registers:5} {r.spill_bytes:8} {r.vgpr_spills:7} {r.sgpr_spills:7} "
+              f"{r.shared_bytes:7}  {found}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) | {"ok": r.ok} for r in reports], indent=1))
+    bad = [r for r in reports if not r.ok]
+    for r in bad:
+        print(f"FAILED: {r.kernel} on {r.target}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
