@@ -17,8 +17,7 @@ def _check_input(x: torch.Tensor, what: str, check_finite: bool) -> None:
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
-            f"{what} has dtype {x.dtype}; FP8 quantization takes bfloat16, float16 or float32 "
-            f"(convert with .to(torch.bfloat16))"
+            f"{what} has dtype {x.dtype}; FP8 quantization takes bfloat16, float16 or float32 (convert with .to(torch.bfloat16))"
         )
     if x.shape[-1] == 0:
         raise ValueError(f"{what} has an empty last dimension (shape {tuple(x.shape)})")

@@ -146,8 +146,7 @@ class BlockwiseFp8Tensor:
             want = scale_inv_shape(r, c, self.block_dim)
             if scale.dtype != torch.float32 or tuple(scale.shape) != want:
                 raise ValueError(
-                    f"{name}_scale_inv must be float32 of shape {want} (TE layout), "
-                    f"got {scale.dtype} {tuple(scale.shape)}"
+                    f"{name}_scale_inv must be float32 of shape {want} (TE layout), got {scale.dtype} {tuple(scale.shape)}"
                 )
             if not scale.is_contiguous():
                 raise ValueError(f"{name}_scale_inv must be contiguous")

@@ -169,9 +169,7 @@ def format_table(checks: list[Check]) -> str:
     lines = [f"{'kind':6}  {'case':{w_case}}  {'item':{w_item}}  result  detail"]
     lines.append("-" * len(lines[0]) + "-" * 40)
     for c in checks:
-        lines.append(
-            f"{c.kind:6}  {c.case:{w_case}}  {c.item:{w_item}}  {'PASS' if c.passed else 'FAIL':6}  {c.detail}"
-        )
+        lines.append(f"{c.kind:6}  {c.case:{w_case}}  {c.item:{w_item}}  {'PASS' if c.passed else 'FAIL':6}  {c.detail}")
     return "\n".join(lines)
 
 

@@ -78,6 +78,4 @@ def test_layout_violations_are_refused():
     with pytest.raises(ValueError, match="needs a rowwise or a columnwise copy"):
         BlockwiseFp8Tensor(**good)
     with pytest.raises(ValueError, match="no columnwise copy"):
-        BlockwiseFp8Tensor(**good, rowwise_data=q.rowwise_data, rowwise_scale_inv=q.rowwise_scale_inv).scales(
-            "columnwise"
-        )
+        BlockwiseFp8Tensor(**good, rowwise_data=q.rowwise_data, rowwise_scale_inv=q.rowwise_scale_inv).scales("columnwise")

@@ -100,7 +100,5 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
     avail = backend_availability(name, dev)
     if not avail:
         usable = [n for n, a in available_backends(dev).items() if a]
-        raise BackendUnavailableError(
-            f"backend {name!r} is not available on {dev}: {avail.reason}. Available here: {usable}"
-        )
+        raise BackendUnavailableError(f"backend {name!r} is not available on {dev}: {avail.reason}. Available here: {usable}")
     return _INSTANCES[name]

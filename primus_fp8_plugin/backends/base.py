@@ -42,9 +42,7 @@ class Backend(abc.ABC):
         """Whether this backend can run on ``device`` in this process."""
 
     @abc.abstractmethod
-    def quantize_act(
-        self, x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool
-    ) -> BlockwiseFp8Tensor:
+    def quantize_act(self, x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool) -> BlockwiseFp8Tensor:
         """1x128 quantization of an activation or gradient ``x [M, K]`` (contiguous).
 
         ``rowwise``: data [M, K] with 1x128 tiles; ``columnwise``: data [K, M] = x^T with tiles

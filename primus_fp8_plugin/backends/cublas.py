@@ -61,9 +61,7 @@ class CublasBackend(TritonBackend):
     @staticmethod
     def _mm(a, a_scale, b_kmajor, b_scale, b_recipe, out_dtype):
         F = torch.nn.functional
-        return F.scaled_mm(
-            a, b_kmajor.t(), a_scale, F.ScalingType.BlockWise1x128, b_scale, b_recipe, output_dtype=out_dtype
-        )
+        return F.scaled_mm(a, b_kmajor.t(), a_scale, F.ScalingType.BlockWise1x128, b_scale, b_recipe, output_dtype=out_dtype)
 
     def gemm_fwd(self, x, w, bias, out_dtype):
         m, k = x.shape

@@ -140,14 +140,10 @@ class ReferenceBackend(Backend):
         )
 
     def gemm_fwd(self, x, w, bias, out_dtype):
-        return blockwise_gemm(
-            x.rowwise_data, x.scales("rowwise"), w.rowwise_data, w.scales("rowwise"), 2, out_dtype, bias
-        )
+        return blockwise_gemm(x.rowwise_data, x.scales("rowwise"), w.rowwise_data, w.scales("rowwise"), 2, out_dtype, bias)
 
     def gemm_dgrad(self, dy, w, out_dtype):
-        return blockwise_gemm(
-            dy.rowwise_data, dy.scales("rowwise"), w.columnwise_data, w.scales("columnwise"), 2, out_dtype
-        )
+        return blockwise_gemm(dy.rowwise_data, dy.scales("rowwise"), w.columnwise_data, w.scales("columnwise"), 2, out_dtype)
 
     def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
         return blockwise_gemm(

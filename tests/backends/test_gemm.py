@@ -48,9 +48,7 @@ def test_three_gemms_match_fp64_on_dequantized_operands(backend, m, n, k):
     assert dx.shape == (m, k) and rel_frobenius(dx, ref) < 1e-6
 
     dw = gemm_wgrad(dyq, xq, out_dtype=torch.float32, backend=backend)
-    ref = oracle(
-        dyq.dequantize(torch.float32, copy="columnwise").t(), xq.dequantize(torch.float32, copy="columnwise").t()
-    )
+    ref = oracle(dyq.dequantize(torch.float32, copy="columnwise").t(), xq.dequantize(torch.float32, copy="columnwise").t())
     assert dw.shape == (n, k) and rel_frobenius(dw, ref) < 1e-6
 
 
@@ -96,9 +94,7 @@ def test_te_linear_goldens(linear_cases, backend):
     assert linear_cases
     for case in linear_cases:
         t = case.tensors
-        ours = run_linear(
-            BlockwiseRecipe(fp8_format=case.fmt), t["x"], t["weight"], t.get("bias"), t["grad_out"], backend
-        )
+        ours = run_linear(BlockwiseRecipe(fp8_format=case.fmt), t["x"], t["weight"], t.get("bias"), t["grad_out"], backend)
         for name in ("out", "dgrad", "wgrad", "bgrad"):
             if name in t:
                 assert rel_frobenius(ours[name], t[name]) < 2e-3, f"{case.name}/{name}"

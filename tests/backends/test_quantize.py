@@ -39,9 +39,7 @@ def test_bit_exact_with_te_goldens(quant_cases, backend):
         for v in case.variants:
             params = QuantParams(v.fp8_dtype, v.block_dim, pow2_scales=v.pow2_scales)
             ours = quantize(case.x, params, backend)
-            te = BlockwiseFp8Tensor.from_te(
-                shape=tuple(case.x.shape), block_dim=v.block_dim, fp8_dtype=v.fp8_dtype, **v.tensors
-            )
+            te = BlockwiseFp8Tensor.from_te(shape=tuple(case.x.shape), block_dim=v.block_dim, fp8_dtype=v.fp8_dtype, **v.tensors)
             for which in ("rowwise", "columnwise"):
                 what = f"{case.name}/{v.name}/{which}"
                 assert torch.equal(bits(ours.to_te()[f"{which}_data"]), bits(te.to_te()[f"{which}_data"])), what
@@ -97,9 +95,7 @@ def check_error_bound(x: torch.Tensor, q: BlockwiseFp8Tensor, params: QuantParam
         if q.block_dim == 1 and which == "columnwise":
             s_full = s_full.t()
         elif q.block_dim == 2:
-            s_full = (
-                s_full[: xf.shape[0], : xf.shape[1]] if which == "rowwise" else s_full[: xf.shape[1], : xf.shape[0]].t()
-            )
+            s_full = s_full[: xf.shape[0], : xf.shape[1]] if which == "rowwise" else s_full[: xf.shape[1], : xf.shape[0]].t()
         bound = (xf.abs() * 2.0 ** -(mant + 1) + s_full * (step / 2)) * (1 + 1e-5)
         err = (dq - xf).abs()
         assert torch.all(err <= bound), f"{which}: worst excess {(err - bound).max().item()}"

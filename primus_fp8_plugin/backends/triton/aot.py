@@ -136,17 +136,13 @@ def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, st
     attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty in ("i32",)}
     attrs.update({(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty[0] == "*"})
     src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
-    k = triton.compile(
-        src, target=TARGETS[target], options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}
-    )
+    k = triton.compile(src, target=TARGETS[target], options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     shared = int(getattr(k.metadata, "shared", 0))
     if target == "sm90":
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
-            usage = subprocess.run(
-                [_cuda_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
-            ).stdout
+            usage = subprocess.run([_cuda_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
             sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
         res = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
         text = k.asm["ptx"] + "\n" + sass
@@ -190,9 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump", type=Path, help="write PTX/SASS/AMDGCN of every kernel into this folder")
     args = ap.parse_args(argv)
     reports = run_all(args.dump)
-    print(
-        f"{'kernel':58} {'target':7} {'regs':>5} {'spill B':>8} {'vgpr sp':>7} {'sgpr sp':>7} {'smem':>7}  instructions"
-    )
+    print(f"{'kernel':58} {'target':7} {'regs':>5} {'spill B':>8} {'vgpr sp':>7} {'sgpr sp':>7} {'smem':>7}  instructions")
     for r in reports:
         found = ", ".join(f"{'ok' if v else 'MISSING'} {k}" for k, v in r.found.items())
         print(f"{r.kernel:58} {r.target:7} {r.registers:5} {r.spill_bytes:8} {r.vgpr_spills:7} {r.sgpr_spills:7} "

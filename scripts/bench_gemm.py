@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Blockwise FP8 GEMM throughput on the GPU: ours (Triton) vs cuBLAS blockwise, BF16 cuBLAS and TE.
+
+    python scripts/bench_gemm.py [--json out.json] [--plot out.png] [--tune]
+
+For each layer shape (M, N, K) and each GEMM of a linear layer (fwd Y=XW^T, dgrad dX=dYW,
+wgrad dW=dY^T X; 2*M*N*K FLOPs each), every contender is timed in the same run on the same
+quantized operands. ``--tune`` first sweeps the Triton kernel's launch configs per shape and
+writes the best into primus_fp8_plugin/backends/triton/gemm_configs.json (the committed table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+
+import torch
+from benchlib import bench_ms, environment, print_table, save_json, try_import_te
+
+from primus_fp8_plugin import BlockwiseRecipe, TensorRole
+from primus_fp8_plugin.backends.cublas import CublasBackend
+from primus_fp8_plugin.backends.triton.gemm import CONFIG_TABLE, GemmConfig, blockwise_gemm, select_config
+from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
+from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568),
+          (8192, 29568, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]  # fmt: skip
+SWEEP = [GemmConfig(128, 128, 8, 8, 3), GemmConfig(128, 128, 8, 8, 4), GemmConfig(128, 256, 8, 8, 3),
+         GemmConfig(256, 128, 8, 8, 3), GemmConfig(128, 128, 8, 4, 4), GemmConfig(64, 256, 8, 4, 4)]  # fmt: skip
+
+
+def operands(m, n, k, direction, recipe):
+    """Quantized A, B (K-major), their TE-layout scales, B's block dim, and the GEMM's (M, N, K)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+    xq = quantize_1x128_dual(x, recipe.params(TensorRole.INPUT), rowwise=True, columnwise=True)
+    wq = quantize_128x128(w, recipe.params(TensorRole.WEIGHT))
+    dyq = quantize_1x128_dual(dy, recipe.params(TensorRole.GRAD_OUTPUT), rowwise=True, columnwise=True)
+    if direction == "fwd":
+        meta = dict(a=xq, b=wq, dims=(m, n, k), hp=(x, w))
+        return meta, (xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, 2)
+    if direction == "dgrad":
+        meta = dict(a=dyq, b=wq, dims=(m, k, n), hp=(dy, w.t().contiguous()))
+        return meta, (dyq.rowwise_data, dyq.rowwise_scale_inv, wq.columnwise_data, wq.columnwise_scale_inv, 2)
+    meta = dict(a=dyq, b=xq, dims=(n, k, m), hp=(dy.t().contiguous(), x.t().contiguous()))
+    return meta, (dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, 1)
+
+
+def te_gemm_fn(te, tex, direction, m, n, k, recipe_fmt="E4M3"):
+    """TE's own blockwise GEMM on TE-quantized operands, or None with the reason."""
+    try:
+        from transformer_engine.pytorch.cpp_extensions import general_gemm
+
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+        dy = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+        q1 = lambda: te.Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1)  # noqa: E731
+        q2 = te.Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=2)
+        xq, wq, dyq = q1()(x), q2(w), q1()(dy)
+        kwargs = dict(out_dtype=torch.bfloat16, use_split_accumulator=True)
+        if "workspace" in inspect.signature(general_gemm).parameters:
+            from transformer_engine.pytorch.module.base import get_workspace
+
+            kwargs["workspace"] = get_workspace()
+        if direction == "fwd":
+            return (lambda: general_gemm(wq, xq, layout="TN", **kwargs)), ""
+        if direction == "dgrad":
+            return (lambda: general_gemm(wq, dyq, layout="NN", **kwargs)), ""
+        return (lambda: general_gemm(xq, dyq, layout="NT", **kwargs)), ""
+    except Exception as err:  # noqa: BLE001 - TE's internal API varies by version
+        return None, f"{type(err).__name__}: {err}"
+
+
+def tune(shapes, recipe) -> dict[str, dict]:
+    best = {}
+    for m, n, k in shapes:
+        for direction in ("fwd", "dgrad", "wgrad"):
+            meta, (a, sa, b, sb, bdim) = operands(m, n, k, direction, recipe)
+            gm, gn, gk = meta["dims"]
+            results = []
+            for cfg in SWEEP:
+                try:
+                    t = bench_ms(lambda: blockwise_gemm(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16, config=cfg))
+                except Exception as err:  # noqa: BLE001 - e.g. out of shared memory for a big tile
+                    print(f"  skip {cfg}: {type(err).__name__}")
+                    continue
+                results.append((t, cfg))
+            t, cfg = min(results, key=lambda r: r[0])
+            best[f"{bdim}d:{gm}:{gn}:{gk}"] = cfg.__dict__
+            print(f"tune {direction} {gm}x{gn}x{gk}: best {cfg} {2 * gm * gn * gk / t / 1e9:.0f} TFLOPS")
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--tune", action="store_true", help="sweep launch configs and write the config table first")
+    ap.add_argument("--shapes", nargs="*", help="MxNxK, e.g. 8192x8192x8192")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gemm needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    recipe = BlockwiseRecipe()
+    if args.tune:
+        table = tune(shapes, recipe)
+        CONFIG_TABLE.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "configs": table}, indent=1))
+        select_config.__globals__["_tuned_table"].cache_clear()
+        print(f"wrote {CONFIG_TABLE}")
+    te, tex = try_import_te()
+    cublas = CublasBackend()
+    have_cublas = bool(cublas.availability(torch.device("cuda")))
+    rows, te_reason = [], ""
+    for m, n, k in shapes:
+        for direction in ("fwd", "dgrad", "wgrad"):
+            meta, (a, sa, b, sb, bdim) = operands(m, n, k, direction, recipe)
+            gm, gn, gk = meta["dims"]
+            flops = 2 * gm * gn * gk
+            hp_a, hp_b = meta["hp"]
+            fns = {
+                "ours": lambda: blockwise_gemm(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16),
+                "bf16": lambda: torch.matmul(hp_a, hp_b.t()),
+            }
+            if have_cublas:
+                call = {"fwd": cublas.gemm_fwd, "dgrad": cublas.gemm_dgrad}.get(direction)
+                if call is not None:
+                    fns["cublas"] = lambda: call(meta["a"], meta["b"], None, torch.bfloat16)
+                else:
+                    fns["cublas"] = lambda: cublas.gemm_wgrad(meta["a"], meta["b"], torch.bfloat16, None)
+            if te is not None:
+                fn, te_reason = te_gemm_fn(te, tex, direction, m, n, k)
+                if fn is not None:
+                    fns["TE"] = fn
+            tflops = {name: flops / bench_ms(fn) / 1e9 for name, fn in fns.items()}
+            row = {"shape": f"{m}x{n}x{k}", "gemm": direction, **{f"{kk} TF": v for kk, v in tflops.items()}}
+            if "cublas" in tflops:
+                row["ours/cublas"] = tflops["ours"] / tflops["cublas"]
+            row["ours/bf16"] = tflops["ours"] / tflops["bf16"]
+            if "TE" in tflops:
+                row["ours/TE"] = tflops["ours"] / tflops["TE"]
+            rows.append(row)
+            print(f"{direction:5} {gm}x{gn}x{gk}: " + "  ".join(f"{kk} {v:.0f}" for kk, v in tflops.items()), flush=True)
+            torch.cuda.empty_cache()
+    env = environment()
+    print(f"\n# bench_gemm  {env}")
+    cols = [("shape", ""), ("gemm", ""), ("ours TF", ".0f"), ("cublas TF", ".0f"), ("TE TF", ".0f"), ("bf16 TF", ".0f"),
+            ("ours/cublas", ".2f"), ("ours/TE", ".2f"), ("ours/bf16", ".2f")]  # fmt: skip
+    print_table(rows, cols)
+    summary = {}
+    for direction in ("fwd", "dgrad", "wgrad"):
+        ratios = [r["ours/cublas"] for r in rows if r["gemm"] == direction and "ours/cublas" in r]
+        if ratios:
+            geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            summary[direction] = {"geomean_vs_cublas": geomean, "min_vs_cublas": min(ratios)}
+            print(f"{direction}: geomean ours/cublas {geomean:.2f}, min {min(ratios):.2f}")
+    if te is not None and te_reason:
+        print(f"(TE GEMM not measured: {te_reason})")
+    if args.json:
+        save_json(args.json, {"env": env, "rows": rows, "summary": summary})
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), sharey=True)
+    for ax, direction in zip(axes, ("fwd", "dgrad", "wgrad")):
+        rs = [r for r in rows if r["gemm"] == direction]
+        names = [n for n in ("ours", "cublas", "TE", "bf16") if any(f"{n} TF" in r for r in rs)]
+        for j, name in enumerate(names):
+            ax.bar([i + 0.2 * j for i in range(len(rs))], [r.get(f"{name} TF", 0) for r in rs], width=0.2, label=name)
+        ax.set_xticks([i + 0.3 for i in range(len(rs))], [r["shape"] for r in rs], rotation=30, fontsize=7)
+        ax.set_title(direction)
+        ax.set_ylabel("TFLOPS")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Quantization bandwidth on the GPU: ours (Triton) vs a device copy, TE's quantizer and torch eager.
+
+    python scripts/bench_quant.py [--json out.json] [--plot out.png]
+
+For each M x K: the dual 1x128 activation quantization (bf16 X -> rowwise + columnwise FP8 with
+scales) and the 128x128 weight quantization (W -> W and W^T). Bandwidth counts bytes read plus
+bytes written; "copy" is a device-to-device copy of X measured in the same run (the ceiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from benchlib import bench_ms, environment, print_table, save_json, try_import_te
+
+from primus_fp8_plugin import BlockwiseRecipe, TensorRole
+from primus_fp8_plugin.backends.reference import ReferenceBackend
+from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
+from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
+from primus_fp8_plugin.tensor import ceil_div
+
+SHAPES = [(8192, 8192), (16384, 4096), (8192, 29568), (4096, 14336)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--shapes", nargs="*", help="MxK, e.g. 8192x8192")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_quant needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    recipe = BlockwiseRecipe()
+    p_act, p_w = recipe.params(TensorRole.INPUT), recipe.params(TensorRole.WEIGHT)
+    te, tex = try_import_te()
+    ref = ReferenceBackend()
+    rows = []
+    for m, k in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.float32).to(torch.bfloat16)
+        copy_dst = torch.empty_like(x)
+        hp = x.numel() * 2
+        act_bytes = hp + 2 * x.numel() + 4 * (m * ceil_div(k, 128) + k * ceil_div(m, 128))
+        w_bytes = hp + 2 * x.numel() + 8 * ceil_div(m, 128) * ceil_div(k, 128)
+        contenders = {
+            ("copy", "-"): (lambda: copy_dst.copy_(x), 2 * hp),
+            ("ours", "act 1x128 row+col"): (lambda: quantize_1x128_dual(x, p_act, rowwise=True, columnwise=True), act_bytes),
+            ("ours", "weight 128x128 W+W^T"): (lambda: quantize_128x128(x, p_w), w_bytes),
+            ("torch eager", "act 1x128 row+col"): (lambda: ref.quantize_act(x, p_act, rowwise=True, columnwise=True), act_bytes),
+            ("torch eager", "weight 128x128 W+W^T"): (lambda: ref.quantize_weight(x, p_w), w_bytes),
+        }
+        if te is not None:
+            q1 = te.Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1)
+            q2 = te.Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=2)
+            contenders[("TE", "act 1x128 row+col")] = (lambda: q1(x), act_bytes)
+            contenders[("TE", "weight 128x128 W+W^T")] = (lambda: q2(x), w_bytes)
+        times = {key: bench_ms(fn) for key, (fn, _) in contenders.items()}
+        copy_bw = 2 * hp / times[("copy", "-")] / 1e9
+        for (who, what), (_, nbytes) in contenders.items():
+            t = times[(who, what)]
+            bw = nbytes / t / 1e9  # bytes/ms -> TB/s
+            te_t = times.get(("TE", what))
+            rows.append({
+                "shape": f"{m}x{k}", "op": what, "impl": who, "us": t * 1e3, "TB/s": bw,
+                "% copy": 100 * bw / copy_bw, "vs TE": (te_t / t) if te_t and who != "TE" else None,
+            })  # fmt: skip
+        torch.cuda.empty_cache()
+    env = environment()
+    print(f"# bench_quant  {env}")
+    print_table(
+        rows, [("shape", ""), ("op", ""), ("impl", ""), ("us", ".1f"), ("TB/s", ".2f"), ("% copy", ".0f"), ("vs TE", ".2f")]
+    )
+    if te is None:
+        print(f"(TE not installed: {tex})")
+    if args.json:
+        save_json(args.json, {"env": env, "rows": rows})
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = ["act 1x128 row+col", "weight 128x128 W+W^T"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, op in zip(axes, ops):
+        shapes = sorted({r["shape"] for r in rows}, key=lambda s: [int(v) for v in s.split("x")])
+        impls = [i for i in ("ours", "TE", "torch eager") if any(r["impl"] == i and r["op"] == op for r in rows)]
+        for j, impl in enumerate(impls):
+            vals = [
+                next((r["% copy"] for r in rows if r["shape"] == s and r["op"] == op and r["impl"] == impl), 0) for s in shapes
+            ]
+            ax.bar([i + 0.25 * j for i in range(len(shapes))], vals, width=0.25, label=impl)
+        ax.axhline(85, color="gray", ls="--", lw=1, label="85% of copy (goal)")
+        ax.set_xticks([i + 0.25 for i in range(len(shapes))], shapes)
+        ax.set_title(op)
+        ax.set_ylabel("% of device-copy bandwidth")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
