@@ -129,11 +129,11 @@ def main() -> int:
                 "bf16": lambda: torch.matmul(hp_a, hp_b.t()),
             }
             if have_cublas:
-                call = {"fwd": cublas.gemm_fwd, "dgrad": cublas.gemm_dgrad}.get(direction)
-                if call is not None:
-                    fns["cublas"] = lambda: call(meta["a"], meta["b"], None, torch.bfloat16)
-                else:
-                    fns["cublas"] = lambda: cublas.gemm_wgrad(meta["a"], meta["b"], torch.bfloat16, None)
+                fns["cublas"] = {
+                    "fwd": lambda: cublas.gemm_fwd(meta["a"], meta["b"], None, torch.bfloat16),
+                    "dgrad": lambda: cublas.gemm_dgrad(meta["a"], meta["b"], torch.bfloat16),
+                    "wgrad": lambda: cublas.gemm_wgrad(meta["a"], meta["b"], torch.bfloat16, None),
+                }[direction]
             if te is not None:
                 fn, te_reason = te_gemm_fn(te, tex, direction, m, n, k)
                 if fn is not None:

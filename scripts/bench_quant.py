@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--shapes", nargs="*", help="MxK, e.g. 8192x8192")
+    ap.add_argument("--variants", action="store_true", help="first sweep our kernels' (SUB_M, num_warps) on 8192x8192")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_quant needs a CUDA GPU", file=sys.stderr)
@@ -39,6 +40,8 @@ def main() -> int:
     p_act, p_w = recipe.params(TensorRole.INPUT), recipe.params(TensorRole.WEIGHT)
     te, tex = try_import_te()
     ref = ReferenceBackend()
+    if args.variants:
+        sweep_variants(p_act, p_w)
     rows = []
     for m, k in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -82,6 +85,20 @@ def main() -> int:
     if args.plot:
         plot(rows, args.plot)
     return 0
+
+
+def sweep_variants(p_act, p_w, m: int = 8192, k: int = 8192) -> None:
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    copy_dst = torch.empty_like(x)
+    copy_bw = 4 * x.numel() / bench_ms(lambda: copy_dst.copy_(x)) / 1e9
+    nbytes = 4 * x.numel()  # read bf16 + two FP8 copies (scales: < 1%)
+    print(f"variants on {m}x{k} (copy {copy_bw:.2f} TB/s): sub_m, num_warps -> % of copy (act dual, weight)")
+    for sub_m in (16, 32, 64, 128):
+        for warps in (2, 4, 8):
+            t_a = bench_ms(lambda: quantize_1x128_dual(x, p_act, rowwise=True, columnwise=True, sub_m=sub_m, num_warps=warps))
+            t_w = bench_ms(lambda: quantize_128x128(x, p_w, sub_m=sub_m, num_warps=warps))
+            pa, pw = (100 * nbytes / t / 1e9 / copy_bw for t in (t_a, t_w))
+            print(f"  {sub_m:4} {warps:2} -> {pa:5.1f}%  {pw:5.1f}%", flush=True)
 
 
 def plot(rows: list[dict], path: str) -> None:

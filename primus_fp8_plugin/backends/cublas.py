@@ -4,8 +4,10 @@ NVIDIA Hopper only), with the Triton quantization kernels.
 cuBLAS layout rules (FACTS.md §3), satisfied without copies by TE's layouts where possible:
 * A [M, K] row-major with 1x128 scales as an ``[M, K/128]`` view of strides ``(1, M)``;
 * B [K, N] column-major (our K-major copy, transposed view);
-* 128x128 scales of B as ``[pad4(K/128), N/128]`` with strides ``(1, pad4(K/128))``: the K-block
-  dim **padded to a multiple of 4** (an unpadded scale tensor is silently wrong for odd K/128);
+* 128x128 scales of B as a ``[K/128, N/128]`` view with strides ``(1, pad4(K/128))``: the K-block
+  stride **padded to a multiple of 4** (16 bytes). torch 2.11 also accepts a contiguous unpadded
+  tensor, and cuBLAS then computes garbage for odd K/128 (FACTS.md §3): TE's layout has the padding;
+* both operands E4M3 (cuBLAS blockwise has no E5M2: HYBRID gradients go to the Triton GEMM);
 * 1x128 scales of B (wgrad) as ``[N, K/128]`` with strides ``(1, N)``.
 
 cuBLAS FP8 also needs 16-byte aligned leading dimensions: where a GEMM's contraction or row
@@ -23,19 +25,20 @@ from .triton.gemm import blockwise_gemm
 
 
 def _scale_1x128(te_scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """TE 1D layout [KB, pad4(rows)] -> cuBLAS [rows, KB] with strides (1, rows)."""
-    if te_scale.shape[1] != rows:  # padding columns: cuBLAS wants the stride to equal rows
-        te_scale = te_scale[:, :rows].contiguous()
+    """TE 1D layout [KB, pad4(rows)] -> cuBLAS [rows, KB] with strides (1, rows): a view (rows % 16 == 0)."""
+    assert te_scale.shape[1] == rows
     return te_scale.t()
 
 
-def _scale_128x128(te_scale: torch.Tensor) -> torch.Tensor:
-    """TE 2D layout [NB, pad4(KB)] -> cuBLAS [pad4(KB), NB] with strides (1, pad4(KB)): a view."""
-    return te_scale.t()
+def _scale_128x128(te_scale: torch.Tensor, k: int) -> torch.Tensor:
+    """TE 2D layout [NB, pad4(KB)] -> cuBLAS [KB, NB] with strides (1, pad4(KB)): a view."""
+    return te_scale[:, : -(-k // 128)].t()
 
 
-def _aligned(*dims: int) -> bool:
-    return all(d % 16 == 0 for d in dims)
+def _cublas_can(a, b, *dims: int) -> bool:
+    """cuBLAS blockwise needs E4M3 operands and 16-byte aligned leading dims."""
+    e4m3 = a.fp8_dtype == torch.float8_e4m3fn and b.fp8_dtype == torch.float8_e4m3fn
+    return e4m3 and all(d % 16 == 0 for d in dims) and min(dims) > 0
 
 
 class CublasBackend(TritonBackend):
@@ -66,30 +69,30 @@ class CublasBackend(TritonBackend):
     def gemm_fwd(self, x, w, bias, out_dtype):
         m, k = x.shape
         n = w.shape[0]
-        if not _aligned(k, n) or m == 0:
+        if not _cublas_can(x, w, m, k, n):
             return super().gemm_fwd(x, w, bias, out_dtype)
         F = torch.nn.functional
         y = self._mm(
             x.rowwise_data, _scale_1x128(x.rowwise_scale_inv, m),
-            w.rowwise_data, _scale_128x128(w.rowwise_scale_inv), F.ScalingType.BlockWise128x128, out_dtype,
+            w.rowwise_data, _scale_128x128(w.rowwise_scale_inv, k), F.ScalingType.BlockWise128x128, out_dtype,
         )  # fmt: skip
         return y.add_(bias) if bias is not None else y
 
     def gemm_dgrad(self, dy, w, out_dtype):
         m, n = dy.shape
         k = w.shape[1]
-        if not _aligned(k, n) or m == 0:
+        if not _cublas_can(dy, w, m, k, n):
             return super().gemm_dgrad(dy, w, out_dtype)
         F = torch.nn.functional
         return self._mm(
             dy.rowwise_data, _scale_1x128(dy.rowwise_scale_inv, m),
-            w.columnwise_data, _scale_128x128(w.columnwise_scale_inv), F.ScalingType.BlockWise128x128, out_dtype,
+            w.columnwise_data, _scale_128x128(w.columnwise_scale_inv, n), F.ScalingType.BlockWise128x128, out_dtype,
         )  # fmt: skip
 
     def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
         m, n = dy.shape
         k = x.shape[1]
-        if not _aligned(m, n, k) or m == 0:
+        if not _cublas_can(dy, x, m, n, k):
             return blockwise_gemm(
                 dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
                 b_block_dim=1, out_dtype=out_dtype, accumulate_into=accumulate_into,

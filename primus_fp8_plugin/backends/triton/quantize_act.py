@@ -1,11 +1,18 @@
-"""Dual 1x128 quantization of activations and gradients: one read of X, both copies written.
+"""Dual 1x128 quantization of activations and gradients: one HBM read of X, both copies written.
 
-Each program loads one 128x128 tile of X [M, K] once and writes
-* the rowwise copy [M, K] (1x128 tiles: an amax per row of the tile) and its scale_inv column
-  ``[kb, m0:m0+128]`` of the TE layout ``[ceil(K/128), pad4(M)]``;
-* the columnwise copy X^T [K, M] (128x1 tiles: an amax per column) and its scale_inv row
-  ``[mb, k0:k0+128]`` of ``[ceil(M/128), pad4(K)]``.
-Programs on the last row/column of tiles also write the layout's padding entries (1.0).
+Each program owns one 128x128 tile of X [M, K] and walks it in chunks of SUB_M rows:
+
+1. per chunk: the rowwise copy [M, K] (1x128 tiles: an amax per row) is quantized and stored at
+   once, with its scale_inv entries ``[kb, m]`` of the TE layout ``[ceil(K/128), pad4(M)]``;
+   meanwhile a running per-column amax over the tile's 128 rows is kept;
+2. per chunk again (re-read from L2, not HBM): the columnwise copy X^T [K, M] (128x1 tiles) is
+   quantized with the column scales, transposed and stored, with its scale_inv entries ``[mb, k]``
+   of ``[ceil(M/128), pad4(K)]``.
+
+Small chunks keep few registers live per program, so many programs (and their loads) are in flight
+on each SM: the kernel is memory-bound, and latency hiding is what makes it fast. Transposes are
+done on fp32 values (before the FP8 cast). Programs on the last tile row/column also write the
+layout's padding entries (1.0).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
 from .scales import quantize_with_scale, scale_from_amax
 
-NUM_WARPS = 8  # 128x128 tile in flight per program; checked for spills by aot.py
+SUB_M = 32  # rows per chunk (measured on H200: docs/PERFORMANCE.md)
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -40,47 +48,59 @@ def _quantize_1x128_dual_kernel(
     COLWISE: tl.constexpr,
     POW2: tl.constexpr,
     BLOCK: tl.constexpr,
+    SUB_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    m0 = pid_m * BLOCK
     cols = pid_k * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    ax = tl.abs(x)
-    # x * 0 is 0 for finite x and NaN for NaN/Inf: a sum of it flags tiles holding non-finite values
-    # without keeping a mask tile live (an Inf amax or NaN scale is overridden for those tiles).
-    zero_or_nan = x * 0.0
+    col_ok = cols < K
+    sub = tl.arange(0, SUB_M)
+    x_tile = x_ptr + m0.to(tl.int64) * stride_xm  # 64-bit base; in-tile offsets fit in 32 bits
 
-    if ROWWISE:
-        amax = tl.max(ax, axis=1)
-        bad = tl.sum(zero_or_nan, axis=1) != 0.0
-        scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
-        q = quantize_with_scale(x, scale[:, None], bad[:, None], fp8_max, row_q_ptr.dtype.element_ty)
-        tl.store(row_q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
-        s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
-        s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
-        tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
+    col_amax = tl.zeros([BLOCK], dtype=tl.float32)
+    col_flag = tl.zeros([BLOCK], dtype=tl.float32)  # sum of x * 0: NaN iff a column holds NaN/Inf
+    for c in tl.static_range(BLOCK // SUB_M):
+        rows = m0 + c * SUB_M + sub
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        x = tl.load(x_tile + (c * SUB_M + sub)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if ROWWISE:
+            amax = tl.max(tl.abs(x), axis=1)
+            bad = tl.sum(x * 0.0, axis=1) != 0.0
+            scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
+            q = quantize_with_scale(x, scale[:, None], bad[:, None], fp8_max, row_q_ptr.dtype.element_ty)
+            tl.store(row_q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+            s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
+            s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
+            tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
+        if COLWISE:
+            col_amax = tl.maximum(col_amax, tl.max(tl.abs(x), axis=0))
+            col_flag += tl.sum(x * 0.0, axis=0)
 
     if COLWISE:
-        amax = tl.max(ax, axis=0)
-        bad = tl.sum(zero_or_nan, axis=0) != 0.0
-        scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
-        q = quantize_with_scale(x, scale[None, :], bad[None, :], fp8_max, col_q_ptr.dtype.element_ty)
-        # X^T [K, M]: write the transposed tile so that M is the contiguous dim.
-        tl.store(
-            col_q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :],
-            tl.trans(q),
-            mask=(cols < K)[:, None] & (rows < M)[None, :],
-        )
+        bad = col_flag != 0.0
+        scale = scale_from_amax(col_amax, fp8_max, amax_eps, in_max, POW2)
+        for c in tl.static_range(BLOCK // SUB_M):
+            rows = m0 + c * SUB_M + sub
+            mask = (rows < M)[:, None] & col_ok[None, :]
+            x = tl.load(x_tile + (c * SUB_M + sub)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+            xt = tl.trans(x.to(tl.float32))  # [BLOCK (k), SUB_M (m)]
+            q = quantize_with_scale(xt, scale[:, None], bad[:, None], fp8_max, col_q_ptr.dtype.element_ty)
+            tl.store(col_q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], q, mask=col_ok[:, None] & (rows < M)[None, :])
         s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
-        s_inv = tl.where(cols < K, s_inv, 1.0)
+        s_inv = tl.where(col_ok, s_inv, 1.0)
         tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
 
 
 def quantize_1x128_dual(
-    x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool, num_warps: int = NUM_WARPS
+    x: torch.Tensor,
+    params: QuantParams,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    sub_m: int = SUB_M,
+    num_warps: int = NUM_WARPS,
 ) -> BlockwiseFp8Tensor:
     """Rowwise and/or columnwise 1x128 quantization of a contiguous 2-D ``x [M, K]`` in one pass."""
     assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1
@@ -99,28 +119,15 @@ def quantize_1x128_dual(
     if m > 0:
         # pad4(n) never crosses a 128 boundary, so the last tile also writes the padding entries.
         grid = (ceil_div(m, BLOCK), ceil_div(k, BLOCK))
-        dummy = row_q if row_q is not None else col_q
-        dummy_s = row_s if row_s is not None else col_s
+        q_any = row_q if row_q is not None else col_q
+        s_any = row_s if row_s is not None else col_s
         _quantize_1x128_dual_kernel[grid](
-            x,
-            row_q if rowwise else dummy,
-            row_s if rowwise else dummy_s,
-            col_q if columnwise else dummy,
-            col_s if columnwise else dummy_s,
-            m,
-            k,
-            pad4(m),
-            pad4(k),
-            x.stride(0),
-            params.fp8_max,
-            params.amax_epsilon,
-            torch.finfo(x.dtype).max,
-            ROWWISE=rowwise,
-            COLWISE=columnwise,
-            POW2=params.pow2_scales,
-            BLOCK=BLOCK,
+            x, row_q if rowwise else q_any, row_s if rowwise else s_any, col_q if columnwise else q_any,
+            col_s if columnwise else s_any, m, k, pad4(m), pad4(k), x.stride(0),
+            params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
+            ROWWISE=rowwise, COLWISE=columnwise, POW2=params.pow2_scales, BLOCK=BLOCK, SUB_M=sub_m,
             num_warps=num_warps,
-        )
+        )  # fmt: skip
     elif columnwise:
         col_s.fill_(1.0)
     return BlockwiseFp8Tensor((m, k), 1, f8, x.dtype, **parts)

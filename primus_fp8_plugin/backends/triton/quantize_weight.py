@@ -1,7 +1,10 @@
-"""128x128 weight quantization: one read of W [N, K] writes W (fprop) and W^T (dgrad) with scales.
+"""128x128 weight quantization: one HBM read of W [N, K] writes W (fprop) and W^T (dgrad) with scales.
 
-Hopper FP8 tensor cores need the contraction dim contiguous, so dgrad needs W^T physically; the
-two copies hold the same FP8 values and scales (transposed), produced by the same program.
+Hopper FP8 tensor cores need the contraction dim contiguous, so dgrad needs W^T physically; both
+copies hold the same FP8 values and scales (transposed), produced by the same program. As in
+``quantize_act.py`` a program walks its 128x128 block in chunks of SUB_M rows: one pass for the
+block's amax, a second (from L2) to quantize and store both copies. The transposed copy is made by
+transposing fp32 values, never FP8 ones.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .scales import quantize_with_scale, scale_from_amax
 
-NUM_WARPS = 8
+SUB_M = 32
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -34,31 +38,47 @@ def _quantize_128x128_kernel(
     in_max,
     POW2: tl.constexpr,
     BLOCK: tl.constexpr,
+    SUB_M: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
+    n0 = pid_n * BLOCK
     cols = pid_k * BLOCK + tl.arange(0, BLOCK)
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    x = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    # x * 0 is NaN exactly for NaN/Inf x (see quantize_act.py)
-    bad = tl.sum(tl.sum(x * 0.0, axis=1), axis=0) != 0.0
+    col_ok = cols < K
+    sub = tl.arange(0, SUB_M)
+    w_tile = w_ptr + n0.to(tl.int64) * stride_wn
+
+    amax = tl.zeros([SUB_M], dtype=tl.float32)
+    flag = tl.zeros([SUB_M], dtype=tl.float32)  # x * 0 sums to NaN iff the block holds NaN/Inf
+    for c in tl.static_range(BLOCK // SUB_M):
+        rows = n0 + c * SUB_M + sub
+        mask = (rows < N)[:, None] & col_ok[None, :]
+        x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        flag += tl.sum(x * 0.0, axis=1)
+    amax = tl.max(amax, axis=0)
+    bad = tl.sum(flag, axis=0) != 0.0
     scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
-    q = quantize_with_scale(x, scale, bad, fp8_max, q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
-    tl.store(
-        qt_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :],
-        tl.trans(q),
-        mask=(cols < K)[:, None] & (rows < N)[None, :],
-    )
+
+    for c in tl.static_range(BLOCK // SUB_M):
+        rows = n0 + c * SUB_M + sub
+        row_ok = rows < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        q = quantize_with_scale(x, scale, bad, fp8_max, q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+        qt = quantize_with_scale(tl.trans(x), scale, bad, fp8_max, qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :], qt, mask=col_ok[:, None] & row_ok[None, :])
     s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
     tl.store(s_ptr + pid_n * stride_s + pid_k, s_inv)
     tl.store(st_ptr + pid_k * stride_st + pid_n, s_inv)
 
 
-def quantize_128x128(w: torch.Tensor, params: QuantParams, *, num_warps: int = NUM_WARPS) -> BlockwiseFp8Tensor:
+def quantize_128x128(
+    w: torch.Tensor, params: QuantParams, *, sub_m: int = SUB_M, num_warps: int = NUM_WARPS
+) -> BlockwiseFp8Tensor:
     """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, in one pass."""
     assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
     n, k = w.shape
@@ -72,7 +92,7 @@ def quantize_128x128(w: torch.Tensor, params: QuantParams, *, num_warps: int = N
     _quantize_128x128_kernel[grid](
         w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
         params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
-        POW2=params.pow2_scales, BLOCK=BLOCK, num_warps=num_warps,
+        POW2=params.pow2_scales, BLOCK=BLOCK, SUB_M=sub_m, num_warps=num_warps,
     )  # fmt: skip
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st
