@@ -4,9 +4,9 @@ NVIDIA Hopper only), with the Triton quantization kernels.
 cuBLAS layout rules (FACTS.md §3), satisfied without copies by TE's layouts where possible:
 * A [M, K] row-major with 1x128 scales as an ``[M, K/128]`` view of strides ``(1, M)``;
 * B [K, N] column-major (our K-major copy, transposed view);
-* 128x128 scales of B as a ``[K/128, N/128]`` view with strides ``(1, pad4(K/128))``: the K-block
-  stride **padded to a multiple of 4** (16 bytes). torch 2.11 also accepts a contiguous unpadded
-  tensor, and cuBLAS then computes garbage for odd K/128 (FACTS.md §3): TE's layout has the padding;
+* 128x128 scales of B as ``[pad4(K/128), N/128]`` with strides ``(1, pad4(K/128))``: the K-block
+  dim **padded to a multiple of 4** (torch 2.11 checks the padded shape when K/128 is odd; an
+  unpadded contiguous tensor is silently wrong, FACTS.md §3). TE's 2D layout is exactly that;
 * both operands E4M3 (cuBLAS blockwise has no E5M2: HYBRID gradients go to the Triton GEMM);
 * 1x128 scales of B (wgrad) as ``[N, K/128]`` with strides ``(1, N)``.
 
@@ -30,9 +30,9 @@ def _scale_1x128(te_scale: torch.Tensor, rows: int) -> torch.Tensor:
     return te_scale.t()
 
 
-def _scale_128x128(te_scale: torch.Tensor, k: int) -> torch.Tensor:
-    """TE 2D layout [NB, pad4(KB)] -> cuBLAS [KB, NB] with strides (1, pad4(KB)): a view."""
-    return te_scale[:, : -(-k // 128)].t()
+def _scale_128x128(te_scale: torch.Tensor) -> torch.Tensor:
+    """TE 2D layout [NB, pad4(KB)] -> cuBLAS [pad4(KB), NB] with strides (1, pad4(KB)): a view."""
+    return te_scale.t()
 
 
 def _cublas_can(a, b, *dims: int) -> bool:
@@ -72,11 +72,14 @@ class CublasBackend(TritonBackend):
         if not _cublas_can(x, w, m, k, n):
             return super().gemm_fwd(x, w, bias, out_dtype)
         F = torch.nn.functional
+        # With a bias, add it to the fp32 result before the one rounding to out_dtype, as TE's
+        # epilogue does (adding it to a bf16 output rounds twice: 2.9e-3 from TE's outputs).
         y = self._mm(
             x.rowwise_data, _scale_1x128(x.rowwise_scale_inv, m),
-            w.rowwise_data, _scale_128x128(w.rowwise_scale_inv, k), F.ScalingType.BlockWise128x128, out_dtype,
+            w.rowwise_data, _scale_128x128(w.rowwise_scale_inv), F.ScalingType.BlockWise128x128,
+            out_dtype if bias is None else torch.float32,
         )  # fmt: skip
-        return y.add_(bias) if bias is not None else y
+        return y if bias is None else y.add_(bias).to(out_dtype)
 
     def gemm_dgrad(self, dy, w, out_dtype):
         m, n = dy.shape
@@ -86,7 +89,7 @@ class CublasBackend(TritonBackend):
         F = torch.nn.functional
         return self._mm(
             dy.rowwise_data, _scale_1x128(dy.rowwise_scale_inv, m),
-            w.columnwise_data, _scale_128x128(w.columnwise_scale_inv, n), F.ScalingType.BlockWise128x128, out_dtype,
+            w.columnwise_data, _scale_128x128(w.columnwise_scale_inv), F.ScalingType.BlockWise128x128, out_dtype,
         )  # fmt: skip
 
     def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):

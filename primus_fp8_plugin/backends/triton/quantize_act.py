@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
-from .scales import quantize_with_scale, scale_from_amax
+from .scales import abs_or_inf, is_bad, quantize_with_scale, scale_from_amax
 
 SUB_M = 32  # rows per chunk (measured on H200: docs/PERFORMANCE.md)
 NUM_WARPS = 4
@@ -58,16 +58,16 @@ def _quantize_1x128_dual_kernel(
     sub = tl.arange(0, SUB_M)
     x_tile = x_ptr + m0.to(tl.int64) * stride_xm  # 64-bit base; in-tile offsets fit in 32 bits
 
-    col_amax = tl.zeros([BLOCK], dtype=tl.float32)
-    col_flag = tl.zeros([BLOCK], dtype=tl.float32)  # sum of x * 0: NaN iff a column holds NaN/Inf
+    # Column amax accumulates elementwise over the chunks (NaN counts as inf) and is reduced once.
+    col_amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)
     for c in tl.static_range(BLOCK // SUB_M):
         rows = m0 + c * SUB_M + sub
         mask = (rows < M)[:, None] & col_ok[None, :]
         x = tl.load(x_tile + (c * SUB_M + sub)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
         if ROWWISE:
-            amax = tl.max(tl.abs(x), axis=1)
-            bad = tl.sum(x * 0.0, axis=1) != 0.0
+            amax = tl.max(abs_or_inf(x), axis=1)
+            bad = is_bad(amax)
             scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
             q = quantize_with_scale(x, scale[:, None], bad[:, None], fp8_max, row_q_ptr.dtype.element_ty)
             tl.store(row_q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
@@ -75,17 +75,17 @@ def _quantize_1x128_dual_kernel(
             s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
             tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
         if COLWISE:
-            col_amax = tl.maximum(col_amax, tl.max(tl.abs(x), axis=0))
-            col_flag += tl.sum(x * 0.0, axis=0)
+            col_amax2d = tl.maximum(col_amax2d, abs_or_inf(x))
 
     if COLWISE:
-        bad = col_flag != 0.0
+        col_amax = tl.max(col_amax2d, axis=0)
+        bad = is_bad(col_amax)
         scale = scale_from_amax(col_amax, fp8_max, amax_eps, in_max, POW2)
         for c in tl.static_range(BLOCK // SUB_M):
             rows = m0 + c * SUB_M + sub
             mask = (rows < M)[:, None] & col_ok[None, :]
             x = tl.load(x_tile + (c * SUB_M + sub)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-            xt = tl.trans(x.to(tl.float32))  # [BLOCK (k), SUB_M (m)]
+            xt = tl.trans(x).to(tl.float32)  # [BLOCK (k), SUB_M (m)], transposed in the input dtype
             q = quantize_with_scale(xt, scale[:, None], bad[:, None], fp8_max, col_q_ptr.dtype.element_ty)
             tl.store(col_q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], q, mask=col_ok[:, None] & (rows < M)[None, :])
         s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))

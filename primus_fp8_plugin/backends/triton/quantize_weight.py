@@ -3,8 +3,8 @@
 Hopper FP8 tensor cores need the contraction dim contiguous, so dgrad needs W^T physically; both
 copies hold the same FP8 values and scales (transposed), produced by the same program. As in
 ``quantize_act.py`` a program walks its 128x128 block in chunks of SUB_M rows: one pass for the
-block's amax, a second (from L2) to quantize and store both copies. The transposed copy is made by
-transposing fp32 values, never FP8 ones.
+block's amax, then (from L2) one to quantize and store W and one for W^T. The transposed copy is
+made by transposing fp32 values, never FP8 ones.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
-from .scales import quantize_with_scale, scale_from_amax
+from .scales import abs_or_inf, is_bad, quantize_with_scale, scale_from_amax
 
-SUB_M = 32
-NUM_WARPS = 4
+SUB_M = 64  # measured on H200: docs/PERFORMANCE.md
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -48,28 +48,35 @@ def _quantize_128x128_kernel(
     sub = tl.arange(0, SUB_M)
     w_tile = w_ptr + n0.to(tl.int64) * stride_wn
 
-    amax = tl.zeros([SUB_M], dtype=tl.float32)
-    flag = tl.zeros([SUB_M], dtype=tl.float32)  # x * 0 sums to NaN iff the block holds NaN/Inf
+    amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)  # NaN counts as inf: see scales.abs_or_inf
     for c in tl.static_range(BLOCK // SUB_M):
         rows = n0 + c * SUB_M + sub
         mask = (rows < N)[:, None] & col_ok[None, :]
         x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        flag += tl.sum(x * 0.0, axis=1)
-    amax = tl.max(amax, axis=0)
-    bad = tl.sum(flag, axis=0) != 0.0
+        amax2d = tl.maximum(amax2d, abs_or_inf(x))
+    amax = tl.max(tl.max(amax2d, axis=1), axis=0)
+    bad = is_bad(amax)
     scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
 
+    # W, then W^T in a separate pass over the block (from L2). Computing both from one loaded chunk
+    # gave wrong W^T bytes (about 1 in 4) for fp32 inputs on sm_90 with triton 3.6, apparently as the
+    # compiler moved the transpose after the FP8 cast; tests/gpu guard this.
+    for c in tl.static_range(BLOCK // SUB_M):
+        rows = n0 + c * SUB_M + sub
+        mask = (rows < N)[:, None] & col_ok[None, :]
+        x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+        q = quantize_with_scale(x.to(tl.float32), scale, bad, fp8_max, q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
+    scale_v = tl.zeros([BLOCK], dtype=tl.float32) + scale  # per-row scale vector, as in quantize_act
+    bad_v = (tl.zeros([BLOCK], dtype=tl.float32) + bad.to(tl.float32)) != 0.0
     for c in tl.static_range(BLOCK // SUB_M):
         rows = n0 + c * SUB_M + sub
         row_ok = rows < N
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        q = quantize_with_scale(x, scale, bad, fp8_max, q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
-        qt = quantize_with_scale(tl.trans(x), scale, bad, fp8_max, qt_ptr.dtype.element_ty)
+        xt = tl.trans(x.to(tl.float32))  # [BLOCK (k), SUB_M (n)]
+        qt = quantize_with_scale(xt, scale_v[:, None], bad_v[:, None], fp8_max, qt_ptr.dtype.element_ty)
         tl.store(qt_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :], qt, mask=col_ok[:, None] & row_ok[None, :])
     s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
     tl.store(s_ptr + pid_n * stride_s + pid_k, s_inv)

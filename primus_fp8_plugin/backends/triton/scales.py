@@ -24,3 +24,17 @@ def quantize_with_scale(x, scale, bad, fp8_max, out_dtype: tl.constexpr):
     q = tl.minimum(tl.maximum(x * scale, -fp8_max), fp8_max)
     q = tl.where(bad, float("nan"), q)
     return q.to(out_dtype)
+
+
+@triton.jit
+def abs_or_inf(x):
+    """|x| with NaN mapped to +inf: a tile's max of it is > FP32_MAX exactly when the tile holds NaN
+    or +-Inf, so one ordinary max reduction gives both the amax and the non-finite verdict."""
+    a = tl.abs(x)
+    return tl.where(a == a, a, float("inf"))
+
+
+@triton.jit
+def is_bad(amax):
+    """True where an amax of ``abs_or_inf`` values is inf (the tile held NaN or +-Inf)."""
+    return amax > FP32_MAX
