@@ -85,6 +85,19 @@ def import_te():
     return te, tex, Float8BlockScaling, Format, quantizer_cls
 
 
+def _te_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("transformer_engine", "transformer-engine-cu13", "transformer-engine-cu12"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    import transformer_engine
+
+    return str(getattr(transformer_engine, "__version__", "unknown"))
+
+
 def te_autocast(te, recipe):
     if hasattr(te, "autocast"):
         return te.autocast(enabled=True, recipe=recipe)
@@ -110,7 +123,7 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
-    meta = {"te_version": str(te.__version__), "torch_version": torch.__version__}
+    meta = {"te_version": _te_version(), "torch_version": torch.__version__}
     meta["device"] = torch.cuda.get_device_name()
     t0 = time.time()
 
