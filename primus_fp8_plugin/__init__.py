@@ -7,9 +7,12 @@ from .backends import (
     get_backend,
 )
 from .gemm import gemm_dgrad, gemm_fwd, gemm_wgrad
+from .linear import fp8_blockwise_linear
+from .module import Fp8BlockwiseLinear
 from .quantize import quantize_activation, quantize_weight
 from .recipe import BlockwiseRecipe, Fp8Format, QuantParams, TensorRole
 from .tensor import BlockwiseFp8Tensor
+from .weight_cache import WeightCache
 
 __version__ = "0.1.0"
 
@@ -17,11 +20,14 @@ __all__ = [
     "BackendUnavailableError",
     "BlockwiseFp8Tensor",
     "BlockwiseRecipe",
+    "Fp8BlockwiseLinear",
     "Fp8Format",
     "QuantParams",
     "TensorRole",
+    "WeightCache",
     "available_backends",
     "backend_availability",
+    "fp8_blockwise_linear",
     "gemm_dgrad",
     "gemm_fwd",
     "gemm_wgrad",

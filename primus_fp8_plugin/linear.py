@@ -1,0 +1,123 @@
+"""The autograd op of an FP8 blockwise linear layer: what is quantized when, and what is saved.
+
+Forward:  X --quantize (rowwise for the GEMM, columnwise kept for wgrad)--> Y = X W^T (+ b)
+          W --weight cache (W and W^T, once per weight version)
+Saved:    the columnwise FP8 copy of X and its scales (about 0.52x the bytes of a bf16 X), and the
+          cached quantized weight. Never the high-precision X.
+Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W   (W^T copy)
+          dW = dY^T X (columnwise copies), or main_grad += dW in fp32 (Megatron's gradient-
+          accumulation fusion) when the weight has a ``main_grad``; db = sum of dY over rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends import Backend, get_backend
+from .recipe import BlockwiseRecipe, TensorRole
+from .tensor import HIGH_PRECISION_DTYPES, BlockwiseFp8Tensor
+from .weight_cache import WeightCache
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"input has dtype {x.dtype}; FP8 blockwise linear takes bfloat16, float16 or float32")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input's last dim is {x.shape[-1] if x.dim() else None} but in_features is {weight.shape[1]}")
+    if x.device != weight.device:
+        raise ValueError(f"input is on {x.device} but the weight is on {weight.device}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != weight.device):
+        raise ValueError(f"bias must be [{weight.shape[0]}] on {weight.device}, got {tuple(bias.shape)} on {bias.device}")
+
+
+class _Fp8BlockwiseLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, backend, cache, refresh_cache):
+        k, n = weight.shape[1], weight.shape[0]
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, k)
+        if not x2d.is_contiguous():
+            x2d = x2d.contiguous()
+        need_wgrad = weight.requires_grad
+        xq = backend.quantize_act(x2d, recipe.params(TensorRole.INPUT), rowwise=True, columnwise=need_wgrad)
+        p_w = recipe.params(TensorRole.WEIGHT)
+        if cache is not None:
+            wq = cache.get(weight, p_w, backend, refresh=refresh_cache)
+        else:
+            with torch.no_grad():
+                wq = backend.quantize_weight(weight.detach().contiguous(), p_w)
+        y = backend.gemm_fwd(xq, wq, bias, x.dtype)
+
+        if need_wgrad:  # keep only what wgrad reads: X's columnwise copy
+            ctx.save_for_backward(xq.columnwise_data, xq.columnwise_scale_inv, weight)
+        else:
+            ctx.save_for_backward(None, None, weight)
+        ctx.x_meta = (tuple(xq.shape), xq.fp8_dtype, x.dtype, lead)
+        ctx.wq = wq  # owned by the weight cache (or by this call); weight-sized, not activation-sized
+        ctx.recipe, ctx.backend = recipe, backend
+        ctx.has_bias = bias is not None
+        return y.view(*lead, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_col, x_col_scale, weight = ctx.saved_tensors
+        (m, k), x_fp8, x_dtype, lead = ctx.x_meta
+        n = weight.shape[0]
+        backend: Backend = ctx.backend
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dy2d = dy.reshape(-1, n)
+        if not dy2d.is_contiguous():
+            dy2d = dy2d.contiguous()
+        dyq = backend.quantize_act(dy2d, ctx.recipe.params(TensorRole.GRAD_OUTPUT), rowwise=need_dx, columnwise=need_dw)
+
+        dx = backend.gemm_dgrad(dyq, ctx.wq, x_dtype).view(*lead, k) if need_dx else None
+        dw = None
+        if need_dw:
+            xq = BlockwiseFp8Tensor((m, k), 1, x_fp8, x_dtype, columnwise_data=x_col, columnwise_scale_inv=x_col_scale)
+            main_grad = getattr(weight, "main_grad", None)
+            if main_grad is not None and getattr(weight, "fuse_wgrad_accumulation", True):
+                # Megatron's gradient-accumulation fusion: accumulate in fp32 into main_grad and
+                # hand autograd a dummy gradient so that the parameter's backward hooks still run.
+                backend.gemm_wgrad(dyq, xq, torch.float32, main_grad)
+                if hasattr(weight, "grad_added_to_main_grad"):
+                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+                    dw = make(weight.shape, dtype=weight.dtype, device=weight.device)
+                weight.grad_added_to_main_grad = True
+            else:
+                dw = backend.gemm_wgrad(dyq, xq, weight.dtype, None)
+        db = dy2d.float().sum(0).to(dy.dtype) if (ctx.has_bias and need_db) else None
+        ctx.wq = None
+        return dx, dw, db, None, None, None, None
+
+
+def fp8_blockwise_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    recipe: BlockwiseRecipe | None = None,
+    backend: str | Backend = "auto",
+    weight_cache: WeightCache | None = None,
+    refresh_weight_cache: bool = False,
+) -> torch.Tensor:
+    """``y = x W^T + b`` with FP8 blockwise GEMMs in forward and backward (differentiable).
+
+    Args:
+        x: ``[..., in_features]``, bfloat16/float16/float32; any number of leading dims, any M.
+        weight: ``[out_features, in_features]``. If it has a ``main_grad`` (Megatron), the weight
+            gradient is accumulated into it in fp32 and ``weight.grad_added_to_main_grad`` is set.
+        bias: ``[out_features]`` or None.
+        recipe: numerics (default ``BlockwiseRecipe()``: TE's Float8BlockScaling defaults).
+        backend: a backend name, ``"auto"``, or a ``Backend``.
+        weight_cache: reuse the weight's quantized copies while the weight is unchanged
+            (see ``weight_cache.py``); None quantizes the weight on every call.
+        refresh_weight_cache: force the cache to re-quantize (first microbatch of a step).
+
+    Returns:
+        ``[..., out_features]`` in ``x``'s dtype.
+    """
+    _check_inputs(x, weight, bias)
+    impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
+    return _Fp8BlockwiseLinearFn.apply(x, weight, bias, recipe or BlockwiseRecipe(), impl, weight_cache, refresh_weight_cache)

@@ -1,0 +1,141 @@
+"""Fp8BlockwiseLinear / fp8_blockwise_linear: numerics, saved memory, main_grad fusion, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from primus_fp8_plugin import (
+    BackendUnavailableError,
+    BlockwiseRecipe,
+    Fp8BlockwiseLinear,
+    TensorRole,
+    available_backends,
+    fp8_blockwise_linear,
+)
+from primus_fp8_plugin.backends import get_backend
+from primus_fp8_plugin.validate import rel_frobenius
+
+from .conftest import make_input
+
+CPU_BACKENDS = [n for n, a in available_backends("cpu").items() if a]
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request):
+    return request.param
+
+
+def oracle(x, w, b, dy, recipe, backend):
+    """fp64 linear on the operands as the layer quantizes them (the layer's exact target)."""
+    impl = get_backend(backend, "cpu")
+    k, n = w.shape[1], w.shape[0]
+    xq = impl.quantize_act(x.reshape(-1, k).contiguous(), recipe.params(TensorRole.INPUT), rowwise=True, columnwise=True)
+    wq = impl.quantize_weight(w.contiguous(), recipe.params(TensorRole.WEIGHT))
+    dyq = impl.quantize_act(dy.reshape(-1, n).contiguous(), recipe.params(TensorRole.GRAD_OUTPUT), rowwise=True, columnwise=True)
+    xr, wr, dyr = (t.dequantize(torch.float64) for t in (xq, wq, dyq))
+    out = xr @ wr.t() + (0 if b is None else b.double())
+    dgrad = dyr @ wq.dequantize(torch.float64, copy="columnwise")
+    wgrad = dyq.dequantize(torch.float64, copy="columnwise").t() @ xq.dequantize(torch.float64, copy="columnwise")
+    return out, dgrad, wgrad
+
+
+@pytest.mark.parametrize(
+    "lead, k, n, dtype, bias, fmt",
+    [
+        ((77,), 256, 384, torch.bfloat16, True, "E4M3"),
+        ((3, 5, 7), 272, 144, torch.bfloat16, False, "HYBRID"),
+        ((1,), 128, 256, torch.float16, True, "E4M3"),
+        ((130,), 400, 128, torch.float32, True, "HYBRID"),
+    ],
+)
+def test_forward_backward_match_fp64_oracle(backend, lead, k, n, dtype, bias, fmt):
+    recipe = BlockwiseRecipe(fp8_format=fmt)
+    torch.manual_seed(0)
+    layer = Fp8BlockwiseLinear(k, n, bias=bias, dtype=dtype, recipe=recipe, backend=backend)
+    spread = dtype is not torch.float16  # rows spanning 40 binades overflow fp16
+    x = make_input((*lead, k), dtype=dtype, seed=1, spread=spread).view(*lead, k).requires_grad_(True)
+    dy = make_input((*lead, n), dtype=dtype, seed=2, spread=spread).view(*lead, n)
+    y = layer(x)
+    y.backward(dy)
+    assert y.shape == (*lead, n) and y.dtype == dtype and x.grad.shape == x.shape
+    out, dgrad, wgrad = oracle(x.detach(), layer.weight.detach(), None if not bias else layer.bias.detach(), dy, recipe, backend)
+    tol = 1e-2 if dtype is torch.float16 else 5e-3  # one rounding to the output dtype
+    assert rel_frobenius(y.reshape(out.shape), out) < tol
+    assert rel_frobenius(x.grad.reshape(dgrad.shape), dgrad) < tol
+    assert rel_frobenius(layer.weight.grad, wgrad) < tol
+    if bias:
+        assert torch.allclose(layer.bias.grad.float(), dy.reshape(-1, n).float().sum(0), rtol=1e-2, atol=1e-2)
+    # and it is FP8-close to the unquantized linear
+    ref = nn.functional.linear(x.detach().double(), layer.weight.detach().double())
+    assert rel_frobenius(y.detach() - (0 if not bias else layer.bias.detach()), ref) < 0.08
+
+
+def test_saved_activation_memory_is_at_most_053x_of_bf16_linear(backend):
+    def saved_activation_bytes(module, x):
+        total = 0
+        params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+        def pack(t):
+            nonlocal total
+            if t.untyped_storage().data_ptr() not in params:  # weights (and views of them) aside
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x)
+        return total
+
+    x = make_input((512, 1024)).requires_grad_(True)
+    ours = saved_activation_bytes(Fp8BlockwiseLinear(1024, 256, dtype=torch.bfloat16, backend=backend), x)
+    bf16 = saved_activation_bytes(nn.Linear(1024, 256, dtype=torch.bfloat16), x)
+    assert bf16 == 2 * 512 * 1024
+    assert ours / bf16 <= 0.53, ours / bf16
+
+
+def test_weight_gradient_accumulates_into_main_grad(backend):
+    layer = Fp8BlockwiseLinear(256, 128, bias=False, dtype=torch.bfloat16, backend=backend)
+    w = layer.weight
+    w.main_grad = torch.zeros(128, 256, dtype=torch.float32)
+    w.grad_added_to_main_grad = False
+    x, dy = make_input((64, 256), seed=1), make_input((64, 128), seed=2)
+    layer(x).backward(dy)
+    assert w.grad_added_to_main_grad is True
+    first = w.main_grad.clone()
+    plain = Fp8BlockwiseLinear(256, 128, bias=False, dtype=torch.bfloat16, backend=backend)
+    with torch.no_grad():
+        plain.weight.copy_(w)
+    plain(x).backward(dy)
+    assert rel_frobenius(first, plain.weight.grad.double()) < 5e-3  # bf16 grad vs fp32 main_grad
+    layer(x).backward(dy)
+    assert torch.allclose(w.main_grad, 2 * first, rtol=1e-6, atol=1e-6)
+    assert w.grad is not None  # a dummy gradient lets Megatron's parameter hooks run
+
+
+def test_drop_in_for_nn_linear():
+    torch.manual_seed(3)
+    ref = nn.Linear(64, 32)
+    torch.manual_seed(3)
+    ours = Fp8BlockwiseLinear(64, 32)
+    assert torch.equal(ref.weight, ours.weight) and torch.equal(ref.bias, ours.bias)
+    assert set(ours.state_dict()) == {"weight", "bias"}
+    no_bias = Fp8BlockwiseLinear(64, 32, bias=False, dtype=torch.float16)
+    assert no_bias.bias is None and no_bias.weight.dtype == torch.float16
+    no_bias.reset_parameters()
+    y = ours(torch.randn(4, 64))
+    assert y.shape == (4, 32) and y.dtype == torch.float32
+
+
+def test_bad_input_is_refused():
+    layer = Fp8BlockwiseLinear(128, 64)
+    with pytest.raises(ValueError, match="in_features is 128"):
+        layer(torch.randn(4, 96))
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        layer(torch.ones(4, 128, dtype=torch.int64))
+    with pytest.raises(ValueError, match="is on meta"):
+        layer(torch.randn(4, 128, device="meta"))
+    with pytest.raises(BackendUnavailableError, match="'cublas' is not available on cpu"):
+        Fp8BlockwiseLinear(128, 64, backend="cublas")
+    with pytest.raises(BackendUnavailableError, match="cublas"):
+        fp8_blockwise_linear(torch.randn(4, 128), layer.weight, backend="cublas")
