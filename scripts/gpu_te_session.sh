@@ -7,13 +7,17 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 LOG="$OUT/session.log"
 bash .te/small/device.sh install 2>&1 | tail -2 | tee -a "$LOG"
 export PYTHONPATH="/tmp/te-site:$PWD" PYTHONUNBUFFERED=1
+G="${GOLDENS:-/tmp/te_goldens}"; mkdir -p "$G"
 {
-  python3 scripts/make_te_goldens.py --out "$OUT"
+  python3 scripts/make_te_goldens.py --out "$G" 2>&1 | tail -1
   for b in reference triton cublas; do
-    python3 -m primus_fp8_plugin.validate --golden "$OUT" --backend "$b" --device cuda | tail -4
+    python3 -m primus_fp8_plugin.validate --golden "$G" --backend "$b" --device cuda | tail -1
   done
-  python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tail -4
+  python3 -m pytest -q -s tests/gpu -p no:cacheprovider 2>&1 | grep -E "vs TE|passed|failed|FAILED"
 } 2>&1 | tee -a "$LOG"
-python3 scripts/bench_quant.py --variants --json "$OUT/bench_quant.json" --plot "$OUT/bench_quant.png" 2>&1 | tee -a "$LOG" | tail -32
-python3 scripts/bench_gemm.py --json "$OUT/bench_gemm.json" --plot "$OUT/bench_gemm.png" >> "$LOG" 2>&1
-tail -28 "$LOG"
+for what in ${BENCHES:-quant gemm linear}; do
+  extra=""; [ "$what" = quant ] && extra="--variants"
+  python3 "scripts/bench_$what.py" $extra --json "$OUT/bench_$what.json" --plot "$OUT/bench_$what.png" >> "$LOG" 2>&1
+  echo "bench_$what rc=$?" | tee -a "$LOG"
+done
+tail -60 "$LOG"

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Linear-layer step time on the GPU: ours (Fp8BlockwiseLinear) vs torch BF16 nn.Linear vs TE te.Linear
+(Float8BlockScaling), forward + backward, all measured in the same run.
+
+    python scripts/bench_linear.py [--json out.json] [--plot out.png] [--backends cublas triton]
+
+Two measurements per shape (M tokens, N out, K in; 6*M*N*K FLOPs per forward+backward):
+* ``step``: one forward+backward with a freshly quantized weight (what every optimizer step costs
+  once): ours with ``is_first_microbatch=True``, TE with ``is_first_microbatch=None``;
+* ``4 microbatches``: four forward+backward passes sharing one weight quantization (ours: the
+  weight cache; TE: ``is_first_microbatch=True`` then ``False``), reported per microbatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from benchlib import bench_ms, environment, print_table, save_json, try_import_te
+
+from primus_fp8_plugin import Fp8BlockwiseLinear, backend_availability
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568),
+          (8192, 29568, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]  # fmt: skip
+
+
+def step_fns(layer, x, dy, call):
+    """(one step with a fresh weight, four microbatches with one weight) closures."""
+    params = [p for p in layer.parameters()]
+
+    def fwd_bwd(first):
+        for p in params:
+            p.grad = None
+        call(layer, x, first).backward(dy)
+
+    def four():
+        for i in range(4):
+            fwd_bwd(i == 0)
+
+    return (lambda: fwd_bwd(True)), four
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    ap.add_argument("--shapes", nargs="*", help="MxNxK")
+    ap.add_argument("--backends", nargs="*", default=["cublas", "triton"])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_linear needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    te, tex = try_import_te()
+    rows = []
+    for m, n, k in shapes:
+        torch.manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        contenders = {
+            "bf16": (torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16), lambda lay, inp, f: lay(inp))
+        }
+        for b in args.backends:
+            if backend_availability(b, "cuda"):
+                layer = Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=b)
+
+                def call(lay, inp, first):
+                    lay.is_first_microbatch = first
+                    return lay(inp)
+
+                contenders[f"ours-{b}"] = (layer, call)
+        if te is not None:
+            from transformer_engine.common.recipe import Float8BlockScaling
+
+            recipe = Float8BlockScaling()
+            te_layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+            autocast = te.autocast if hasattr(te, "autocast") else None
+
+            def te_call(lay, inp, first, recipe=recipe, autocast=autocast):
+                ctx = autocast(enabled=True, recipe=recipe) if autocast else te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+                with ctx:
+                    return lay(inp, is_first_microbatch=first)
+
+            contenders["TE"] = (te_layer, te_call)
+        flops = 6 * m * n * k
+        times = {}
+        for name, (layer, call) in contenders.items():
+            if name == "bf16":
+                single, four = step_fns(layer, x, dy, lambda lay, inp, f: lay(inp))
+            elif name == "TE":
+                # one step: no weight caching (None); four microbatches: True, then False
+                single, _ = step_fns(layer, x, dy, lambda lay, inp, f: call(lay, inp, None))
+                _, four = step_fns(layer, x, dy, call)
+            else:
+                single, four = step_fns(layer, x, dy, call)
+            times[name] = (bench_ms(single), bench_ms(four) / 4)
+        bf16 = times["bf16"]
+        for name, (t1, t4) in times.items():
+            row = {"shape": f"{m}x{n}x{k}", "impl": name, "step ms": t1, "step TF": flops / t1 / 1e9,
+                   "vs bf16": bf16[0] / t1, "4mb ms/mb": t4, "4mb vs bf16": bf16[1] / t4}  # fmt: skip
+            if "TE" in times and name != "TE":
+                row["vs TE"] = times["TE"][0] / t1
+                row["4mb vs TE"] = times["TE"][1] / t4
+            rows.append(row)
+        print("  ".join(f"{nme} {t1:.3f}/{t4:.3f} ms" for nme, (t1, t4) in times.items()), f"({m}x{n}x{k})", flush=True)
+        torch.cuda.empty_cache()
+    env = environment()
+    print(f"\n# bench_linear  {env}")
+    print_table(rows, [("shape", ""), ("impl", ""), ("step ms", ".3f"), ("step TF", ".0f"), ("vs bf16", ".2f"), ("vs TE", ".2f"),
+                       ("4mb ms/mb", ".3f"), ("4mb vs bf16", ".2f"), ("4mb vs TE", ".2f")])  # fmt: skip
+    if te is None:
+        print(f"(TE not installed: {tex})")
+    if args.json:
+        save_json(args.json, {"env": env, "rows": rows})
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    for j, impl in enumerate(impls):
+        vals = [next((r["vs bf16"] for r in rows if r["shape"] == s and r["impl"] == impl), 0) for s in shapes]
+        ax.bar([i + 0.8 / len(impls) * j for i in range(len(shapes))], vals, width=0.8 / len(impls), label=impl)
+    ax.axhline(1.0, color="gray", lw=1)
+    ax.set_xticks(range(len(shapes)), shapes, rotation=20, fontsize=8)
+    ax.set_ylabel("speed vs torch BF16 (fwd+bwd step)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
