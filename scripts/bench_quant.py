@@ -92,18 +92,13 @@ def sweep_variants(p_act, p_w, m: int = 8192, k: int = 8192) -> None:
     copy_dst = torch.empty_like(x)
     copy_bw = 4 * x.numel() / bench_ms(lambda: copy_dst.copy_(x)) / 1e9
     nbytes = 4 * x.numel()  # read bf16 + two FP8 copies (scales: < 1%)
-    print(f"variants on {m}x{k} (copy {copy_bw:.2f} TB/s), % of copy bandwidth:")
-    for sub_m in (16, 32):
-        for sub_k in (16, 32, 64):
-            for warps in (4, 8):
-                t_a = bench_ms(
-                    lambda: quantize_1x128_dual(
-                        x, p_act, rowwise=True, columnwise=True, sub_m=sub_m, sub_k=sub_k, num_warps=warps
-                    )
-                )
-                t_w = bench_ms(lambda: quantize_128x128(x, p_w, sub_m=sub_m, sub_k=sub_k, num_warps=warps))
-                pa, pw = (100 * nbytes / t / 1e9 / copy_bw for t in (t_a, t_w))
-                print(f"  sub_m {sub_m:3} sub_k {sub_k:3} warps {warps}: act {pa:5.1f}%  weight {pw:5.1f}%", flush=True)
+    print(f"variants on {m}x{k} (copy {copy_bw:.2f} TB/s): sub_m, num_warps -> % of copy (act dual, weight)")
+    for sub_m in (16, 32, 64, 128):
+        for warps in (2, 4, 8):
+            t_a = bench_ms(lambda: quantize_1x128_dual(x, p_act, rowwise=True, columnwise=True, sub_m=sub_m, num_warps=warps))
+            t_w = bench_ms(lambda: quantize_128x128(x, p_w, sub_m=sub_m, num_warps=warps))
+            pa, pw = (100 * nbytes / t / 1e9 / copy_bw for t in (t_a, t_w))
+            print(f"  {sub_m:4} {warps:2} -> {pa:5.1f}%  {pw:5.1f}%", flush=True)
 
 
 def plot(rows: list[dict], path: str) -> None:

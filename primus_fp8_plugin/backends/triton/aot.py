@@ -62,22 +62,14 @@ def _quant_act_spec(in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool) ->
     sig = {"x_ptr": f"*{in_ty}", "row_q_ptr": f"*{fp8_ty}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{fp8_ty}",
            "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "stride_xm": "i32",
            "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr",
-           "COLWISE": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr",
-           "SUB_K": "constexpr"}  # fmt: skip
+           "COLWISE": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr"}  # fmt: skip
     cvt = "e4m3x2" if fp8_ty == "fp8e4nv" else "e5m2x2"
     amd = "v_cvt_scalef32_pk_fp8_f32" if fp8_ty == "fp8e4nv" else "v_cvt_scalef32_pk_bf8_f32"
     return KernelSpec(
         f"quantize_1x128_dual[{in_ty}->{fp8_ty},row={int(rowwise)},col={int(columnwise)}]",
         quantize_act._quantize_1x128_dual_kernel,
         sig,
-        {
-            "ROWWISE": rowwise,
-            "COLWISE": columnwise,
-            "POW2": True,
-            "BLOCK": 128,
-            "SUB_M": quantize_act.SUB_M,
-            "SUB_K": quantize_act.SUB_K,
-        },
+        {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": True, "BLOCK": 128, "SUB_M": quantize_act.SUB_M},
         quantize_act.NUM_WARPS,
         1,
         {"sm90": [rf"cvt\.rn\.satfinite\.{cvt}\.f32"], "gfx950": [amd]},
@@ -87,13 +79,12 @@ def _quant_act_spec(in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool) ->
 def _quant_weight_spec() -> KernelSpec:
     sig = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
-           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr",
-           "SUB_K": "constexpr"}  # fmt: skip
+           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr"}  # fmt: skip
     return KernelSpec(
         "quantize_128x128[bf16->fp8e4nv]",
         quantize_weight._quantize_128x128_kernel,
         sig,
-        {"POW2": True, "BLOCK": 128, "SUB_M": quantize_weight.SUB_M, "SUB_K": quantize_weight.SUB_K},
+        {"POW2": True, "BLOCK": 128, "SUB_M": quantize_weight.SUB_M},
         quantize_weight.NUM_WARPS,
         1,
         {"sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32"], "gfx950": ["v_cvt_scalef32_pk_fp8_f32"]},

@@ -1,18 +1,18 @@
 """Dual 1x128 quantization of activations and gradients: one HBM read of X, both copies written.
 
-Each program owns one 128x128 tile of X [M, K] and makes two passes over it (the second reads the
-tile from L2, not HBM):
+Each program owns one 128x128 tile of X [M, K] and walks it in chunks of SUB_M rows (a rolled
+loop: unrolling it let the compiler hoist every chunk's load and tripled the registers):
 
-1. rowwise, in chunks of SUB_M full rows: an amax per row (1x128 tiles), the rowwise copy [M, K]
-   and its scale_inv entries ``[kb, m]`` of the TE layout ``[ceil(K/128), pad4(M)]``;
-2. columnwise, in chunks of SUB_K full columns (all 128 rows): the chunk is transposed (in the
-   input dtype), an amax per column (128x1 tiles), the columnwise copy X^T [K, M] — each output
-   row receives the tile's 128 contiguous bytes — and its scale_inv entries ``[mb, k]`` of
-   ``[ceil(M/128), pad4(K)]``.
+1. per chunk: the rowwise copy [M, K] (1x128 tiles: an amax per row) is quantized and stored at
+   once, with its scale_inv entries ``[kb, m]`` of the TE layout ``[ceil(K/128), pad4(M)]``;
+   meanwhile a running per-column amax over the tile's 128 rows is kept;
+2. per chunk again (re-read from L2, not HBM): the columnwise copy X^T [K, M] (128x1 tiles) is
+   quantized with the column scales, transposed and stored, with its scale_inv entries ``[mb, k]``
+   of ``[ceil(M/128), pad4(K)]``.
 
-Each pass is self-contained, so nothing stays live between them: few registers per program, many
-programs (and loads) in flight per SM. The loops are rolled: unrolled, the compiler hoisted every
-chunk's load and tripled the registers. Programs on the last tile row/column also write the
+Small chunks keep few registers live per program, so many programs (and their loads) are in flight
+on each SM: the kernel is memory-bound, and latency hiding is what makes it fast. Transposes are
+done on fp32 values (before the FP8 cast). Programs on the last tile row/column also write the
 layout's padding entries (1.0).
 """
 
@@ -26,8 +26,7 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
 from .scales import abs_or_inf, is_bad, quantize_with_scale, scale_from_amax
 
-SUB_M = 16  # rows per chunk of the rowwise pass (measured on H200: docs/PERFORMANCE.md)
-SUB_K = 32  # columns per chunk of the columnwise pass
+SUB_M = 16  # rows per chunk (measured on H200: docs/PERFORMANCE.md)
 NUM_WARPS = 4
 
 
@@ -51,22 +50,23 @@ def _quantize_1x128_dual_kernel(
     POW2: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB_M: tl.constexpr,
-    SUB_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = pid_m * BLOCK
-    k0 = pid_k * BLOCK
+    cols = pid_k * BLOCK + tl.arange(0, BLOCK)
+    col_ok = cols < K
+    sub = tl.arange(0, SUB_M)
     x_tile = x_ptr + m0.to(tl.int64) * stride_xm  # 64-bit base; in-tile offsets fit in 32 bits
 
-    if ROWWISE:  # chunks of SUB_M full rows: 1x128 tiles along K
-        cols = k0 + tl.arange(0, BLOCK)
-        col_ok = cols < K
-        for c in tl.range(0, BLOCK // SUB_M):
-            r = c * SUB_M + tl.arange(0, SUB_M)
-            rows = m0 + r
-            mask = (rows < M)[:, None] & col_ok[None, :]
-            x = tl.load(x_tile + r[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # Column amax accumulates elementwise over the chunks (NaN counts as inf) and is reduced once.
+    col_amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)
+    for c in tl.range(0, BLOCK // SUB_M):
+        rows = m0 + c * SUB_M + sub
+        mask = (rows < M)[:, None] & col_ok[None, :]
+        x = tl.load(x_tile + (c * SUB_M + sub)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        if ROWWISE:
             amax = tl.max(abs_or_inf(x), axis=1)
             bad = is_bad(amax)
             scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
@@ -75,25 +75,23 @@ def _quantize_1x128_dual_kernel(
             s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
             s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
             tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
+        if COLWISE:
+            col_amax2d = tl.maximum(col_amax2d, abs_or_inf(x))
 
-    if COLWISE:  # chunks of SUB_K full columns (all 128 mrows): 128x1 tiles along M
-        mrows = m0 + tl.arange(0, BLOCK)
-        mrow_ok = mrows < M
-        for c in tl.range(0, BLOCK // SUB_K):
-            kcols = k0 + c * SUB_K + tl.arange(0, SUB_K)
-            kcol_ok = kcols < K
-            mask = mrow_ok[:, None] & kcol_ok[None, :]
-            x = tl.load(x_tile + tl.arange(0, BLOCK)[:, None] * stride_xm + kcols[None, :], mask=mask, other=0.0)
-            xt = tl.trans(x).to(tl.float32)  # [SUB_K (k), BLOCK (m)], transposed in the input dtype
-            amax = tl.max(abs_or_inf(xt), axis=1)
-            bad = is_bad(amax)
-            scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
+    if COLWISE:
+        col_amax = tl.max(col_amax2d, axis=0)
+        bad = is_bad(col_amax)
+        scale = scale_from_amax(col_amax, fp8_max, amax_eps, in_max, POW2)
+        for c in tl.range(0, BLOCK // SUB_M):
+            rows = m0 + c * SUB_M + sub
+            mask = (rows < M)[:, None] & col_ok[None, :]
+            x = tl.load(x_tile + (c * SUB_M + sub)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+            xt = tl.trans(x).to(tl.float32)  # [BLOCK (k), SUB_M (m)], transposed in the input dtype
             q = quantize_with_scale(xt, scale[:, None], bad[:, None], fp8_max, col_q_ptr.dtype.element_ty)
-            # X^T [K, M]: each of the SUB_K output mrows gets the tile's 128 contiguous bytes.
-            tl.store(col_q_ptr + kcols.to(tl.int64)[:, None] * M + mrows[None, :], q, mask=kcol_ok[:, None] & mrow_ok[None, :])
-            s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
-            s_inv = tl.where(kcol_ok, s_inv, 1.0)
-            tl.store(col_s_ptr + pid_m * K_PAD + kcols, s_inv, mask=kcols < K_PAD)
+            tl.store(col_q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], q, mask=col_ok[:, None] & (rows < M)[None, :])
+        s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
+        s_inv = tl.where(col_ok, s_inv, 1.0)
+        tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
 
 
 def quantize_1x128_dual(
@@ -103,7 +101,6 @@ def quantize_1x128_dual(
     rowwise: bool,
     columnwise: bool,
     sub_m: int = SUB_M,
-    sub_k: int = SUB_K,
     num_warps: int = NUM_WARPS,
 ) -> BlockwiseFp8Tensor:
     """Rowwise and/or columnwise 1x128 quantization of a contiguous 2-D ``x [M, K]`` in one pass."""
@@ -129,7 +126,7 @@ def quantize_1x128_dual(
             x, row_q if rowwise else q_any, row_s if rowwise else s_any, col_q if columnwise else q_any,
             col_s if columnwise else s_any, m, k, pad4(m), pad4(k), x.stride(0),
             params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
-            ROWWISE=rowwise, COLWISE=columnwise, POW2=params.pow2_scales, BLOCK=BLOCK, SUB_M=sub_m, SUB_K=sub_k,
+            ROWWISE=rowwise, COLWISE=columnwise, POW2=params.pow2_scales, BLOCK=BLOCK, SUB_M=sub_m,
             num_warps=num_warps,
         )  # fmt: skip
     elif columnwise:

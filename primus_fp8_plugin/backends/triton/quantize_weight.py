@@ -2,9 +2,9 @@
 
 Hopper FP8 tensor cores need the contraction dim contiguous, so dgrad needs W^T physically; both
 copies hold the same FP8 values and scales (transposed), produced by the same program. As in
-``quantize_act.py`` a program makes rolled passes over its 128x128 block: the block's amax (chunks
-of SUB_M rows, from HBM), then from L2 W (chunks of rows) and W^T (chunks of SUB_K full columns,
-transposed in the input dtype before the FP8 cast, never after).
+``quantize_act.py`` a program walks its 128x128 block in chunks of SUB_M rows: one pass for the
+block's amax, then (from L2) one to quantize and store W and one for W^T. The transposed copy is
+made by transposing fp32 values, never FP8 ones.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .scales import abs_or_inf, is_bad, quantize_with_scale, scale_from_amax
 
-SUB_M = 32  # rows per chunk of the amax and W passes (measured on H200: docs/PERFORMANCE.md)
-SUB_K = 32  # columns per chunk of the W^T pass
-NUM_WARPS = 4
+SUB_M = 64  # measured on H200: docs/PERFORMANCE.md
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -40,7 +39,6 @@ def _quantize_128x128_kernel(
     POW2: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB_M: tl.constexpr,
-    SUB_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -51,7 +49,7 @@ def _quantize_128x128_kernel(
     w_tile = w_ptr + n0.to(tl.int64) * stride_wn
 
     amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)  # NaN counts as inf: see scales.abs_or_inf
-    for c in tl.range(0, BLOCK // SUB_M):
+    for c in tl.static_range(BLOCK // SUB_M):
         rows = n0 + c * SUB_M + sub
         mask = (rows < N)[:, None] & col_ok[None, :]
         x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
@@ -61,36 +59,32 @@ def _quantize_128x128_kernel(
     bad = is_bad(amax)
     scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
 
-    # W, then W^T in separate passes (from L2). Computing both from one loaded chunk gave wrong W^T
-    # bytes (about 1 in 4) for fp32 inputs on sm_90 with triton 3.6, apparently as the compiler moved
-    # the transpose after the FP8 cast; tests/gpu guard this.
-    for c in tl.range(0, BLOCK // SUB_M):
+    # W, then W^T in a separate pass over the block (from L2). Computing both from one loaded chunk
+    # gave wrong W^T bytes (about 1 in 4) for fp32 inputs on sm_90 with triton 3.6, apparently as the
+    # compiler moved the transpose after the FP8 cast; tests/gpu guard this.
+    for c in tl.static_range(BLOCK // SUB_M):
         rows = n0 + c * SUB_M + sub
         mask = (rows < N)[:, None] & col_ok[None, :]
         x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
         q = quantize_with_scale(x.to(tl.float32), scale, bad, fp8_max, q_ptr.dtype.element_ty)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
-    # W^T [K, N] in chunks of SUB_K full columns, transposed in the input dtype: each output row
-    # receives the block's 128 contiguous bytes.
-    nrows = n0 + tl.arange(0, BLOCK)
-    nrow_ok = nrows < N
-    for c in tl.range(0, BLOCK // SUB_K):
-        kcols = pid_k * BLOCK + c * SUB_K + tl.arange(0, SUB_K)
-        kcol_ok = kcols < K
-        x = tl.load(
-            w_tile + tl.arange(0, BLOCK)[:, None] * stride_wn + kcols[None, :],
-            mask=nrow_ok[:, None] & kcol_ok[None, :],
-            other=0.0,
-        )
-        qt = quantize_with_scale(tl.trans(x).to(tl.float32), scale, bad, fp8_max, qt_ptr.dtype.element_ty)
-        tl.store(qt_ptr + kcols.to(tl.int64)[:, None] * N + nrows[None, :], qt, mask=kcol_ok[:, None] & nrow_ok[None, :])
+    scale_v = tl.zeros([BLOCK], dtype=tl.float32) + scale  # per-row scale vector, as in quantize_act
+    bad_v = (tl.zeros([BLOCK], dtype=tl.float32) + bad.to(tl.float32)) != 0.0
+    for c in tl.static_range(BLOCK // SUB_M):
+        rows = n0 + c * SUB_M + sub
+        row_ok = rows < N
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+        xt = tl.trans(x.to(tl.float32))  # [BLOCK (k), SUB_M (n)]
+        qt = quantize_with_scale(xt, scale_v[:, None], bad_v[:, None], fp8_max, qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :], qt, mask=col_ok[:, None] & row_ok[None, :])
     s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
     tl.store(s_ptr + pid_n * stride_s + pid_k, s_inv)
     tl.store(st_ptr + pid_k * stride_st + pid_n, s_inv)
 
 
 def quantize_128x128(
-    w: torch.Tensor, params: QuantParams, *, sub_m: int = SUB_M, sub_k: int = SUB_K, num_warps: int = NUM_WARPS
+    w: torch.Tensor, params: QuantParams, *, sub_m: int = SUB_M, num_warps: int = NUM_WARPS
 ) -> BlockwiseFp8Tensor:
     """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, in one pass."""
     assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
@@ -105,7 +99,7 @@ def quantize_128x128(
     _quantize_128x128_kernel[grid](
         w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
         params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
-        POW2=params.pow2_scales, BLOCK=BLOCK, SUB_M=sub_m, SUB_K=sub_k, num_warps=num_warps,
+        POW2=params.pow2_scales, BLOCK=BLOCK, SUB_M=sub_m, num_warps=num_warps,
     )  # fmt: skip
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st
