@@ -11,14 +11,23 @@ writes the best into primus_fp8_plugin/backends/triton/gemm_configs.json (the co
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import math
 import sys
 
 import torch
-from benchlib import bench_ms, environment, print_table, save_json, try_import_te
+from benchlib import (
+    bench_ms,
+    bench_parser,
+    environment,
+    print_table,
+    require_cuda,
+    save_figure,
+    save_json,
+    shapes_or,
+    try_import_te,
+)
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.backends.cublas import CublasBackend
@@ -98,16 +107,12 @@ def tune(shapes, recipe) -> dict[str, dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json")
-    ap.add_argument("--plot")
+    ap = bench_parser(__doc__, "MxNxK, e.g. 8192x8192x8192")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs and write the config table first")
-    ap.add_argument("--shapes", nargs="*", help="MxNxK, e.g. 8192x8192x8192")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_gemm needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("bench_gemm"):
         return 2
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = shapes_or(args, SHAPES)
     recipe = BlockwiseRecipe()
     if args.tune:
         table = tune(shapes, recipe)
@@ -185,9 +190,7 @@ def plot(rows, path):
         ax.set_title(direction)
         ax.set_ylabel("TFLOPS")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

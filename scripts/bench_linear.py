@@ -13,11 +13,20 @@ Two measurements per shape (M tokens, N out, K in; 6*M*N*K FLOPs per forward+bac
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
-from benchlib import bench_ms, environment, print_table, save_json, try_import_te
+from benchlib import (
+    bench_ms,
+    bench_parser,
+    environment,
+    print_table,
+    require_cuda,
+    save_figure,
+    save_json,
+    shapes_or,
+    try_import_te,
+)
 
 from primus_fp8_plugin import Fp8BlockwiseLinear, backend_availability
 
@@ -42,16 +51,12 @@ def step_fns(layer, x, dy, call):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json")
-    ap.add_argument("--plot")
-    ap.add_argument("--shapes", nargs="*", help="MxNxK")
+    ap = bench_parser(__doc__, "MxNxK")
     ap.add_argument("--backends", nargs="*", default=["cublas", "triton"])
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_linear needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("bench_linear"):
         return 2
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = shapes_or(args, SHAPES)
     te, tex = try_import_te()
     rows = []
     for m, n, k in shapes:
@@ -134,9 +139,7 @@ def plot(rows, path):
     ax.set_xticks(range(len(shapes)), shapes, rotation=20, fontsize=8)
     ax.set_ylabel("speed vs torch BF16 (fwd+bwd step)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,20 @@ bytes written; "copy" is a device-to-device copy of X measured in the same run (
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
-from benchlib import bench_ms, environment, print_table, save_json, try_import_te
+from benchlib import (
+    bench_ms,
+    bench_parser,
+    environment,
+    print_table,
+    require_cuda,
+    save_figure,
+    save_json,
+    shapes_or,
+    try_import_te,
+)
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.backends.reference import ReferenceBackend
@@ -26,16 +35,12 @@ SHAPES = [(8192, 8192), (16384, 4096), (8192, 29568), (4096, 14336)]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json")
-    ap.add_argument("--plot")
-    ap.add_argument("--shapes", nargs="*", help="MxK, e.g. 8192x8192")
+    ap = bench_parser(__doc__, "MxK, e.g. 8192x8192")
     ap.add_argument("--variants", action="store_true", help="first sweep our kernels' (SUB_M, num_warps) on 8192x8192")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_quant needs a CUDA GPU", file=sys.stderr)
+    if not require_cuda("bench_quant"):
         return 2
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = shapes_or(args, SHAPES)
     recipe = BlockwiseRecipe()
     p_act, p_w = recipe.params(TensorRole.INPUT), recipe.params(TensorRole.WEIGHT)
     te, tex = try_import_te()
@@ -122,9 +127,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_title(op)
         ax.set_ylabel("% of device-copy bandwidth")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -66,3 +68,29 @@ def try_import_te():
         return te, tex
     except Exception as err:  # noqa: BLE001
         return None, str(err)
+
+
+def bench_parser(doc: str, shape_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --json, --plot, --shapes."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--json", help="write the rows and the environment as JSON")
+    ap.add_argument("--plot", help="write a PNG")
+    ap.add_argument("--shapes", nargs="*", help=shape_help)
+    return ap
+
+
+def shapes_or(args: argparse.Namespace, default: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    return [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else default
+
+
+def require_cuda(name: str) -> bool:
+    if torch.cuda.is_available():
+        return True
+    print(f"{name} needs a CUDA GPU", file=sys.stderr)
+    return False
+
+
+def save_figure(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

@@ -104,10 +104,8 @@ def check_error_bound(x: torch.Tensor, q: BlockwiseFp8Tensor, params: QuantParam
             assert torch.all(m == 0.5), "power-of-2 scales expected"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    m=st.integers(1, 300),
-    k=st.integers(1, 300),
+# Everything a quantization is parametrized by, drawn afresh by hypothesis (shapes drawn per test).
+VARIANTS = dict(
     dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
     fp8=st.sampled_from([E4M3, E5M2]),
     block_dim=st.sampled_from([1, 2]),
@@ -115,9 +113,18 @@ def check_error_bound(x: torch.Tensor, q: BlockwiseFp8Tensor, params: QuantParam
     eps=st.sampled_from([0.0, 1e-3]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_dequantize_error_bound(backend, m, k, dtype, fp8, block_dim, pow2, eps, seed):
+
+
+def random_input(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows over many binades, scaled to stay inside fp16's range when dtype is fp16."""
     x = make_input((m, k), dtype=torch.float32, seed=seed)
-    x = (x / x.abs().max().clamp_min(1e-30) * (1000 if dtype is torch.float16 else 1e6)).to(dtype)
+    return (x / x.abs().max().clamp_min(1e-30) * (1000 if dtype is torch.float16 else 1e6)).to(dtype)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(m=st.integers(1, 300), k=st.integers(1, 300), **VARIANTS)
+def test_dequantize_error_bound(backend, m, k, dtype, fp8, block_dim, pow2, eps, seed):
+    x = random_input(m, k, dtype, seed)
     params = QuantParams(fp8, block_dim, pow2_scales=pow2, amax_epsilon=eps)
     q = quantize(x, params, backend)
     assert q.shape == (m, k) and q.orig_dtype == dtype
@@ -244,19 +251,9 @@ def test_bad_input_is_refused(backend):
 
 # ---- every backend agrees with the reference bit for bit -------------------------------------
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    m=st.integers(1, 260),
-    k=st.integers(1, 20).map(lambda i: 16 * i),
-    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
-    fp8=st.sampled_from([E4M3, E5M2]),
-    block_dim=st.sampled_from([1, 2]),
-    pow2=st.booleans(),
-    eps=st.sampled_from([0.0, 1e-3]),
-    seed=st.integers(0, 2**31 - 1),
-)
+@given(m=st.integers(1, 260), k=st.integers(1, 20).map(lambda i: 16 * i), **VARIANTS)
 def test_matches_reference_bit_for_bit(backend, m, k, dtype, fp8, block_dim, pow2, eps, seed):
-    x = make_input((m, k), dtype=torch.float32, seed=seed)
-    x = (x / x.abs().max().clamp_min(1e-30) * (1000 if dtype is torch.float16 else 1e6)).to(dtype)
+    x = random_input(m, k, dtype, seed)
     if m > 3:
         x[m // 2, : min(k, 128)] = 0  # a zero tile (1D) / partly-zero block
     params = QuantParams(fp8, block_dim, pow2_scales=pow2, amax_epsilon=eps)
