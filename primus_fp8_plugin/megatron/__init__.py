@@ -1,0 +1,33 @@
+"""Megatron-core integration: FP8 blockwise layer classes and layer specs (needs ``megatron-core``)."""
+
+from .layers import (
+    Fp8ColumnParallelLinear,
+    Fp8LayerNormColumnParallelLinear,
+    Fp8RowParallelLinear,
+    set_is_first_microbatch,
+)
+from .specs import (
+    Fp8SpecProvider,
+    apply_fp8_blockwise,
+    fp8_block_spec,
+    fp8_gpt_layer_spec,
+    fp8_gpt_layer_spec_rmsnorm,
+    fp8_gpt_moe_layer_spec,
+    get_gpt_layer_spec,
+    is_fp8_linear,
+)
+
+__all__ = [
+    "Fp8ColumnParallelLinear",
+    "Fp8LayerNormColumnParallelLinear",
+    "Fp8RowParallelLinear",
+    "Fp8SpecProvider",
+    "apply_fp8_blockwise",
+    "fp8_block_spec",
+    "fp8_gpt_layer_spec",
+    "fp8_gpt_layer_spec_rmsnorm",
+    "fp8_gpt_moe_layer_spec",
+    "get_gpt_layer_spec",
+    "is_fp8_linear",
+    "set_is_first_microbatch",
+]

@@ -1,0 +1,73 @@
+"""Running Megatron-core on a CPU (tests, the CPU demo): the stand-ins it needs, and gloo set-up.
+
+Megatron-core assumes CUDA in a few places that have nothing to do with the math. FACTS.md §5 lists
+what makes GPTModel forward/backward and distributed checkpointing run on a CPU with gloo:
+``torch.cuda.current_device`` answering "cpu", the CUDA RNG tracker's ``fork`` as a null context,
+``torch.cuda.synchronize`` as a no-op, ``use_cpu_initialization=True``, fusions off, and no
+``model_parallel_cuda_manual_seed``; and (seen with 0.19.2) the default causal attention mask,
+which Megatron allocates on "cuda". Only call this where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+_installed = False
+
+
+def install_cpu_standins() -> None:
+    """Patch the CUDA-only calls Megatron-core makes outside the math (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("install_cpu_standins() is for machines without a GPU")
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer import utils as tf_utils
+
+    def causal_mask_on_cpu(sq: int) -> torch.Tensor:  # Megatron builds its default mask on "cuda"
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    tf_utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = causal_mask_on_cpu
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    mp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    _installed = True
+
+
+def init_cpu_distributed(rank: int = 0, world_size: int = 1, tp: int = 1, port: int | None = None) -> None:
+    """gloo process group + Megatron's model-parallel groups (TP = ``tp``) on this CPU process."""
+    from megatron.core import parallel_state
+
+    install_cpu_standins()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port or 29531))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def cpu_transformer_config(**overrides):
+    """A ``TransformerConfig`` with what a CPU run needs (CPU init, fusions off); ``overrides`` win."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)

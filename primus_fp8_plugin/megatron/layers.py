@@ -1,0 +1,147 @@
+"""Megatron-core linear layers computing with FP8 blockwise GEMMs.
+
+They subclass Megatron's own ``ColumnParallelLinear`` / ``RowParallelLinear``, so tensor-parallel
+attributes, weight initialisation, ``sharded_state_dict`` and ``main_grad`` handling stay Megatron's;
+only ``_forward_impl`` (the matrix multiply with its tensor-parallel communication) is replaced:
+
+* column-parallel: with sequence parallelism the input is all-gathered along the sequence
+  (reduce-scattered in backward); otherwise the input gradient is all-reduced across TP ranks
+  (``allreduce_dgrad``). Then the FP8 blockwise linear runs on the local weight shard.
+* row-parallel: the FP8 blockwise linear on the local shard; Megatron's forward then reduces (or
+  reduce-scatters) the output as usual.
+
+Every layer owns a weight cache refreshed once per weight version (the version counter, storage
+and a global optimizer-step counter, so Megatron's post-step copies of main params are seen) and
+whenever ``is_first_microbatch`` is set. Note: Megatron's ``MegatronModule.set_is_first_microbatch``
+only sets it when ``config.fp8`` is set (TE's switch), which plugin users leave unset;
+``set_is_first_microbatch(model)`` here sets it on the plugin's layers. Gradient-accumulation
+fusion accumulates the weight gradient into ``weight.main_grad`` in fp32.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from ..linear import fp8_blockwise_linear
+from ..recipe import BlockwiseRecipe
+from ..weight_cache import WeightCache
+
+
+def _accepted(cls: type, kwargs: dict) -> dict:
+    """The keyword arguments ``cls.__init__`` accepts: Megatron adds and drops some across versions."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+class _Fp8LinearMixin:
+    """What the FP8 layers add to Megatron's: recipe, backend, weight cache and the FP8 matmul."""
+
+    def _init_fp8(self, fp8_recipe: BlockwiseRecipe | None, fp8_backend: str) -> None:
+        self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
+        self.fp8_backend = fp8_backend
+        self._weight_cache = WeightCache()
+        self.is_first_microbatch: bool | None = None
+
+    def _fp8_linear(self, input, weight, bias, gradient_accumulation_fusion: bool):
+        # Megatron's gradient_accumulation_fusion: accumulate dW into main_grad (fp32) in the GEMM.
+        weight.fuse_wgrad_accumulation = bool(gradient_accumulation_fusion)
+        refresh = bool(self.is_first_microbatch)
+        out = fp8_blockwise_linear(
+            input, weight, bias, recipe=self.fp8_recipe, backend=self.fp8_backend,
+            weight_cache=self._weight_cache, refresh_weight_cache=refresh,
+        )  # fmt: skip
+        if refresh:
+            self.is_first_microbatch = False
+        return out
+
+    @property
+    def weight_cache_nbytes(self) -> int:
+        return self._weight_cache.nbytes
+
+    def _apply(self, fn, *args, **kwargs):
+        self._weight_cache.invalidate()
+        return super()._apply(fn, *args, **kwargs)
+
+
+class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
+    """``ColumnParallelLinear`` with FP8 blockwise GEMMs. Extra keyword arguments: ``fp8_recipe``
+    (a ``BlockwiseRecipe``) and ``fp8_backend`` (a backend name or ``"auto"``)."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto", **kwargs):
+        super().__init__(
+            input_size, output_size, config=config, init_method=init_method, **_accepted(ColumnParallelLinear, kwargs)
+        )
+        self._init_fp8(fp8_recipe, fp8_backend)
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                      sequence_parallel=False, tp_group=None, **_unused):  # fmt: skip
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)
+
+
+class Fp8RowParallelLinear(_Fp8LinearMixin, RowParallelLinear):
+    """``RowParallelLinear`` with FP8 blockwise GEMMs (extra keywords as ``Fp8ColumnParallelLinear``)."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto", **kwargs):
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **_accepted(RowParallelLinear, kwargs))
+        self._init_fp8(fp8_recipe, fp8_backend)
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, **_unused):
+        return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)
+
+
+class Fp8LayerNormColumnParallelLinear(Fp8ColumnParallelLinear):
+    """Norm (LayerNorm or RMSNorm, from ``config.normalization``) followed by an FP8 column-parallel
+    linear: stands where TE's ``TELayerNormColumnParallelLinear`` stands (``linear_qkv``,
+    ``linear_fc1``), with the same parameter names (``layer_norm_weight``, ``layer_norm_bias``), so
+    checkpoints map onto TE-spec and local-spec checkpoints."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, **kwargs):
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
+        self.normalization = getattr(config, "normalization", "LayerNorm")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"Fp8LayerNormColumnParallelLinear supports LayerNorm and RMSNorm, got {self.normalization!r}")
+        self.eps = config.layernorm_epsilon
+        self.zero_centered_gamma = getattr(config, "layernorm_zero_centered_gamma", False)
+        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
+        gamma = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.layer_norm_weight = torch.nn.Parameter(gamma(input_size, device=device, dtype=config.params_dtype))
+        self.layer_norm_bias = (
+            torch.nn.Parameter(torch.zeros(input_size, device=device, dtype=config.params_dtype))
+            if self.normalization == "LayerNorm"
+            else None
+        )
+        # Sequence-parallel norm weights see only local tokens: Megatron all-reduces their grads.
+        for p in (self.layer_norm_weight, self.layer_norm_bias):
+            if p is not None:
+                p.sequence_parallel = self.sequence_parallel
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        if self.normalization == "LayerNorm":
+            normed = torch.nn.functional.layer_norm(input_, (input_.shape[-1],), gamma, self.layer_norm_bias, self.eps)
+        else:
+            normed = torch.nn.functional.rms_norm(input_, (input_.shape[-1],), gamma, self.eps)
+        return super().forward(normed, weight=weight, runtime_gather_output=runtime_gather_output)
+
+
+def set_is_first_microbatch(model: torch.nn.Module) -> int:
+    """Mark every FP8 layer of ``model`` so its next forward re-quantizes its weight (call it at
+    the start of a training step; Megatron's own method skips it unless ``config.fp8`` is set).
+    Returns how many layers were marked."""
+    layers = [m for m in model.modules() if isinstance(m, _Fp8LinearMixin)]
+    for m in layers:
+        m.is_first_microbatch = True
+    return len(layers)

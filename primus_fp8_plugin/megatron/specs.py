@@ -1,0 +1,165 @@
+"""Layer specs that put the FP8 blockwise layers into Megatron-core models.
+
+* ``get_gpt_layer_spec(...)``: a GPT layer (dense or MoE), TE-style with the norm fused into
+  ``linear_qkv`` / ``linear_fc1`` (``fused_norm=True``), or local-style with separate norms.
+* ``apply_fp8_blockwise(spec, ...)``: swaps every linear of an existing spec (local or TE) for its
+  FP8 counterpart; ``fp8_block_spec`` keeps chosen layers (e.g. first and last) in BF16.
+* ``Fp8SpecProvider``: a Megatron ``BackendSpecProvider``.
+* Module-level specs for Megatron-LM's ``--spec primus_fp8_plugin.megatron <name>``:
+  ``fp8_gpt_layer_spec`` (LayerNorm), ``fp8_gpt_layer_spec_rmsnorm``, ``fp8_gpt_moe_layer_spec``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterable
+from functools import partial
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from ..recipe import BlockwiseRecipe
+from .layers import Fp8ColumnParallelLinear, Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
+
+# Linear classes replaced by apply_fp8_blockwise, matched by name so TE's need not be importable.
+_SWAP = {
+    "ColumnParallelLinear": Fp8ColumnParallelLinear,
+    "TEColumnParallelLinear": Fp8ColumnParallelLinear,
+    "RowParallelLinear": Fp8RowParallelLinear,
+    "TERowParallelLinear": Fp8RowParallelLinear,
+    "TELayerNormColumnParallelLinear": Fp8LayerNormColumnParallelLinear,
+}
+_FP8_CLASSES = (Fp8ColumnParallelLinear, Fp8RowParallelLinear, Fp8LayerNormColumnParallelLinear)
+
+
+def _fp8_module(cls: type, recipe: BlockwiseRecipe | None, backend: str) -> ModuleSpec:
+    return ModuleSpec(module=cls, params={"fp8_recipe": recipe, "fp8_backend": backend})
+
+
+def _swap(node, recipe, backend):
+    """Recursively replace linear classes in a spec tree (ModuleSpec, submodule dataclasses, partials)."""
+    if isinstance(node, type):
+        new = _SWAP.get(node.__name__)
+        return _fp8_module(new, recipe, backend) if new is not None else node
+    if isinstance(node, ModuleSpec):
+        node = copy.copy(node)
+        if isinstance(node.module, type) and node.module.__name__ in _SWAP:
+            params = dict(node.params or {})
+            params.update(fp8_recipe=recipe, fp8_backend=backend)
+            node.module, node.params = _SWAP[node.module.__name__], params
+        if node.submodules is not None:
+            node.submodules = _swap(node.submodules, recipe, backend)
+        return node
+    if isinstance(node, partial):
+        return partial(_swap(node.func, recipe, backend), *node.args,
+                       **{k: _swap(v, recipe, backend) for k, v in node.keywords.items()})  # fmt: skip
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {f.name: _swap(getattr(node, f.name), recipe, backend) for f in dataclasses.fields(node)}
+        return dataclasses.replace(node, **changes)
+    if isinstance(node, list):
+        return [_swap(v, recipe, backend) for v in node]
+    return node
+
+
+def apply_fp8_blockwise(spec, *, recipe: BlockwiseRecipe | None = None, backend: str = "auto"):
+    """A copy of ``spec`` whose column/row-parallel linears (local or TE classes, TE's fused
+    norm+linear included) are the FP8 blockwise ones. Norms, attention and everything else stay."""
+    return _swap(spec, recipe, backend)
+
+
+def fp8_block_spec(layer_spec, num_layers: int, *, bf16_layers: Iterable[int] = (), recipe=None, backend="auto"):
+    """A ``TransformerBlockSubmodules`` with ``num_layers`` layers, FP8 except ``bf16_layers``
+    (indices; negative ones count from the end, e.g. ``(0, -1)`` keeps the first and last in BF16).
+    ``layer_spec`` is the BF16 (local or TE) layer spec."""
+    keep = {i % num_layers for i in bf16_layers}
+    fp8 = apply_fp8_blockwise(layer_spec, recipe=recipe, backend=backend)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec if i in keep else fp8 for i in range(num_layers)])
+
+
+def get_gpt_layer_spec(
+    num_experts: int | None = None,
+    *,
+    qk_layernorm: bool = False,
+    normalization: str = "LayerNorm",
+    fused_norm: bool = True,
+    recipe: BlockwiseRecipe | None = None,
+    backend: str = "auto",
+) -> ModuleSpec:
+    """A GPT transformer layer with FP8 blockwise linears.
+
+    ``fused_norm=True`` (TE-style): ``input_layernorm`` is folded into ``linear_qkv`` and, for dense
+    layers, ``pre_mlp_layernorm`` into ``linear_fc1`` (MoE layers keep a separate pre-MLP norm:
+    the router needs the normalized input). ``fused_norm=False``: Megatron's local layout.
+    ``num_experts``: None for dense, else an MoE layer with SequentialMLP experts.
+    """
+    spec = apply_fp8_blockwise(
+        get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization=normalization),
+        recipe=recipe,
+        backend=backend,
+    )
+    if not fused_norm:
+        return spec
+    sub = spec.submodules
+    fused = _fp8_module(Fp8LayerNormColumnParallelLinear, recipe, backend)
+    attn = copy.copy(sub.self_attention)
+    attn.submodules = dataclasses.replace(attn.submodules, linear_qkv=fused)
+    changes = {"input_layernorm": IdentityOp, "self_attention": attn, "sharded_state_dict_keys_map": {}}
+    if num_experts is None:
+        changes.update(pre_mlp_layernorm=IdentityOp, mlp=_with_fc1(sub.mlp, fused))
+    return ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(sub, **changes))
+
+
+def _with_fc1(mlp, fc1):
+    """The MLP spec (a ModuleSpec or, in Megatron >= 0.17, a partial) with ``linear_fc1`` replaced."""
+    if isinstance(mlp, partial):
+        kw = dict(mlp.keywords)
+        kw["submodules"] = dataclasses.replace(kw["submodules"], linear_fc1=fc1)
+        return partial(mlp.func, *mlp.args, **kw)
+    mlp = copy.copy(mlp)
+    mlp.submodules = dataclasses.replace(mlp.submodules, linear_fc1=fc1)
+    return mlp
+
+
+class Fp8SpecProvider(LocalSpecProvider):
+    """Megatron ``BackendSpecProvider``: local modules, with FP8 blockwise linears and (by default)
+    the norm fused into the column-parallel linear that follows it."""
+
+    def __init__(self, recipe: BlockwiseRecipe | None = None, backend: str = "auto", fuse_norm: bool = True):
+        self.recipe, self.backend, self.fuse_norm = recipe, backend, fuse_norm
+
+    def column_parallel_linear(self):
+        return _fp8_module(Fp8ColumnParallelLinear, self.recipe, self.backend)
+
+    def row_parallel_linear(self):
+        return _fp8_module(Fp8RowParallelLinear, self.recipe, self.backend)
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return self.fuse_norm
+
+    def column_parallel_layer_norm_linear(self):
+        return _fp8_module(Fp8LayerNormColumnParallelLinear, self.recipe, self.backend) if self.fuse_norm else None
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+        return partial(
+            SequentialMLP,
+            submodules=MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear()),
+        )
+
+
+def is_fp8_linear(module) -> bool:
+    return isinstance(module, _FP8_CLASSES)
+
+
+assert {c.__name__ for c in (ColumnParallelLinear, RowParallelLinear)} <= _SWAP.keys()
+
+# For Megatron-LM: --spec primus_fp8_plugin.megatron fp8_gpt_layer_spec
+fp8_gpt_layer_spec = get_gpt_layer_spec()
+fp8_gpt_layer_spec_rmsnorm = get_gpt_layer_spec(normalization="RMSNorm")
+fp8_gpt_moe_layer_spec = get_gpt_layer_spec(num_experts=8)

@@ -1,0 +1,12 @@
+import pytest
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """A one-process gloo world with Megatron's parallel state (TP=1) and the CPU stand-ins."""
+    from primus_fp8_plugin.megatron.cpu import init_cpu_distributed
+
+    init_cpu_distributed(port=29611)
+    yield
