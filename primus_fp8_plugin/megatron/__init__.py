@@ -6,6 +6,7 @@ from .layers import (
     Fp8RowParallelLinear,
     set_is_first_microbatch,
 )
+from .norm import TorchNorm
 from .specs import (
     Fp8SpecProvider,
     apply_fp8_blockwise,
@@ -13,6 +14,7 @@ from .specs import (
     fp8_gpt_layer_spec,
     fp8_gpt_layer_spec_rmsnorm,
     fp8_gpt_moe_layer_spec,
+    get_gpt_block_spec,
     get_gpt_layer_spec,
     is_fp8_linear,
 )
@@ -22,11 +24,13 @@ __all__ = [
     "Fp8LayerNormColumnParallelLinear",
     "Fp8RowParallelLinear",
     "Fp8SpecProvider",
+    "TorchNorm",
     "apply_fp8_blockwise",
     "fp8_block_spec",
     "fp8_gpt_layer_spec",
     "fp8_gpt_layer_spec_rmsnorm",
     "fp8_gpt_moe_layer_spec",
+    "get_gpt_block_spec",
     "get_gpt_layer_spec",
     "is_fp8_linear",
     "set_is_first_microbatch",

@@ -48,7 +48,9 @@ def init_cpu_distributed(rank: int = 0, world_size: int = 1, tp: int = 1, port: 
     install_cpu_standins()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port or 29531))
+        if port is not None:  # an explicit port wins over one inherited from a parent process
+            os.environ["MASTER_PORT"] = str(port)
+        os.environ.setdefault("MASTER_PORT", "29531")
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
 from ..linear import fp8_blockwise_linear
 from ..recipe import BlockwiseRecipe
 from ..weight_cache import WeightCache
+from .norm import apply_norm, make_norm_params
 
 
 def _accepted(cls: type, kwargs: dict) -> dict:
@@ -115,25 +116,13 @@ class Fp8LayerNormColumnParallelLinear(Fp8ColumnParallelLinear):
             raise ValueError(f"Fp8LayerNormColumnParallelLinear supports LayerNorm and RMSNorm, got {self.normalization!r}")
         self.eps = config.layernorm_epsilon
         self.zero_centered_gamma = getattr(config, "layernorm_zero_centered_gamma", False)
-        device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
-        gamma = torch.zeros if self.zero_centered_gamma else torch.ones
-        self.layer_norm_weight = torch.nn.Parameter(gamma(input_size, device=device, dtype=config.params_dtype))
-        self.layer_norm_bias = (
-            torch.nn.Parameter(torch.zeros(input_size, device=device, dtype=config.params_dtype))
-            if self.normalization == "LayerNorm"
-            else None
-        )
         # Sequence-parallel norm weights see only local tokens: Megatron all-reduces their grads.
-        for p in (self.layer_norm_weight, self.layer_norm_bias):
-            if p is not None:
-                p.sequence_parallel = self.sequence_parallel
+        make_norm_params(self, config, input_size, prefix="layer_norm_")
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
-        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
-        if self.normalization == "LayerNorm":
-            normed = torch.nn.functional.layer_norm(input_, (input_.shape[-1],), gamma, self.layer_norm_bias, self.eps)
-        else:
-            normed = torch.nn.functional.rms_norm(input_, (input_.shape[-1],), gamma, self.eps)
+        normed = apply_norm(
+            input_, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma
+        )
         return super().forward(normed, weight=weight, runtime_gather_output=runtime_gather_output)
 
 

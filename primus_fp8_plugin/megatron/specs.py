@@ -4,6 +4,8 @@
   ``linear_qkv`` / ``linear_fc1`` (``fused_norm=True``), or local-style with separate norms.
 * ``apply_fp8_blockwise(spec, ...)``: swaps every linear of an existing spec (local or TE) for its
   FP8 counterpart; ``fp8_block_spec`` keeps chosen layers (e.g. first and last) in BF16.
+* ``get_gpt_block_spec(num_layers, ...)``: a whole decoder block (with a sequence-parallel capable
+  final norm), optionally with BF16 layers (e.g. first and last).
 * ``Fp8SpecProvider``: a Megatron ``BackendSpecProvider``.
 * Module-level specs for Megatron-LM's ``--spec primus_fp8_plugin.megatron <name>``:
   ``fp8_gpt_layer_spec`` (LayerNorm), ``fp8_gpt_layer_spec_rmsnorm``, ``fp8_gpt_moe_layer_spec``.
@@ -27,6 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ..recipe import BlockwiseRecipe
 from .layers import Fp8ColumnParallelLinear, Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
+from .norm import TorchNorm
 
 # Linear classes replaced by apply_fp8_blockwise, matched by name so TE's need not be importable.
 _SWAP = {
@@ -80,7 +83,31 @@ def fp8_block_spec(layer_spec, num_layers: int, *, bf16_layers: Iterable[int] = 
     ``layer_spec`` is the BF16 (local or TE) layer spec."""
     keep = {i % num_layers for i in bf16_layers}
     fp8 = apply_fp8_blockwise(layer_spec, recipe=recipe, backend=backend)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec if i in keep else fp8 for i in range(num_layers)])
+    layers = [layer_spec if i in keep else fp8 for i in range(num_layers)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm)
+
+
+def get_gpt_block_spec(num_layers: int, *, bf16_layers: Iterable[int] = (), **layer_kwargs) -> TransformerBlockSubmodules:
+    """A whole decoder block of ``get_gpt_layer_spec(**layer_kwargs)`` layers with a final norm that
+    works with sequence parallelism (``TorchNorm``); ``bf16_layers`` get Megatron's local BF16 layer."""
+    fp8 = get_gpt_layer_spec(**layer_kwargs)
+    keep = {i % num_layers for i in bf16_layers}
+    bf16 = None
+    if keep:
+        normalization = layer_kwargs.get("normalization", "LayerNorm")
+        bf16 = get_gpt_layer_local_spec(num_experts=layer_kwargs.get("num_experts"), normalization=normalization)
+    layers = [bf16 if i in keep else fp8 for i in range(num_layers)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm)
+
+
+def _norms_to_torch_norm(spec):
+    """Separate norms of a layer spec -> TorchNorm (sequence-parallel capable without apex/TE)."""
+    sub = spec.submodules
+    changes = {}
+    for field in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(sub, field) is not IdentityOp:
+            changes[field] = TorchNorm
+    return ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(sub, **changes))
 
 
 def get_gpt_layer_spec(
@@ -104,6 +131,7 @@ def get_gpt_layer_spec(
         recipe=recipe,
         backend=backend,
     )
+    spec = _norms_to_torch_norm(spec)
     if not fused_norm:
         return spec
     sub = spec.submodules

