@@ -23,5 +23,5 @@ echo "[setup] installing primus-fp8-plugin[dev] (editable)"
 # declared dependencies pull in far more than megatron.core needs, so install it alone plus those.
 echo "[setup] installing megatron-core 0.19.2"
 "$VENV/bin/python" -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
-"$VENV/bin/python" -m pip install -q "packaging" "psutil" "einops"
+"$VENV/bin/python" -m pip install -q "packaging" "psutil" "einops" "hydra-core>=1.3" "omegaconf>=2.3" "tqdm"
 echo "$want" > "$stamp"

@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 _installed = False
 
@@ -39,6 +40,33 @@ def install_cpu_standins() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     mp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     _installed = True
+
+
+class CudaAsCpu(TorchFunctionMode):
+    """Runs code that hard-codes CUDA (Megatron's optimizers: ``device='cuda'`` buffers,
+    ``tensor.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'`` checks) on CPU tensors: device
+    arguments naming CUDA become the CPU, ``.cuda()`` is the identity, and ``Tensor.type()`` reports
+    the CUDA type name. For CPU training runs only (a Python hook on every torch call)."""
+
+    @staticmethod
+    def _cpu(dev):
+        if dev is None:
+            return dev
+        d = dev if isinstance(dev, torch.device) else torch.device(dev) if isinstance(dev, (str, int)) else None
+        return torch.device("cpu") if d is not None and d.type == "cuda" else dev
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = self._cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device)):
+            args = (args[0], self._cpu(args[1]), *args[2:])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
 
 
 def init_cpu_distributed(rank: int = 0, world_size: int = 1, tp: int = 1, port: int | None = None) -> None:

@@ -1,0 +1,149 @@
+"""Structured (typed) configuration of a training run, validated at start-up.
+
+Hydra composes ``configs/`` into these dataclasses (``configs/README.md``); a wrong type fails at
+composition and a wrong value fails in ``validate`` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FP8_MODES = ("bf16", "blockwise", "te_blockwise")
+BACKENDS = ("auto", "triton", "cublas", "flydsl", "reference")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 256
+    ffn_hidden_size: int = 1024
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # GQA groups; None = multi-head attention
+    seq_length: int = 128
+    normalization: str = "LayerNorm"  # or RMSNorm
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"  # or rope
+    add_bias_linear: bool = True
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    init_method_std: float = 0.02
+
+
+@dataclass
+class Fp8Config:
+    mode: str = "blockwise"  # bf16 | blockwise (this plugin) | te_blockwise (Transformer Engine)
+    fp8_format: str = "E4M3"  # or HYBRID
+    pow2_scales: bool = True
+    bf16_layers: list[int] = field(default_factory=list)  # layer indices kept in BF16 (negative ok)
+
+
+@dataclass
+class BackendConfig:
+    name: str = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib: Python's own source files, byte tokens; indexed: a Megatron prefix
+    path: str | None = None  # for source=indexed: the prefix of a .bin/.idx pair
+    cache_dir: str = "outputs/data"
+    max_bytes: int = 16_000_000  # how much stdlib source to tokenize
+    split: str = "98,2,0"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    seed: int = 1234
+    eval_interval: int = 100
+    eval_steps: int = 4
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    save_interval: int = 0  # 0: only at the end (when dir is set)
+    resume: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "outputs/run"
+    log_interval: int = 10
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    device: str = "auto"  # auto | cpu | cuda
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field."""
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {message}")
+
+
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Check values (types were checked by the schema). Raises ConfigError naming the field."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _require(cfg.fp8.mode in FP8_MODES, "fp8.mode", f"{cfg.fp8.mode!r} is not one of {FP8_MODES}")
+    _require(cfg.fp8.fp8_format in ("E4M3", "HYBRID"), "fp8.fp8_format", f"{cfg.fp8.fp8_format!r}: use E4M3 or HYBRID")
+    _require(cfg.backend.name in BACKENDS, "backend.name", f"{cfg.backend.name!r} is not one of {BACKENDS}")
+    _require(cfg.device in ("auto", "cpu", "cuda"), "device", f"{cfg.device!r}: use auto, cpu or cuda")
+    _require(m.normalization in ("LayerNorm", "RMSNorm"), "model.normalization", f"{m.normalization!r}")
+    _require(
+        m.position_embedding_type in ("learned_absolute", "rope"),
+        "model.position_embedding_type",
+        f"{m.position_embedding_type!r}",
+    )
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length"):
+        _require(getattr(m, name) > 0, f"model.{name}", "must be > 0")
+    _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size", "must be divisible by model.num_attention_heads")
+    _require(p.tp >= 1 and p.pp >= 1, "parallel.tp", "tp and pp must be >= 1")
+    _require(world_size % (p.tp * p.pp) == 0, "parallel.tp", f"tp*pp = {p.tp * p.pp} does not divide the world size {world_size}")
+    _require(m.num_attention_heads % p.tp == 0, "parallel.tp", f"must divide model.num_attention_heads ({m.num_attention_heads})")
+    _require(m.num_layers % p.pp == 0, "parallel.pp", f"must divide model.num_layers ({m.num_layers})")
+    _require(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1")
+    dp = world_size // (p.tp * p.pp)
+    _require(t.steps > 0, "train.steps", "must be > 0")
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
+             f"must be a multiple of micro_batch_size x data-parallel size = {t.micro_batch_size * dp}")  # fmt: skip
+    _require(0 <= t.min_lr <= t.lr, "train.min_lr", "must be in [0, train.lr]")
+    _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps})")
+    _require(cfg.data.source in ("stdlib", "indexed"), "data.source", f"{cfg.data.source!r}: use stdlib or indexed")
+    _require(cfg.data.source != "indexed" or bool(cfg.data.path), "data.path", "data.source=indexed needs a .bin/.idx prefix")
+    if cfg.fp8.mode == "te_blockwise":
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except ImportError as err:
+            raise ConfigError(f"fp8.mode: te_blockwise needs Transformer Engine ({err})") from None

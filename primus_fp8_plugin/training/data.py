@@ -1,0 +1,102 @@
+"""Training data: a byte-level tokenizer, the offline default corpus (Python's own standard-library
+sources), written once into Megatron's indexed-dataset format, and Megatron's GPTDataset over it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class ByteTokenizer:
+    """Bytes 0..255 are tokens 0..255; token 256 ends a document. What Megatron's datasets read
+    (``vocab_size``, ``eod``, ``eos``); ``pad`` is left to Megatron's default."""
+
+    vocab_size = 257
+    eod = 256
+    eos = 256
+    unique_identifiers = {"class": "ByteTokenizer", "vocab_size": 257}  # hashed into Megatron's index cache
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+def stdlib_files() -> list[Path]:
+    """This Python's standard-library ``.py`` files (sorted: the corpus is the same on every run)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+
+
+def build_stdlib_corpus(cache_dir: str | Path, max_bytes: int, log=print) -> str:
+    """Tokenize standard-library sources (up to ``max_bytes``) into ``<cache_dir>/stdlib_<hash>.{bin,idx}``
+    once; later calls reuse it. Returns the dataset prefix."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    files = stdlib_files()
+    if not files:
+        raise RuntimeError(f"no standard-library sources found under {sysconfig.get_paths()['stdlib']}")
+    key = hashlib.sha1(f"{len(files)}:{max_bytes}:{files[0]}:{files[-1]}".encode()).hexdigest()[:10]
+    prefix = Path(cache_dir) / f"stdlib_{key}"
+    if prefix.with_suffix(".idx").exists() and prefix.with_suffix(".bin").exists():
+        return str(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tmp = prefix.with_name(prefix.name + ".tmp")
+    builder = IndexedDatasetBuilder(str(tmp.with_suffix(".bin")), dtype=np.uint16)
+    total = docs = 0
+    for path in files:
+        data = path.read_bytes()
+        if not data:
+            continue
+        ids = np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+        doc = np.concatenate([ids, np.array([ByteTokenizer.eod], dtype=np.uint16)])
+        builder.add_document(torch.from_numpy(doc.astype(np.int64)), [doc.size])
+        total += doc.size
+        docs += 1
+        if total >= max_bytes:
+            break
+    builder.finalize(str(tmp.with_suffix(".idx")))
+    tmp.with_suffix(".bin").rename(prefix.with_suffix(".bin"))
+    tmp.with_suffix(".idx").rename(prefix.with_suffix(".idx"))
+    log(f"[data] wrote {prefix} ({docs} files, {total / 1e6:.1f} M tokens)")
+    return str(prefix)
+
+
+def build_datasets(prefix: str, seq_length: int, seed: int, split: str, sizes: list[int], cache_dir: str):
+    """Megatron's (train, valid, test) GPTDatasets over an indexed dataset prefix."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=([prefix], None),
+        split=split,
+        tokenizer=ByteTokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=str(Path(cache_dir) / "index_cache"),
+    )
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+
+
+def batches(dataset, micro_batch_size: int, start_sample: int = 0, device="cpu") -> Iterator[dict]:
+    """Micro-batches in dataset order from ``start_sample`` (so a resumed run sees the same data)."""
+    i = start_sample
+    n = len(dataset)
+    while True:
+        items = [dataset[(i + j) % n] for j in range(micro_batch_size)]
+        i += micro_batch_size
+        yield {
+            k: torch.stack([torch.as_tensor(it[k]) for it in items]).to(device)
+            for k in ("tokens", "labels", "loss_mask", "position_ids")
+        }

@@ -1,0 +1,95 @@
+"""Build the Megatron GPT model of a run: its TransformerConfig and the layer spec that the
+``fp8.mode`` selects (the plugin's FP8 spec, Megatron's BF16 layers, or TE's blockwise FP8)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..recipe import BlockwiseRecipe
+
+
+def transformer_config(cfg, on_cuda: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p = cfg.model, cfg.parallel
+    kw = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        normalization=m.normalization,
+        gated_linear_unit=m.swiglu,
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=m.add_bias_linear,
+        init_method_std=m.init_method_std,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        sequence_parallel=p.sequence_parallel,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not on_cuda,
+        # apex-free fallbacks: Megatron's fused kernels need apex / TE
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=on_cuda and cfg.fp8.mode == "blockwise",
+    )
+    if m.num_experts:
+        kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_token_dispatcher_type="allgather")
+    if cfg.fp8.mode == "te_blockwise":
+        kw.update(fp8="hybrid" if cfg.fp8.fp8_format == "HYBRID" else "e4m3", fp8_recipe="blockwise")
+    return TransformerConfig(**kw)
+
+
+def layer_spec(cfg):
+    """The decoder spec for ``cfg.fp8.mode`` (a TransformerBlockSubmodules or a layer ModuleSpec)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ..megatron import fp8_block_spec, get_gpt_block_spec
+    from ..megatron.specs import _norms_to_torch_norm
+
+    m = cfg.model
+    if cfg.fp8.mode == "te_blockwise":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
+    bf16_layer = _norms_to_torch_norm(get_gpt_layer_local_spec(num_experts=m.num_experts, normalization=m.normalization))
+    if cfg.fp8.mode == "bf16":
+        return fp8_block_spec(bf16_layer, m.num_layers, bf16_layers=range(m.num_layers))
+    recipe = BlockwiseRecipe(fp8_format=cfg.fp8.fp8_format, pow2_scales=cfg.fp8.pow2_scales)
+    return get_gpt_block_spec(
+        m.num_layers, bf16_layers=list(cfg.fp8.bf16_layers), num_experts=m.num_experts,
+        normalization=m.normalization, recipe=recipe, backend=cfg.backend.name,
+    )  # fmt: skip
+
+
+def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
+    step = multiple * tp
+    return -(-vocab_size // step) * step
+
+
+def build_model(cfg, tconfig, vocab_size: int, device: torch.device):
+    import contextlib
+    import io
+    import warnings
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # GPTModel's deprecation notice (printed, too)
+        gpt = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=layer_spec(cfg),
+            vocab_size=padded_vocab(vocab_size, cfg.parallel.tp),
+            max_sequence_length=cfg.model.seq_length,
+            position_embedding_type=cfg.model.position_embedding_type,
+        )
+    if device.type == "cuda":
+        gpt = gpt.cuda()
+    return Float16Module(tconfig, gpt)
