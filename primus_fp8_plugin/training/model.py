@@ -68,8 +68,10 @@ def layer_spec(cfg):
     )  # fmt: skip
 
 
-def padded_vocab(vocab_size: int, tp: int, multiple: int = 128) -> int:
-    step = multiple * tp
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Vocabulary padded as Megatron needs (a multiple of 128 per TP rank), to at least a multiple of
+    512 so that runs with TP = 1, 2 or 4 build the same embedding (same initial weights and loss)."""
+    step = max(512, 128 * tp)
     return -(-vocab_size // step) * step
 
 
