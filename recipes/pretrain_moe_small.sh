@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# A small MoE proxy (8 experts, top-2) with FP8 blockwise linears in attention and every expert.
+exec "$(dirname "$0")/../scripts/launch_pretrain.sh" \
+  model=moe_small fp8=blockwise train.steps=2000 train.global_batch_size=32 train.warmup_steps=100 \
+  logging.dir=outputs/moe_small "$@"
