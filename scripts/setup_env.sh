@@ -24,4 +24,13 @@ echo "[setup] installing primus-fp8-plugin[dev] (editable)"
 echo "[setup] installing megatron-core 0.19.2"
 "$VENV/bin/python" -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
 "$VENV/bin/python" -m pip install -q "packaging" "psutil" "einops" "hydra-core>=1.3" "omegaconf>=2.3" "tqdm"
+# FlyDSL (AMD gfx950 backend), compile-only here: it needs ld.lld and the AMD device bitcode.
+echo "[setup] installing flydsl and the gfx950 toolchain (lld-19, rocm-device-libs)"
+"$VENV/bin/python" -m pip install -q "flydsl>=0.5"
+if ! { [ -e /usr/lib/llvm-19/bin/ld.lld ] && [ -d /usr/lib/x86_64-linux-gnu/amdgcn/bitcode ]; } && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y -q lld-19 rocm-device-libs >/dev/null 2>&1 || {
+    $SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q lld-19 rocm-device-libs >/dev/null 2>&1
+  } || echo "[setup] warning: could not install lld-19 / rocm-device-libs; the FlyDSL compile test will fail" >&2
+fi
 echo "$want" > "$stamp"
