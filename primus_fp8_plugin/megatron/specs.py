@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Iterable
@@ -95,9 +96,28 @@ def get_gpt_block_spec(num_layers: int, *, bf16_layers: Iterable[int] = (), **la
     bf16 = None
     if keep:
         normalization = layer_kwargs.get("normalization", "LayerNorm")
-        bf16 = get_gpt_layer_local_spec(num_experts=layer_kwargs.get("num_experts"), normalization=normalization)
+        bf16 = _local_spec(num_experts=layer_kwargs.get("num_experts"), normalization=normalization)
     layers = [bf16 if i in keep else fp8 for i in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm)
+
+
+@contextlib.contextmanager
+def _keep_megatron_norm_choice():
+    """Megatron's local spec for RMSNorm rebinds ``megatron.core.models.backends.LNImpl`` globally
+    (so later LayerNorm specs of the user's would get the fallback norm); undo that."""
+    from megatron.core.models import backends
+
+    saved = getattr(backends, "LNImpl", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            backends.LNImpl = saved
+
+
+def _local_spec(**kwargs):
+    with _keep_megatron_norm_choice():
+        return get_gpt_layer_local_spec(**kwargs)
 
 
 def _norms_to_torch_norm(spec):
@@ -127,7 +147,7 @@ def get_gpt_layer_spec(
     ``num_experts``: None for dense, else an MoE layer with SequentialMLP experts.
     """
     spec = apply_fp8_blockwise(
-        get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization=normalization),
+        _local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization=normalization),
         recipe=recipe,
         backend=backend,
     )

@@ -186,3 +186,15 @@ def test_distributed_checkpoint_round_trip_and_exact_resume(tmp_path):
     b.module.load_state_dict(dist_checkpointing.load(b.module.sharded_state_dict(), str(ckpt)))
     next_loss_b = sgd_step(b, seed=2)
     assert next_loss_b == next_loss_a and before != next_loss_a
+
+
+def test_building_specs_leaves_megatrons_norm_choice_alone(monkeypatch):
+    """Megatron's RMSNorm local spec rebinds its global LNImpl; ours must put it back."""
+    from megatron.core.models import backends
+
+    from primus_fp8_plugin.megatron import get_gpt_layer_spec
+
+    sentinel = type("ApexOrWhateverTheUserHad", (), {})
+    monkeypatch.setattr(backends, "LNImpl", sentinel)
+    get_gpt_layer_spec(normalization="RMSNorm")
+    assert backends.LNImpl is sentinel
