@@ -21,7 +21,6 @@ import torch
 
 from .base import Availability
 from .triton import TritonBackend, device_availability
-from .triton.gemm import blockwise_gemm
 
 
 def _scale_1x128(te_scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -96,10 +95,7 @@ class CublasBackend(TritonBackend):
         m, n = dy.shape
         k = x.shape[1]
         if not _cublas_can(dy, x, m, n, k):
-            return blockwise_gemm(
-                dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
-                b_block_dim=1, out_dtype=out_dtype, accumulate_into=accumulate_into,
-            )  # fmt: skip
+            return super().gemm_wgrad(dy, x, out_dtype, accumulate_into)
         F = torch.nn.functional
         dw = self._mm(
             dy.columnwise_data, _scale_1x128(dy.columnwise_scale_inv, n),

@@ -12,7 +12,10 @@ from .gemm import blockwise_gemm
 
 
 class FlydslBackend(TritonBackend):
+    """FlyDSL GEMMs (tile-aligned E4M3 shapes; the rest go to the Triton GEMM) + Triton quantizers."""
+
     name = "flydsl"
+    _blockwise_gemm = staticmethod(blockwise_gemm)
 
     def availability(self, device):
         if device.type != "cuda" or not torch.version.hip:
@@ -25,15 +28,3 @@ class FlydslBackend(TritonBackend):
         except ImportError as err:
             return Availability(False, f"flydsl is not importable ({err}); pip install 'flydsl>=0.5'")
         return Availability(True)
-
-    def gemm_fwd(self, x, w, bias, out_dtype):
-        return blockwise_gemm(x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv,
-                              b_block_dim=2, out_dtype=out_dtype, bias=bias)  # fmt: skip
-
-    def gemm_dgrad(self, dy, w, out_dtype):
-        return blockwise_gemm(dy.rowwise_data, dy.rowwise_scale_inv, w.columnwise_data, w.columnwise_scale_inv,
-                              b_block_dim=2, out_dtype=out_dtype)  # fmt: skip
-
-    def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
-        return blockwise_gemm(dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
-                              b_block_dim=1, out_dtype=out_dtype, accumulate_into=accumulate_into)  # fmt: skip

@@ -42,9 +42,12 @@ def device_availability(device: torch.device) -> Availability:
 
 
 class TritonBackend(Backend):
-    """Triton kernels for all five operations."""
+    """Triton kernels for all five operations. Subclasses that bring other GEMM kernels (cuBLAS,
+    FlyDSL) keep the Triton quantizers and replace ``_blockwise_gemm`` or the GEMM methods."""
 
     name = "triton"
+    # C = A @ B^T with per-128-K-block promotion; scales in TE's layouts (triton/gemm.py).
+    _blockwise_gemm = staticmethod(blockwise_gemm)
 
     def availability(self, device):
         return device_availability(device)
@@ -56,19 +59,19 @@ class TritonBackend(Backend):
         return quantize_128x128(w, params)
 
     def gemm_fwd(self, x, w, bias, out_dtype):
-        return blockwise_gemm(
+        return self._blockwise_gemm(
             x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv,
             b_block_dim=2, out_dtype=out_dtype, bias=bias,
         )  # fmt: skip
 
     def gemm_dgrad(self, dy, w, out_dtype):
-        return blockwise_gemm(
+        return self._blockwise_gemm(
             dy.rowwise_data, dy.rowwise_scale_inv, w.columnwise_data, w.columnwise_scale_inv,
             b_block_dim=2, out_dtype=out_dtype,
         )  # fmt: skip
 
     def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
-        return blockwise_gemm(
+        return self._blockwise_gemm(
             dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
             b_block_dim=1, out_dtype=out_dtype, accumulate_into=accumulate_into,
         )  # fmt: skip
