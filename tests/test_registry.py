@@ -29,6 +29,7 @@ def fake_backends(monkeypatch):
     reg["missing_dep"] = registry._Entry("no_such_module_xyz", "X", auto_rank=2)
     monkeypatch.setattr(registry, "_REGISTRY", reg)
     monkeypatch.setattr(registry, "_INSTANCES", {})
+    monkeypatch.setattr(registry, "_AVAILABILITY", {})
 
 
 def test_reference_is_available_everywhere():

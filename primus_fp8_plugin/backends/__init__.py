@@ -43,6 +43,9 @@ _REGISTRY: dict[str, _Entry] = {
 }
 
 _INSTANCES: dict[str, Backend] = {}
+# Availability cannot change within a process (device, drivers, imports, TRITON_INTERPRET are fixed),
+# and "auto" is resolved on every layer call: answer each (name, device) once.
+_AVAILABILITY: dict[tuple[str, torch.device], Availability] = {}
 
 
 def backend_names() -> list[str]:
@@ -71,10 +74,12 @@ def _as_device(device: torch.device | str | None) -> torch.device:
 
 def backend_availability(name: str, device: torch.device | str | None = None) -> Availability:
     """Whether backend ``name`` can run on ``device`` (default: the current CUDA device, else CPU)."""
-    loaded = _load(name)
-    if isinstance(loaded, Availability):
-        return loaded
-    return loaded.availability(_as_device(device))
+    dev = _as_device(device)
+    key = (name, dev)
+    if key not in _AVAILABILITY:
+        loaded = _load(name)
+        _AVAILABILITY[key] = loaded if isinstance(loaded, Availability) else loaded.availability(dev)
+    return _AVAILABILITY[key]
 
 
 def available_backends(device: torch.device | str | None = None) -> dict[str, Availability]:
