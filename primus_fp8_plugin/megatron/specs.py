@@ -90,13 +90,14 @@ def fp8_block_spec(layer_spec, num_layers: int, *, bf16_layers: Iterable[int] = 
 
 def get_gpt_block_spec(num_layers: int, *, bf16_layers: Iterable[int] = (), **layer_kwargs) -> TransformerBlockSubmodules:
     """A whole decoder block of ``get_gpt_layer_spec(**layer_kwargs)`` layers with a final norm that
-    works with sequence parallelism (``TorchNorm``); ``bf16_layers`` get Megatron's local BF16 layer."""
-    fp8 = get_gpt_layer_spec(**layer_kwargs)
+    works with sequence parallelism (``TorchNorm``); ``bf16_layers`` get Megatron's local BF16 layer
+    (its norms also ``TorchNorm``), so ``bf16_layers=range(num_layers)`` is the BF16 baseline."""
     keep = {i % num_layers for i in bf16_layers}
+    fp8 = get_gpt_layer_spec(**layer_kwargs) if len(keep) < num_layers else None
     bf16 = None
     if keep:
-        normalization = layer_kwargs.get("normalization", "LayerNorm")
-        bf16 = _local_spec(num_experts=layer_kwargs.get("num_experts"), normalization=normalization)
+        local = {k: layer_kwargs[k] for k in ("num_experts", "qk_layernorm", "normalization") if k in layer_kwargs}
+        bf16 = _norms_to_torch_norm(_local_spec(**local))
     layers = [bf16 if i in keep else fp8 for i in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm)
 

@@ -106,7 +106,7 @@ def _memory_bytes(device: torch.device) -> int:
     return psutil.Process().memory_info().rss
 
 
-def _forward_step(device):
+def _forward_step():
     def step(data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -236,7 +236,7 @@ def run(cfg) -> dict:
         # each data-parallel rank reads its own interleaved share of the global batch
         train_iter = data_mod.batches(train_ds, t.micro_batch_size, consumed + dp_rank * t.micro_batch_size * n_micro, device)
         forward_backward = get_forward_backward_func()
-        step_fn = _forward_step(device)
+        step_fn = _forward_step()
         metrics = Metrics(cfg, rank, start)
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         if rank == 0:

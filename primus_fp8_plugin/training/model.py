@@ -48,20 +48,17 @@ def transformer_config(cfg, on_cuda: bool):
 
 def layer_spec(cfg):
     """The decoder spec for ``cfg.fp8.mode`` (a TransformerBlockSubmodules or a layer ModuleSpec)."""
-    from ..megatron import fp8_block_spec, get_gpt_block_spec
-    from ..megatron.specs import _local_spec, _norms_to_torch_norm
+    from ..megatron import get_gpt_block_spec
 
     m = cfg.model
     if cfg.fp8.mode == "te_blockwise":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
-    bf16_layer = _norms_to_torch_norm(_local_spec(num_experts=m.num_experts, normalization=m.normalization))
-    if cfg.fp8.mode == "bf16":
-        return fp8_block_spec(bf16_layer, m.num_layers, bf16_layers=range(m.num_layers))
+    bf16_layers = range(m.num_layers) if cfg.fp8.mode == "bf16" else list(cfg.fp8.bf16_layers)
     recipe = BlockwiseRecipe(fp8_format=cfg.fp8.fp8_format, pow2_scales=cfg.fp8.pow2_scales)
     return get_gpt_block_spec(
-        m.num_layers, bf16_layers=list(cfg.fp8.bf16_layers), num_experts=m.num_experts,
+        m.num_layers, bf16_layers=bf16_layers, num_experts=m.num_experts,
         normalization=m.normalization, recipe=recipe, backend=cfg.backend.name,
     )  # fmt: skip
 

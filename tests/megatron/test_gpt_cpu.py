@@ -145,6 +145,13 @@ def test_spec_tools():
     assert kinds[1].module is Fp8RowParallelLinear and kinds[2].params["fp8_backend"] == "reference"
     model = build_gpt(block, tiny_config(num_layers=4))
     assert sorted({n.split(".")[3] for n in fp8_linears(model)}) == ["1", "2"]
+    from primus_fp8_plugin.megatron import TorchNorm, get_gpt_block_spec
+
+    mixed = build_gpt(get_gpt_block_spec(3, bf16_layers=(0,), backend="reference"), tiny_config(num_layers=3))
+    assert sorted({n.split(".")[3] for n in fp8_linears(mixed)}) == ["1", "2"]
+    assert isinstance(mixed.module.decoder.layers[0].input_layernorm, TorchNorm)  # SP-capable without apex
+    all_bf16 = build_gpt(get_gpt_block_spec(2, bf16_layers=range(2)))
+    assert fp8_linears(all_bf16) == []
     swapped = apply_fp8_blockwise(local)
     assert swapped.submodules.mlp.keywords["submodules"].linear_fc1.module is Fp8ColumnParallelLinear
     assert local.submodules.mlp.keywords["submodules"].linear_fc1.__name__ == "ColumnParallelLinear"  # copy
