@@ -45,6 +45,8 @@ class TorchNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused) -> None:
         super().__init__()
         self.normalization = getattr(config, "normalization", "LayerNorm")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}")
         self.eps = eps
         self.zero_centered_gamma = getattr(config, "layernorm_zero_centered_gamma", False)
         make_norm_params(self, config, hidden_size)

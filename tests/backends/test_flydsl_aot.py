@@ -47,3 +47,12 @@ def test_no_spills_and_resources_fit_gfx950(reports):
         assert r["problems"] == [], (name, r["problems"])
         assert r["scratch_bytes"] == 0 and r["vgpr_spills"] == 0
         assert 0 < r["vgpr"] + r["agpr"] <= 512 and r["lds_bytes"] <= 160 * 1024
+
+
+def test_missing_toolchain_names_the_package(tmp_path, monkeypatch):
+    from primus_fp8_plugin.backends.flydsl import toolchain
+
+    monkeypatch.delenv("ROCM_PATH", raising=False)
+    monkeypatch.setattr(toolchain, "LLD_CANDIDATES", (str(tmp_path / "no-lld"),))
+    with pytest.raises(toolchain.ToolchainMissing, match="apt-get install -y lld-19"):
+        toolchain.rocm_root(tmp_path / "root")

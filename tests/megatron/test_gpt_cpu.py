@@ -205,3 +205,15 @@ def test_building_specs_leaves_megatrons_norm_choice_alone(monkeypatch):
     monkeypatch.setattr(backends, "LNImpl", sentinel)
     get_gpt_layer_spec(normalization="RMSNorm")
     assert backends.LNImpl is sentinel
+
+
+def test_unknown_normalization_is_refused():
+    from primus_fp8_plugin.megatron import Fp8LayerNormColumnParallelLinear, TorchNorm
+
+    cfg = tiny_config()
+    object.__setattr__(cfg, "normalization", "GroupNorm")
+    with pytest.raises(ValueError, match="supports LayerNorm and RMSNorm, got 'GroupNorm'"):
+        Fp8LayerNormColumnParallelLinear(256, 384, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False,
+                                         gather_output=False, fp8_backend="reference")  # fmt: skip
+    with pytest.raises(ValueError, match="normalization must be 'LayerNorm' or 'RMSNorm', got 'GroupNorm'"):
+        TorchNorm(cfg, 256)
