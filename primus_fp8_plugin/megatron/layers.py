@@ -20,6 +20,7 @@ fusion accumulates the weight gradient into ``weight.main_grad`` in fp32.
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -43,10 +44,28 @@ def _accepted(cls: type, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params}
 
 
+def _without_apex_fusion_check(config):
+    """``config`` as Megatron's ``ColumnParallelLinear.__init__`` should see it.
+
+    That constructor refuses ``gradient_accumulation_fusion=True`` unless apex's
+    ``fused_weight_gradient_mlp_cuda`` imports, because its own backward needs it. These layers
+    fuse the accumulation in their own wgrad GEMM (``main_grad += dY^T X`` in fp32) and never call
+    apex, so the parent is built from a shallow copy with the flag off and the flag is restored
+    afterwards (``_init_fp8``).
+    """
+    if not getattr(config, "gradient_accumulation_fusion", False):
+        return config
+    quiet = copy.copy(config)  # shallow: no __post_init__ re-validation, shares everything else
+    quiet.gradient_accumulation_fusion = False
+    return quiet
+
+
 class _Fp8LinearMixin:
     """What the FP8 layers add to Megatron's: recipe, backend, weight cache and the FP8 matmul."""
 
-    def _init_fp8(self, fp8_recipe: BlockwiseRecipe | None, fp8_backend: str) -> None:
+    def _init_fp8(self, config, fp8_recipe: BlockwiseRecipe | None, fp8_backend: str) -> None:
+        self.config = config  # the caller's object, not the copy the parent was built from
+        self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
         self.fp8_backend = fp8_backend
         self._weight_cache = WeightCache()
@@ -79,9 +98,10 @@ class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
 
     def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto", **kwargs):
         super().__init__(
-            input_size, output_size, config=config, init_method=init_method, **_accepted(ColumnParallelLinear, kwargs)
-        )
-        self._init_fp8(fp8_recipe, fp8_backend)
+            input_size, output_size, config=_without_apex_fusion_check(config), init_method=init_method,
+            **_accepted(ColumnParallelLinear, kwargs),
+        )  # fmt: skip
+        self._init_fp8(config, fp8_recipe, fp8_backend)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, tp_group=None, **_unused):  # fmt: skip
@@ -97,7 +117,7 @@ class Fp8RowParallelLinear(_Fp8LinearMixin, RowParallelLinear):
 
     def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto", **kwargs):
         super().__init__(input_size, output_size, config=config, init_method=init_method, **_accepted(RowParallelLinear, kwargs))
-        self._init_fp8(fp8_recipe, fp8_backend)
+        self._init_fp8(config, fp8_recipe, fp8_backend)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, **_unused):
         return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)

@@ -106,19 +106,27 @@ def test_weight_cache_never_enters_state_dicts():
 
 
 def test_gradient_accumulation_fusion_accumulates_into_main_grad():
-    from primus_fp8_plugin.megatron import Fp8ColumnParallelLinear
+    from megatron.core.tensor_parallel import layers as mcore_layers
 
-    cfg = tiny_config()
+    from primus_fp8_plugin.megatron import Fp8ColumnParallelLinear, Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
+
+    # Megatron's ColumnParallelLinear refuses the fusion without apex; ours does it itself and must build.
+    assert not mcore_layers._grad_accum_fusion_available, "this test assumes apex's fused wgrad is absent"
+    cfg = tiny_config(gradient_accumulation_fusion=True)
+    for cls in (Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear):
+        built = cls(256, 384, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False, input_is_parallel=True,
+                    skip_bias_add=False, gather_output=False, fp8_backend="reference")  # fmt: skip
+        assert built.gradient_accumulation_fusion and built.config is cfg
     layer = Fp8ColumnParallelLinear(256, 384, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False,
                                     gather_output=False, fp8_backend="reference")  # fmt: skip
-    layer.gradient_accumulation_fusion = True
+    assert layer.gradient_accumulation_fusion and layer.config is cfg
     layer.weight.main_grad = torch.zeros(384, 256)
     layer.weight.grad_added_to_main_grad = False
     x = torch.randn(16, 2, 256, dtype=torch.bfloat16)
     y, _ = layer(x)
     y.float().sum().backward()
     assert layer.weight.grad_added_to_main_grad and layer.weight.main_grad.abs().sum() > 0
-    ref = Fp8ColumnParallelLinear(256, 384, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False,
+    ref = Fp8ColumnParallelLinear(256, 384, config=tiny_config(), init_method=torch.nn.init.xavier_normal_, bias=False,
                                   gather_output=False, fp8_backend="reference")  # fmt: skip
     ref.load_state_dict(layer.state_dict())
     ref(x)[0].float().sum().backward()
