@@ -57,6 +57,13 @@ def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_split_without_documents_is_refused_not_looped_on(tmp_path):
+    # Megatron's GPTDataset counts epochs forever when a split it must draw samples from is empty.
+    proc, _ = train(tmp_path, "data.max_bytes=200000", "train.eval_interval=2", "train.steps=4")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "the valid split" in proc.stderr and "data.max_bytes" in proc.stderr
+
+
 def test_short_cpu_run_learns_and_logs(tmp_path):
     proc, records = train(tmp_path, "train.steps=40", "logging.log_interval=5", "train.eval_interval=20")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,121 @@
+"""The same Megatron GPT built three ways, with the same weights: Transformer Engine's spec under
+``Float8BlockScaling`` (``config.fp8 = "e4m3"``, ``fp8_recipe = "blockwise"``), the plugin's spec, and
+Megatron's local BF16 spec. Used by ``tests/gpu`` and ``scripts/bench_gpt_layer.py`` (needs a GPU and,
+for the TE model, Transformer Engine).
+
+Parameter names agree across the TE spec and the plugin's fused-norm spec (``linear_qkv.layer_norm_weight``
+and so on); the BF16 local spec keeps its norms as separate modules, mapped by ``to_local_names``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GptShape:
+    num_layers: int = 2
+    hidden_size: int = 1024
+    num_attention_heads: int = 16
+    ffn_hidden_size: int = 4096
+    seq_length: int = 1024
+    micro_batch_size: int = 4
+    vocab_size: int = 1024
+
+
+def transformer_config(shape: GptShape, *, te_fp8: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+        ffn_hidden_size=shape.ffn_hidden_size, params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+    )  # fmt: skip
+    if te_fp8:
+        kw.update(fp8="e4m3", fp8_recipe="blockwise")
+    return TransformerConfig(**kw)
+
+
+def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0) -> torch.nn.Module:
+    """``kind``: ``"te"`` (TE spec, Float8BlockScaling), ``"plugin"`` (this package) or ``"bf16"`` (local)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+
+    from .specs import get_gpt_block_spec
+
+    if kind == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    elif kind == "plugin":
+        spec = get_gpt_block_spec(shape.num_layers, backend=backend)
+    elif kind == "bf16":
+        spec = get_gpt_layer_local_spec()
+    else:
+        raise ValueError(f"kind must be 'te', 'plugin' or 'bf16', got {kind!r}")
+    cfg = transformer_config(shape, te_fp8=kind == "te")
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=shape.vocab_size,
+                       max_sequence_length=shape.seq_length)  # fmt: skip
+    return Float16Module(cfg, gpt).cuda()
+
+
+def to_local_names(name: str) -> str:
+    """A fused-norm parameter name as Megatron's local spec names it."""
+    return name.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.").replace(
+        "mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."
+    )
+
+
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copy every parameter of ``src`` into the parameter of the same (or local-spec) name in ``dst``."""
+    dst_params = dict(dst.named_parameters())
+    src_params = dict(src.named_parameters())
+    mapped = {n if n in dst_params else to_local_names(n): p for n, p in src_params.items()}
+    missing = sorted(set(dst_params) - set(mapped))
+    extra = sorted(set(mapped) - set(dst_params))
+    if missing or extra:
+        raise ValueError(f"parameter names differ: missing in source {missing[:5]}, unknown in target {extra[:5]}")
+    with torch.no_grad():
+        for n, p in dst_params.items():
+            if p.shape != mapped[n].shape:
+                raise ValueError(f"{n}: shape {tuple(mapped[n].shape)} in source, {tuple(p.shape)} in target")
+            p.copy_(mapped[n])
+
+
+def batch(shape: GptShape, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, shape.vocab_size, (shape.micro_batch_size, shape.seq_length), generator=g).cuda()
+    pos = torch.arange(shape.seq_length, device="cuda").unsqueeze(0).expand(shape.micro_batch_size, -1)
+    return ids, pos
+
+
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    """Mean LM loss and the gradients (fp32, local-spec names) of one forward+backward."""
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, pos, None, labels=ids).float().mean()
+    loss.backward()
+    grads = {to_local_names(n): p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+def step_ms(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, reps: int = 10) -> float:
+    """Median milliseconds of one forward+backward (CUDA events, after 3 warm-up steps)."""
+    times = []
+    for i in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        model.zero_grad(set_to_none=True)
+        start.record()
+        model(ids, pos, None, labels=ids).float().mean().backward()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Megatron GPT layers, same weights and inputs: TE's spec under Float8BlockScaling vs the plugin's
+spec (per GPU backend) vs Megatron's local BF16 spec. Loss, gradient agreement and step time.
+
+    python scripts/bench_gpt_layer.py [--json out.json] [--backends cublas triton]
+
+Each shape is a 2-layer GPT (the layers are what differ; embedding and output layer are BF16 in all).
+Gradient agreement: relative Frobenius error of each parameter's gradient; the table gives the worst
+parameter against BF16 and against TE. Step time: one forward+backward, median of 10 (CUDA events).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from benchlib import bench_parser, environment, print_table, require_cuda, save_figure, save_json, try_import_te
+
+from primus_fp8_plugin import backend_availability
+from primus_fp8_plugin.validate import rel_frobenius
+
+SHAPES = {  # name: (hidden, heads, ffn, seq, micro batch)
+    "h1024": (1024, 16, 4096, 1024, 4),
+    "h4096": (4096, 32, 14336, 2048, 2),
+}
+
+
+def worst(ga: dict, gb: dict) -> tuple[str, float]:
+    if ga.keys() != gb.keys():
+        raise RuntimeError(f"gradient names differ: {sorted(ga.keys() ^ gb.keys())[:5]}")
+    errs = {n: rel_frobenius(ga[n], gb[n]) for n in gb}
+    return max(errs.items(), key=lambda kv: kv[1])
+
+
+def main() -> int:
+    ap = bench_parser(__doc__, "(not used: the shapes are the SHAPES table; pick with --only)")
+    ap.add_argument("--backends", nargs="*", default=["cublas", "triton"])
+    ap.add_argument("--only", nargs="*", choices=sorted(SHAPES), help="shapes to run (default: all)")
+    args = ap.parse_args()
+    if not require_cuda("bench_gpt_layer"):
+        return 2
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from primus_fp8_plugin.megatron.te_compare import GptShape, batch, build_gpt, copy_weights, loss_and_grads, step_ms
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29813")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    te, _ = try_import_te()
+    rows = []
+    for name in args.only or SHAPES:
+        h, heads, ffn, seq, mb = SHAPES[name]
+        shape = GptShape(num_layers=2, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn,
+                         seq_length=seq, micro_batch_size=mb)  # fmt: skip
+        ids, pos = batch(shape)
+        kinds = [("bf16", "bf16", None)]
+        kinds += [(f"plugin-{b}", "plugin", b) for b in args.backends if backend_availability(b, "cuda")]
+        if te is not None:
+            kinds.append(("te", "te", None))
+        source = None
+        results = {}
+        for label, kind, backend in kinds:
+            model = build_gpt(shape, kind, backend=backend or "auto")
+            if source is None:
+                source = model
+            elif kind != "bf16":
+                copy_weights(source, model)
+            loss, grads = loss_and_grads(model, ids, pos)
+            ms = step_ms(model, ids, pos)
+            results[label] = (loss, grads, ms)
+            if model is not source:
+                del model
+            torch.cuda.empty_cache()
+        base_loss, base_grads, base_ms = results["bf16"]
+        tokens = shape.micro_batch_size * shape.seq_length
+        for label, (loss, grads, ms) in results.items():
+            row = {"shape": name, "model": label, "loss": loss, "loss_vs_bf16_pct": 100 * (loss - base_loss) / base_loss,
+                   "step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "speed_vs_bf16": base_ms / ms}  # fmt: skip
+            if label != "bf16":
+                row["worst_grad_vs_bf16"] = "{} {:.4f}".format(*worst(grads, base_grads))
+            if "te" in results and label != "te":
+                row["worst_grad_vs_te"] = "{} {:.4f}".format(*worst(grads, results["te"][1]))
+                row["speed_vs_te"] = results["te"][2] / ms
+            rows.append(row)
+    print_table(rows, [("shape", "s"), ("model", "s"), ("loss", ".5f"), ("loss_vs_bf16_pct", "+.3f"), ("step_ms", ".2f"),
+                       ("tokens_per_s", ".0f"), ("speed_vs_bf16", ".2f"), ("speed_vs_te", ".2f"),
+                       ("worst_grad_vs_bf16", "s"), ("worst_grad_vs_te", "s")])  # fmt: skip
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r['shape']}\n{r['model']}" for r in rows]
+        ax.bar(
+            range(len(rows)),
+            [r["step_ms"] for r in rows],
+            color=["#888" if r["model"] == "bf16" else "#c44" if r["model"] == "te" else "#48c" for r in rows],
+        )
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_ylabel("forward+backward ms (2-layer GPT)")
+        save_figure(fig, args.plot)
+    if args.json:
+        save_json(args.json, {"env": environment(), "rows": rows})
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The convergence evidence (docs/CONVERGENCE.md) on one GPU machine whose calls are limited to
+# 10 minutes: the three arms of recipes/convergence_125m.sh (BF16, the plugin, TE blockwise) train
+# side by side in the background (setsid: they outlive the call that starts them; the machine stays
+# up while calls follow back to back), then compare_convergence.py reads the finished runs.
+#   bash scripts/gpu_convergence.sh start [hydra overrides...]   # the TE arm only if TE imports
+#   bash scripts/gpu_convergence.sh wait SECONDS                 # until all ended or SECONDS passed
+#   bash scripts/gpu_convergence.sh summary                      # plot + table into $OUT/convergence
+# Runs live in $CONV_DIR (default /tmp/convergence); PYTHONPATH must already reach TE and Megatron.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DIR="${CONV_DIR:-/tmp/convergence}"
+OUT="${OUT:-/tmp/out}"
+ARMS=(bf16:fp8=bf16 plugin:fp8=blockwise te:fp8=te_blockwise)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+status() {
+  for arm in "${ARMS[@]}"; do
+    name="${arm%%:*}"; m="$DIR/$name/metrics.jsonl"
+    [ -f "$DIR/$name.pid" ] || continue
+    state=running; kill -0 "$(cat "$DIR/$name.pid")" 2>/dev/null || state=ended
+    last="$(grep '"loss"' "$m" 2>/dev/null | grep -v event | tail -1 | cut -c1-160)"
+    echo "$name [$state] ${last:-no step yet}"
+    [ "$state" = ended ] && ! grep -q '"event": "end"' "$m" 2>/dev/null && tail -5 "$DIR/$name.log"
+  done
+}
+
+case "${1:-}" in
+  start)
+    shift
+    mkdir -p "$DIR"
+    for arm in "${ARMS[@]}"; do
+      name="${arm%%:*}"; fp8="${arm#*:}"
+      if [ "$name" = te ] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
+        echo "te: Transformer Engine does not import here; arm skipped"; continue
+      fi
+      setsid nohup python3 -m primus_fp8_plugin.train model=gpt_125m train=convergence "$fp8" \
+        "logging.dir=$DIR/$name" "data.cache_dir=$DIR/$name/data" logging.progress=false "$@" \
+        > "$DIR/$name.log" 2>&1 < /dev/null &
+      echo $! > "$DIR/$name.pid"
+      echo "started $name (pid $!): $fp8 $*"
+    done ;;
+  wait)
+    end=$((SECONDS + ${2:-540}))
+    while [ $SECONDS -lt $end ]; do
+      running=0
+      for f in "$DIR"/*.pid; do kill -0 "$(cat "$f")" 2>/dev/null && running=1; done
+      [ $running = 0 ] && break
+      sleep 10
+    done
+    status ;;
+  status) status ;;
+  summary)
+    reads=()
+    for arm in "${ARMS[@]}"; do
+      name="${arm%%:*}"; [ -f "$DIR/$name/metrics.jsonl" ] && reads+=(--read "$name=$DIR/$name")
+    done
+    python3 scripts/compare_convergence.py --out "$OUT/convergence" --baseline bf16 "${reads[@]}"
+    for arm in "${ARMS[@]}"; do name="${arm%%:*}"; cp "$DIR/$name/metrics.jsonl" "$OUT/convergence/$name.metrics.jsonl" 2>/dev/null; done ;;
+  *) echo "usage: $0 start [overrides] | wait SECONDS | status | summary" >&2; exit 2 ;;
+esac

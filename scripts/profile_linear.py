@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Where a small FP8 linear step spends its time: host (Python + launch) cost of each piece, GPU
+time, and a torch.profiler table. For the fixed per-call cost that dominates small layers.
+
+    python scripts/profile_linear.py [--backend cublas] [--shape 4096x4096x4096] [--trace out.json]
+
+Host cost is measured on a tiny problem (256x256x256: the GPU finishes each kernel long before the
+CPU launches the next one), as wall time per call without synchronising, over many calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from benchlib import require_cuda
+
+from primus_fp8_plugin import BlockwiseRecipe, Fp8BlockwiseLinear, get_backend
+from primus_fp8_plugin.recipe import TensorRole
+
+
+def host_us(fn, n: int = 300) -> float:
+    """Wall microseconds per call of ``fn`` with the GPU never the bottleneck (tiny inputs)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="cublas")
+    ap.add_argument("--shape", default="4096x4096x4096", help="MxNxK for the profiler table")
+    ap.add_argument("--trace", help="write a chrome trace (with Python stacks) of three tiny fwd+bwd steps")
+    args = ap.parse_args()
+    if not require_cuda("profile_linear"):
+        return 2
+    be = get_backend(args.backend, torch.device("cuda"))
+    recipe = BlockwiseRecipe()
+    p_in, p_w, p_dy = (recipe.params(r) for r in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT))
+
+    s = 256
+    x = torch.randn(s, s, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    xq = be.quantize_act(x.detach(), p_in, rowwise=True, columnwise=True)
+    wq = be.quantize_weight(w, p_w)
+    dyq = be.quantize_act(dy, p_dy, rowwise=True, columnwise=True)
+    ours = Fp8BlockwiseLinear(s, s, bias=False, device="cuda", dtype=torch.bfloat16, backend=args.backend)
+    bf16 = torch.nn.Linear(s, s, bias=False, device="cuda", dtype=torch.bfloat16)
+
+    def step(layer, first):
+        def f():
+            layer.weight.grad = None
+            if first is not None:
+                layer.is_first_microbatch = first
+            layer(x).backward(dy)
+
+        return f
+
+    pieces = {
+        "torch.empty x4": lambda: [torch.empty(s, s, device="cuda") for _ in range(4)],
+        "recipe.params x3": lambda: [recipe.params(r) for r in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT)],
+        "quantize_act (dual)": lambda: be.quantize_act(x.detach(), p_in, rowwise=True, columnwise=True),
+        "quantize_weight": lambda: be.quantize_weight(w, p_w),
+        "gemm_fwd": lambda: be.gemm_fwd(xq, wq, None, torch.bfloat16),
+        "gemm_dgrad": lambda: be.gemm_dgrad(dyq, wq, torch.bfloat16),
+        "gemm_wgrad": lambda: be.gemm_wgrad(dyq, xq, torch.bfloat16, None),
+        "ours fwd (cached w)": lambda: ours(x),
+        "ours fwd+bwd (cached w)": step(ours, False),
+        "ours fwd+bwd (fresh w)": step(ours, True),
+        "bf16 nn.Linear fwd+bwd": step(bf16, None),
+    }
+
+    def in_backward(work):
+        """fwd+bwd of an identity autograd op whose backward runs ``work``: the cost of a piece when
+        it runs in autograd's device thread, as the real backward does."""
+
+        class Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.view_as(t)
+
+            @staticmethod
+            def backward(ctx, g):
+                work()
+                return g
+
+        return lambda: Probe.apply(x).backward(dy)
+
+    pieces.update(
+        {
+            "autograd probe: nothing": in_backward(lambda: None),
+            "autograd probe: quantize_act": in_backward(pieces["quantize_act (dual)"]),
+            "autograd probe: gemm_dgrad": in_backward(pieces["gemm_dgrad"]),
+            "autograd probe: gemm_wgrad": in_backward(pieces["gemm_wgrad"]),
+            "autograd probe: torch.empty x4": in_backward(pieces["torch.empty x4"]),
+        }
+    )
+    print(f"host cost per call, {args.backend} backend, {s}x{s}x{s} ({torch.cuda.get_device_name()}):")
+    for name, fn in pieces.items():
+        print(f"  {name:28s} {host_us(fn):8.1f} us")
+
+    if args.trace:  # Python-level trace of a few tiny steps: where the host time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        f = step(ours, False)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            for _ in range(3):
+                f()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(args.trace)
+
+    m, n, k = (int(v) for v in args.shape.split("x"))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    big = Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=args.backend)
+    f = step(big, True)
+    for _ in range(5):
+        f()
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+    print(f"\ntorch.profiler, 5 steps of {m}x{n}x{k} (fresh weight), by self CPU time:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print("by device time:")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
