@@ -57,17 +57,17 @@ def main() -> int:
         shape = GptShape(num_layers=2, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn,
                          seq_length=seq, micro_batch_size=mb)  # fmt: skip
         ids, pos = batch(shape)
-        kinds = [("bf16", "bf16", None)]
+        # the first model's weights go to the others (fused-norm names map onto the local spec's, not back)
+        kinds = [("te", "te", None)] if te is not None else []
         kinds += [(f"plugin-{b}", "plugin", b) for b in args.backends if backend_availability(b, "cuda")]
-        if te is not None:
-            kinds.append(("te", "te", None))
+        kinds.append(("bf16", "bf16", None))
         source = None
         results = {}
         for label, kind, backend in kinds:
             model = build_gpt(shape, kind, backend=backend or "auto")
             if source is None:
                 source = model
-            elif kind != "bf16":
+            else:
                 copy_weights(source, model)
             loss, grads = loss_and_grads(model, ids, pos)
             ms = step_ms(model, ids, pos)

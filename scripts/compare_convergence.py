@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOOTH = 10  # logged steps in the moving mean of the plotted gap
 
 
 def read_metrics(run_dir: Path) -> dict:
@@ -76,27 +77,39 @@ def plot(runs: dict[str, dict], baseline: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(18, 4.5))
     base = runs.get(baseline)
-    for name, m in runs.items():
-        ax1.plot(m["steps"], m["loss"], label=name, lw=1.2)
-        if base is not None and name != baseline:
-            common = np.intersect1d(m["steps"], base["steps"])
-            a = m["loss"][np.isin(m["steps"], common)]
-            b = base["loss"][np.isin(base["steps"], common)]
-            ax2.plot(common, 100 * (a - b) / b, label=f"{name} vs {baseline}", lw=1.0)
+    for i, (name, m) in enumerate(runs.items()):
+        color = f"C{i}"
+        ax1.plot(m["steps"], m["loss"], label=name, lw=1.2, color=color)
+        if base is None or name == baseline:
+            continue
+        common = np.intersect1d(m["steps"], base["steps"])
+        a = m["loss"][np.isin(m["steps"], common)]
+        b = base["loss"][np.isin(base["steps"], common)]
+        gap = 100 * (a - b) / b
+        ax2.plot(common, gap, lw=0.6, alpha=0.35, color=color)
+        w = min(SMOOTH, len(gap))  # per-step gaps are noisy: a moving mean shows the trend
+        ax2.plot(common[w - 1 :], np.convolve(gap, np.ones(w) / w, mode="valid"), lw=2, color=color,
+                 label=f"{name} vs {baseline} (mean of {w} logged steps)")  # fmt: skip
+        vb = dict(base["valid"])
+        vg = [(s, 100 * (v - vb[s]) / vb[s]) for s, v in m["valid"] if s in vb]
+        if vg:
+            ax3.plot(*zip(*vg), "o-", color=color, label=f"{name} vs {baseline}")
     ax1.set_xlabel("step")
     ax1.set_ylabel("training loss")
-    ax1.set_title("loss")
+    ax1.set_yscale("log")
+    ax1.set_title("training loss")
     ax1.legend()
-    ax2.axhline(0, color="gray", lw=0.8)
-    ax2.axhline(0.25, color="gray", ls="--", lw=0.8)
-    ax2.axhline(-0.25, color="gray", ls="--", lw=0.8)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel(f"relative gap to {baseline} (%)")
-    ax2.set_title("gap (dashed: +-0.25%, DeepSeek-V3's FP8 bound)")
-    if ax2.lines[3:]:
-        ax2.legend()
+    for ax, what in ((ax2, "training loss"), (ax3, "validation loss")):
+        ax.axhline(0, color="gray", lw=0.8)
+        ax.axhline(0.25, color="gray", ls="--", lw=0.8)
+        ax.axhline(-0.25, color="gray", ls="--", lw=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"relative gap to {baseline} (%)")
+        ax.set_title(f"{what} gap (dashed: +-0.25%, DeepSeek-V3's FP8 bound)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -3,7 +3,7 @@
 # 10 minutes: the three arms of recipes/convergence_125m.sh (BF16, the plugin, TE blockwise) train
 # side by side in the background (setsid: they outlive the call that starts them; the machine stays
 # up while calls follow back to back), then compare_convergence.py reads the finished runs.
-#   bash scripts/gpu_convergence.sh start [hydra overrides...]   # the TE arm only if TE imports
+#   [ONLY=plugin] bash scripts/gpu_convergence.sh start [hydra overrides...]   # TE arm only if TE imports
 #   bash scripts/gpu_convergence.sh wait SECONDS                 # until all ended or SECONDS passed
 #   bash scripts/gpu_convergence.sh summary                      # plot + table into $OUT/convergence
 # Runs live in $CONV_DIR (default /tmp/convergence); PYTHONPATH must already reach TE and Megatron.
@@ -31,6 +31,7 @@ case "${1:-}" in
     mkdir -p "$DIR"
     for arm in "${ARMS[@]}"; do
       name="${arm%%:*}"; fp8="${arm#*:}"
+      [ -n "${ONLY:-}" ] && [ "$name" != "$ONLY" ] && continue
       if [ "$name" = te ] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
         echo "te: Transformer Engine does not import here; arm skipped"; continue
       fi

@@ -48,6 +48,7 @@ def losses(records):
         ("backend.name=cuda_magic", "backend.name: 'cuda_magic' is not one of"),
         ("fp8=nonsense", "Could not find 'fp8/nonsense'"),
         ("train.lr=fast", "train.lr"),
+        ("model.attention=flash", "model.attention: 'flash' is not one of local, sdpa"),
     ],
 )
 def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override, message):

@@ -25,6 +25,9 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # or RMSNorm
     swiglu: bool = False
     position_embedding_type: str = "learned_absolute"  # or rope
+    # core attention of the bf16/blockwise specs: local (Megatron's unfused) or sdpa (PyTorch's fused
+    # kernels, TE-free); the te_blockwise mode always uses TE's fused attention
+    attention: str = "local"
     add_bias_linear: bool = True
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -50,6 +53,9 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    # Initialise the full weights on the CPU, then shard: runs with different TP sizes start from the
+    # same weights (for TP-equivalence checks). Off on a GPU by default: each rank initialises its shard.
+    cpu_initialization: bool = False
 
 
 @dataclass
@@ -121,6 +127,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(cfg.backend.name in BACKENDS, "backend.name", f"{cfg.backend.name!r} is not one of {BACKENDS}")
     _require(cfg.device in ("auto", "cpu", "cuda"), "device", f"{cfg.device!r}: use auto, cpu or cuda")
     _require(m.normalization in ("LayerNorm", "RMSNorm"), "model.normalization", f"{m.normalization!r}")
+    _require(m.attention in ("local", "sdpa"), "model.attention", f"{m.attention!r} is not one of local, sdpa")
     _require(
         m.position_embedding_type in ("learned_absolute", "rope"),
         "model.position_embedding_type",

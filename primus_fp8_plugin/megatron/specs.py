@@ -97,7 +97,7 @@ def get_gpt_block_spec(num_layers: int, *, bf16_layers: Iterable[int] = (), **la
     bf16 = None
     if keep:
         local = {k: layer_kwargs[k] for k in ("num_experts", "qk_layernorm", "normalization") if k in layer_kwargs}
-        bf16 = _norms_to_torch_norm(_local_spec(**local))
+        bf16 = with_core_attention(_norms_to_torch_norm(_local_spec(**local)), layer_kwargs.get("core_attention", "local"))
     layers = [bf16 if i in keep else fp8 for i in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm)
 
@@ -131,12 +131,32 @@ def _norms_to_torch_norm(spec):
     return ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(sub, **changes))
 
 
+CORE_ATTENTIONS = ("local", "sdpa")
+
+
+def with_core_attention(spec: ModuleSpec, core_attention: str) -> ModuleSpec:
+    """``spec`` (a transformer-layer ModuleSpec) with its ``core_attention`` chosen by name:
+    ``"local"`` keeps Megatron's unfused ``DotProductAttention``; ``"sdpa"`` puts the plugin's
+    ``SdpaAttention`` (PyTorch's fused flash / memory-efficient kernels) there."""
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"core_attention must be one of {CORE_ATTENTIONS}, got {core_attention!r}")
+    if core_attention == "local":
+        return spec
+    from .attention import SdpaAttention
+
+    attn = copy.copy(spec.submodules.self_attention)
+    attn.submodules = dataclasses.replace(attn.submodules, core_attention=SdpaAttention)
+    return ModuleSpec(module=spec.module, params=spec.params,
+                      submodules=dataclasses.replace(spec.submodules, self_attention=attn))  # fmt: skip
+
+
 def get_gpt_layer_spec(
     num_experts: int | None = None,
     *,
     qk_layernorm: bool = False,
     normalization: str = "LayerNorm",
     fused_norm: bool = True,
+    core_attention: str = "local",
     recipe: BlockwiseRecipe | None = None,
     backend: str = "auto",
 ) -> ModuleSpec:
@@ -146,13 +166,15 @@ def get_gpt_layer_spec(
     layers, ``pre_mlp_layernorm`` into ``linear_fc1`` (MoE layers keep a separate pre-MLP norm:
     the router needs the normalized input). ``fused_norm=False``: Megatron's local layout.
     ``num_experts``: None for dense, else an MoE layer with SequentialMLP experts.
+    ``core_attention``: ``"local"`` (Megatron's unfused attention) or ``"sdpa"`` (fused, TE-free;
+    see ``with_core_attention``).
     """
     spec = apply_fp8_blockwise(
         _local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization=normalization),
         recipe=recipe,
         backend=backend,
     )
-    spec = _norms_to_torch_norm(spec)
+    spec = with_core_attention(_norms_to_torch_norm(spec), core_attention)
     if not fused_norm:
         return spec
     sub = spec.submodules

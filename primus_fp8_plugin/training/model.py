@@ -30,14 +30,16 @@ def transformer_config(cfg, on_cuda: bool):
         sequence_parallel=p.sequence_parallel,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=not on_cuda,
+        use_cpu_initialization=(not on_cuda) or p.cpu_initialization,
         # apex-free fallbacks: Megatron's fused kernels need apex / TE
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=on_cuda and cfg.fp8.mode == "blockwise",
+        # Megatron's own layers (the output layer) need apex for the fusion; the plugin's layers fuse
+        # on their own when the spec asks (fp8_fuse_wgrad), so the config keeps it off.
+        gradient_accumulation_fusion=False,
     )
     if m.num_experts:
         kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_token_dispatcher_type="allgather")
@@ -59,7 +61,7 @@ def layer_spec(cfg):
     recipe = BlockwiseRecipe(fp8_format=cfg.fp8.fp8_format, pow2_scales=cfg.fp8.pow2_scales)
     return get_gpt_block_spec(
         m.num_layers, bf16_layers=bf16_layers, num_experts=m.num_experts,
-        normalization=m.normalization, recipe=recipe, backend=cfg.backend.name,
+        normalization=m.normalization, core_attention=m.attention, recipe=recipe, backend=cfg.backend.name,
     )  # fmt: skip
 
 

@@ -225,3 +225,28 @@ def test_unknown_normalization_is_refused():
                                          gather_output=False, fp8_backend="reference")  # fmt: skip
     with pytest.raises(ValueError, match="normalization must be 'LayerNorm' or 'RMSNorm', got 'GroupNorm'"):
         TorchNorm(cfg, 256)
+
+
+def test_sdpa_core_attention_in_the_plugins_specs():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from primus_fp8_plugin.megatron import get_gpt_block_spec, get_gpt_layer_spec
+    from primus_fp8_plugin.megatron.attention import SdpaAttention
+
+    local = build_gpt(get_gpt_block_spec(2, backend="reference"))
+    sdpa = build_gpt(get_gpt_block_spec(2, bf16_layers=(0,), core_attention="sdpa", backend="reference"))
+    for layer in sdpa.module.decoder.layers:  # the BF16 layer too, so a BF16 baseline matches
+        assert isinstance(layer.self_attention.core_attention, SdpaAttention)
+    assert isinstance(local.module.decoder.layers[0].self_attention.core_attention, DotProductAttention)
+    # attention alone, in BF16 layers: the two differ only in the bf16 rounding of scores and probabilities
+    bf16_local = build_gpt(get_gpt_block_spec(2, bf16_layers=range(2)))
+    bf16_sdpa = build_gpt(get_gpt_block_spec(2, bf16_layers=range(2), core_attention="sdpa"))
+    bf16_sdpa.load_state_dict(bf16_local.state_dict())
+    (loss_l, g_l), (loss_s, g_s) = loss_and_grads(bf16_local), loss_and_grads(bf16_sdpa)
+    errs = sorted((rel_frobenius(g_s[n], g_l[n]), n) for n in g_l)
+    assert abs(loss_l - loss_s) / loss_l < 1e-3
+    assert errs[-1][0] < 0.02, errs[-1]
+    loss_fp8, g_fp8 = loss_and_grads(sdpa)  # and the FP8 model with it trains: finite loss and gradients
+    assert abs(loss_fp8 - loss_l) / loss_l < 5e-3 and all(torch.isfinite(g).all() for g in g_fp8.values())
+    with pytest.raises(ValueError, match="core_attention must be one of"):
+        get_gpt_layer_spec(core_attention="flash")

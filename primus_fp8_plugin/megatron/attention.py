@@ -1,0 +1,166 @@
+"""A TE-free fused core attention for Megatron-core specs: ``SdpaAttention``.
+
+Megatron's local GPT spec puts ``DotProductAttention`` in ``core_attention``. That module is unfused: it
+materialises the ``[b * np, sq, sk]`` score matrix (and its softmax, and the dropout mask) in global memory,
+which is slow and memory hungry. Transformer Engine's spec uses a fused flash attention instead, so a local
+spec compared against TE's would be handicapped by attention alone. ``SdpaAttention`` is a drop-in for
+``DotProductAttention`` (``ModuleSpec(module=SdpaAttention)`` in ``SelfAttentionSubmodules(core_attention=...)``)
+built on ``torch.nn.functional.scaled_dot_product_attention``, which dispatches to the flash or
+memory-efficient kernels on a GPU. Its numerics equal ``DotProductAttention``'s up to bf16 rounding (the fused
+kernels keep scores and probabilities in fp32, where Megatron rounds the scores, and the probabilities, to the
+input dtype); in fp32 they agree to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+_TORCH_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
+
+
+class SdpaAttention(MegatronModule):
+    """Core attention (softmax(q k^T * scale + mask) v) through PyTorch's fused SDPA kernels.
+
+    Constructor: the same keywords as Megatron's ``DotProductAttention`` (``config``, ``layer_number``,
+    ``attn_mask_type``, ``attention_type``, ``attention_dropout``, ``softmax_scale``, ``cp_comm_type``,
+    ``pg_collection``); unknown keywords (other Megatron versions) are accepted and ignored, since every size
+    is read from the tensors. There are no parameters.
+
+    ``forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+    packed_seq_params=None)``:
+
+    * ``query``: ``[sq, b, np, hn]``; ``key`` and ``value``: ``[sk, b, ng, hn]`` (``hn_v`` for ``value``),
+      ``np`` and ``ng`` the query heads and key/value groups of this tensor-parallel rank (read from the
+      shapes; ``np`` a multiple of ``ng``: grouped-query attention). Any one floating dtype (bf16, fp16, fp32).
+    * ``attention_mask``: ``None`` or a bool tensor broadcastable to ``[b, np, sq, sk]`` (Megatron's
+      ``[b, 1, sq, sk]``), True where a score is *masked out* (Megatron's convention).
+    * returns ``[sq, b, np * hn_v]`` in the input dtype (the hidden size of this rank's partition).
+
+    Semantics, as ``DotProductAttention``'s (with ``masked_softmax_fusion=False``):
+
+    * mask type (``attn_mask_type`` of the call, else of the constructor): ``causal`` with no mask is
+      ``is_causal=True`` (the flash path; ``sq == 1`` means no mask, as for a KV-cache decode step); a given
+      mask is applied as it is whatever the type (``causal``, ``padding``, ``no_mask``, ``arbitrary``).
+    * a query row whose keys are all masked gets the mean of the values: Megatron fills masked scores with
+      -10000, so such a row's softmax is uniform (SDPA alone would give 0 or NaN). These rows (padding
+      queries) get no dropout, where Megatron's drop some of their uniform probabilities.
+    * scale: ``softmax_scale`` (SelfAttention passes ``config.softmax_scale``), else ``1/sqrt(kv_channels)``.
+      ``apply_query_key_layer_scaling`` divides the scores by ``layer_number`` before the softmax and
+      multiplies them back inside it, for fp16 range only: the product is unchanged, so it is ignored here.
+    * dropout on the probabilities: ``attention_dropout`` (else ``config.attention_dropout``) in training mode
+      only, under Megatron's model-parallel RNG (as ``DotProductAttention``, unless sequence parallel).
+
+    Refused with ``NotImplementedError``: context parallelism, sliding-window layers, softmax types other than
+    ``vanilla``, ``qk_clip`` / ``log_max_attention_logit`` (they need the max logit), ``attention_bias``,
+    ``packed_seq_params`` (THD), the ``padding_causal`` and ``causal_bottom_right`` mask types, causal
+    attention with ``1 < sq != sk`` and no mask, non-bool masks, and any other non-None call keyword.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        **unused_kwargs,
+    ):
+        super().__init__(config=config)
+        if getattr(config, "context_parallel_size", 1) > 1:
+            raise NotImplementedError("SdpaAttention: context parallelism (context_parallel_size > 1)")
+        if _is_window_layer(config, layer_number):
+            raise NotImplementedError(f"SdpaAttention: sliding-window attention (window_size={config.window_size})")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError(f"SdpaAttention: softmax_type={config.softmax_type!r} (only 'vanilla')")
+        if getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False):
+            raise NotImplementedError("SdpaAttention: qk_clip / log_max_attention_logit (needs the max attention logit)")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("SdpaAttention: attention_bias")
+        if packed_seq_params is not None:
+            raise NotImplementedError("SdpaAttention: packed_seq_params (THD packed sequences)")
+        extra = sorted(k for k, v in kwargs.items() if v is not None)
+        if extra:
+            raise NotImplementedError(f"SdpaAttention: call keywords {extra}")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if mask_type in (AttnMaskType.padding_causal, AttnMaskType.causal_bottom_right):
+            raise NotImplementedError(f"SdpaAttention: attn_mask_type={mask_type.name}")
+
+        sq, b, np_, _ = query.shape
+        sk, ng = key.size(0), key.size(2)
+        if np_ % ng or value.size(2) != ng:
+            raise ValueError(f"SdpaAttention: {np_} query heads, {ng} key and {value.size(2)} value heads")
+
+        is_causal, keep, dead = False, None, None
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise NotImplementedError(f"SdpaAttention: attention_mask of dtype {attention_mask.dtype} (only bool)")
+            dead = attention_mask.all(dim=-1, keepdim=True)  # query rows with every key masked out
+            keep = ~attention_mask | dead  # SDPA's bool mask keeps True; dead rows are fixed up below
+        elif mask_type == AttnMaskType.causal and sq > 1:
+            if sq != sk:
+                raise NotImplementedError(f"SdpaAttention: causal attention with sq={sq} != sk={sk} and no mask")
+            is_causal = True
+
+        gqa = {}
+        if np_ != ng:
+            if keep is None and _TORCH_HAS_GQA:
+                gqa = {"enable_gqa": True}  # kernels read the shared key/value heads; no copy
+            else:  # the memory-efficient kernel (masks) takes no enable_gqa: expand as Megatron does
+                key = key.repeat_interleave(np_ // ng, dim=2)
+                value = value.repeat_interleave(np_ // ng, dim=2)
+
+        # [s, b, heads, hn] -> [b, heads, s, hn] (views; SDPA needs only the last dimension contiguous)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+        with self._rng(dropout_p):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale, **gqa
+            )
+        if dead is not None:  # Megatron's -10000 fill makes a fully masked row uniform: the mean of the values
+            out = torch.where(dead, v.mean(dim=2, keepdim=True).to(out.dtype), out)
+        # [b, np, sq, hn_v] -> [sq, b, np * hn_v]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _rng(self, dropout_p: float):
+        """Megatron's model-parallel RNG for the dropout (different heads on different TP ranks)."""
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
+
+
+def _is_window_layer(config, layer_number: int) -> bool:
+    window_size = getattr(config, "window_size", None)
+    if not window_size:
+        return False
+    try:
+        from megatron.core.transformer.utils import is_layer_window_attention
+    except ImportError:  # older Megatron: every layer of a window_size config is windowed
+        return True
+    return is_layer_window_attention(window_size, getattr(config, "window_attn_skip_freq", None), layer_number)
