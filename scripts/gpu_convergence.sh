@@ -6,6 +6,7 @@
 #   [ONLY=plugin] bash scripts/gpu_convergence.sh start [hydra overrides...]   # TE arm only if TE imports
 #   bash scripts/gpu_convergence.sh wait SECONDS                 # until all ended or SECONDS passed
 #   bash scripts/gpu_convergence.sh summary                      # plot + table into $OUT/convergence
+#   bash scripts/gpu_convergence.sh speed [STEPS [overrides]]    # each arm alone: uncontended tokens/s
 # Runs live in $CONV_DIR (default /tmp/convergence); PYTHONPATH must already reach TE and Megatron.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,5 +59,25 @@ case "${1:-}" in
     done
     python3 scripts/compare_convergence.py --out "$OUT/convergence" --baseline bf16 "${reads[@]}"
     for arm in "${ARMS[@]}"; do name="${arm%%:*}"; cp "$DIR/$name/metrics.jsonl" "$OUT/convergence/$name.metrics.jsonl" 2>/dev/null; done ;;
-  *) echo "usage: $0 start [overrides] | wait SECONDS | status | summary" >&2; exit 2 ;;
+  speed)
+    # The arms above share the GPU; their tokens/s are contended. This trains each alone for a few
+    # steps (same model and batch) and reports the median tokens/s after the first 10 steps.
+    steps="${2:-60}"; shift; shift || true
+    mkdir -p "$DIR"
+    for arm in "${ARMS[@]}"; do
+      name="${arm%%:*}"; fp8="${arm#*:}"
+      [ -n "${ONLY:-}" ] && [ "$name" != "$ONLY" ] && continue
+      if [ "$name" = te ] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then continue; fi
+      d="$DIR/speed_$name"; rm -rf "$d"
+      python3 -m primus_fp8_plugin.train model=gpt_125m train=convergence "$fp8" "train.steps=$steps" train.warmup_steps=5 \
+        train.eval_interval=0 logging.log_interval=1 logging.progress=false "logging.dir=$d" "data.cache_dir=$DIR/$name/data" "$@" \
+        > "$d.log" 2>&1 || { echo "$name: failed"; tail -5 "$d.log"; continue; }
+      python3 - "$name" "$d/metrics.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[2])]
+tps = [r["tokens_per_s"] for r in rows if "loss" in r and "event" not in r and r["step"] > 10]
+print(f"{sys.argv[1]}: {statistics.median(tps):.0f} tokens/s alone (median of steps 11-{rows[-2]['step']})")
+PY
+    done ;;
+  *) echo "usage: $0 start [overrides] | wait SECONDS | status | summary | speed [STEPS]" >&2; exit 2 ;;
 esac

@@ -3,7 +3,6 @@ model built from Megatron's BF16 local spec within FP8 tolerance, for each GPU b
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -16,21 +15,6 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("megatron.core")
 
 SEQ, BATCH, VOCAB = 256, 4, 1024
-
-
-@pytest.fixture(scope="module")
-def nccl_world():
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29811")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    yield
-    parallel_state.destroy_model_parallel()
 
 
 def build(spec):

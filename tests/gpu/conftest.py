@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def nccl_world():
+    """A one-process NCCL world with Megatron's model-parallel state (TP=1) and its CUDA RNG tracker."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29811")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    yield
+    parallel_state.destroy_model_parallel()
