@@ -12,7 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DIR="${CONV_DIR:-/tmp/convergence}"
 OUT="${OUT:-/tmp/out}"
-ARMS=(bf16:fp8=bf16 plugin:fp8=blockwise te:fp8=te_blockwise)
+# NAME:OVERRIDES arms (overrides joined by commas); CONV_ARMS replaces the default set, e.g.
+# CONV_ARMS="te_bf16:fp8=te_bf16 sdpa_bf16:fp8=bf16,model.attention=sdpa sdpa_plugin:fp8=blockwise,model.attention=sdpa"
+read -r -a ARMS <<< "${CONV_ARMS:-bf16:fp8=bf16 plugin:fp8=blockwise te:fp8=te_blockwise}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 status() {
@@ -31,16 +33,17 @@ case "${1:-}" in
     shift
     mkdir -p "$DIR"
     for arm in "${ARMS[@]}"; do
-      name="${arm%%:*}"; fp8="${arm#*:}"
+      name="${arm%%:*}"; spec="${arm#*:}"
       [ -n "${ONLY:-}" ] && [ "$name" != "$ONLY" ] && continue
-      if [ "$name" = te ] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
-        echo "te: Transformer Engine does not import here; arm skipped"; continue
+      if [[ "$spec" == *fp8=te_* ]] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then
+        echo "$name: Transformer Engine does not import here; arm skipped"; continue
       fi
-      setsid nohup python3 -m primus_fp8_plugin.train model=gpt_125m train=convergence "$fp8" \
+      IFS=, read -r -a args <<< "$spec"
+      setsid nohup python3 -m primus_fp8_plugin.train model=gpt_125m train=convergence "${args[@]}" \
         "logging.dir=$DIR/$name" "data.cache_dir=$DIR/$name/data" logging.progress=false "$@" \
         > "$DIR/$name.log" 2>&1 < /dev/null &
       echo $! > "$DIR/$name.pid"
-      echo "started $name (pid $!): $fp8 $*"
+      echo "started $name (pid $!): ${args[*]} $*"
     done ;;
   wait)
     end=$((SECONDS + ${2:-540}))
@@ -57,7 +60,7 @@ case "${1:-}" in
     for arm in "${ARMS[@]}"; do
       name="${arm%%:*}"; [ -f "$DIR/$name/metrics.jsonl" ] && reads+=(--read "$name=$DIR/$name")
     done
-    python3 scripts/compare_convergence.py --out "$OUT/convergence" --baseline bf16 "${reads[@]}"
+    python3 scripts/compare_convergence.py --out "$OUT/convergence" --baseline "${BASELINE:-${ARMS[0]%%:*}}" "${reads[@]}"
     for arm in "${ARMS[@]}"; do name="${arm%%:*}"; cp "$DIR/$name/metrics.jsonl" "$OUT/convergence/$name.metrics.jsonl" 2>/dev/null; done ;;
   speed)
     # The arms above share the GPU; their tokens/s are contended. This trains each alone for a few
@@ -65,11 +68,12 @@ case "${1:-}" in
     steps="${2:-60}"; shift; shift || true
     mkdir -p "$DIR"
     for arm in "${ARMS[@]}"; do
-      name="${arm%%:*}"; fp8="${arm#*:}"
+      name="${arm%%:*}"; spec="${arm#*:}"
       [ -n "${ONLY:-}" ] && [ "$name" != "$ONLY" ] && continue
-      if [ "$name" = te ] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then continue; fi
+      if [[ "$spec" == *fp8=te_* ]] && ! python3 -c "import transformer_engine.pytorch" 2>/dev/null; then continue; fi
+      IFS=, read -r -a args <<< "$spec"
       d="$DIR/speed_$name"; rm -rf "$d"
-      python3 -m primus_fp8_plugin.train model=gpt_125m train=convergence "$fp8" "train.steps=$steps" train.warmup_steps=5 \
+      python3 -m primus_fp8_plugin.train model=gpt_125m train=convergence "${args[@]}" "train.steps=$steps" train.warmup_steps=5 \
         train.eval_interval=0 logging.log_interval=1 logging.progress=false "logging.dir=$d" "data.cache_dir=$DIR/$name/data" "$@" \
         > "$d.log" 2>&1 || { echo "$name: failed"; tail -5 "$d.log"; continue; }
       python3 - "$name" "$d/metrics.jsonl" <<'PY'

@@ -58,6 +58,17 @@ def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("mode", ["te_blockwise", "te_bf16"])
+def test_te_modes_without_transformer_engine_are_refused(tmp_path, mode):
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    proc, _ = train(tmp_path, f"fp8={mode}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"fp8.mode: {mode} needs Transformer Engine" in proc.stderr
+
+
 def test_a_split_without_documents_is_refused_not_looped_on(tmp_path):
     # Megatron's GPTDataset counts epochs forever when a split it must draw samples from is empty.
     proc, _ = train(tmp_path, "data.max_bytes=200000", "train.eval_interval=2", "train.steps=4")

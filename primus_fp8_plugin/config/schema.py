@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-FP8_MODES = ("bf16", "blockwise", "te_blockwise")
+FP8_MODES = ("bf16", "blockwise", "te_blockwise", "te_bf16")
+TE_MODES = ("te_blockwise", "te_bf16")  # built from TE's layer spec
 BACKENDS = ("auto", "triton", "cublas", "flydsl", "reference")
 
 
@@ -26,7 +27,7 @@ class ModelConfig:
     swiglu: bool = False
     position_embedding_type: str = "learned_absolute"  # or rope
     # core attention of the bf16/blockwise specs: local (Megatron's unfused) or sdpa (PyTorch's fused
-    # kernels, TE-free); the te_blockwise mode always uses TE's fused attention
+    # kernels, TE-free); the te_* modes always use TE's fused attention
     attention: str = "local"
     add_bias_linear: bool = True
     num_experts: int | None = None
@@ -36,7 +37,7 @@ class ModelConfig:
 
 @dataclass
 class Fp8Config:
-    mode: str = "blockwise"  # bf16 | blockwise (this plugin) | te_blockwise (Transformer Engine)
+    mode: str = "blockwise"  # bf16 | blockwise (this plugin) | te_blockwise (TE Float8BlockScaling) | te_bf16 (TE spec, BF16)
     fp8_format: str = "E4M3"  # or HYBRID
     pow2_scales: bool = True
     bf16_layers: list[int] = field(default_factory=list)  # layer indices kept in BF16 (negative ok)
@@ -149,8 +150,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps})")
     _require(cfg.data.source in ("stdlib", "indexed"), "data.source", f"{cfg.data.source!r}: use stdlib or indexed")
     _require(cfg.data.source != "indexed" or bool(cfg.data.path), "data.path", "data.source=indexed needs a .bin/.idx prefix")
-    if cfg.fp8.mode == "te_blockwise":
+    if cfg.fp8.mode in TE_MODES:
         try:
             import transformer_engine.pytorch  # noqa: F401
         except ImportError as err:
-            raise ConfigError(f"fp8.mode: te_blockwise needs Transformer Engine ({err})") from None
+            raise ConfigError(f"fp8.mode: {cfg.fp8.mode} needs Transformer Engine ({err})") from None

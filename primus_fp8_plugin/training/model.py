@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config.schema import TE_MODES
 from ..recipe import BlockwiseRecipe
 
 
@@ -43,7 +44,7 @@ def transformer_config(cfg, on_cuda: bool):
     )
     if m.num_experts:
         kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_token_dispatcher_type="allgather")
-    if cfg.fp8.mode == "te_blockwise":
+    if cfg.fp8.mode == "te_blockwise":  # te_bf16: the same TE spec without FP8
         kw.update(fp8="hybrid" if cfg.fp8.fp8_format == "HYBRID" else "e4m3", fp8_recipe="blockwise")
     return TransformerConfig(**kw)
 
@@ -53,7 +54,7 @@ def layer_spec(cfg):
     from ..megatron import get_gpt_block_spec
 
     m = cfg.model
-    if cfg.fp8.mode == "te_blockwise":
+    if cfg.fp8.mode in TE_MODES:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)

@@ -3,10 +3,7 @@ model built from Megatron's BF16 local spec within FP8 tolerance, for each GPU b
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-import torch
 
 from primus_fp8_plugin import backend_availability
 from primus_fp8_plugin.validate import rel_frobenius
@@ -14,50 +11,24 @@ from primus_fp8_plugin.validate import rel_frobenius
 pytestmark = pytest.mark.gpu
 pytest.importorskip("megatron.core")
 
-SEQ, BATCH, VOCAB = 256, 4, 1024
-
-
-def build(spec):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    cfg = TransformerConfig(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048,
-                            params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True,
-                            hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False,
-                            bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-                            bias_dropout_fusion=False, apply_rope_fusion=False)  # fmt: skip
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ)
-    return Float16Module(cfg, gpt).cuda()
-
-
-def loss_and_grads(model):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).cuda()
-    pos = torch.arange(SEQ, device="cuda").unsqueeze(0).expand(BATCH, -1)
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, pos, None, labels=ids).float().mean()
-    loss.backward()
-    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+SHAPE = dict(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, seq_length=256, micro_batch_size=4)
 
 
 @pytest.mark.parametrize("backend", ["triton", "cublas"])
 def test_gpt_on_gpu_matches_bf16(nccl_world, backend):
     if not backend_availability(backend, "cuda"):
         pytest.skip(backend_availability(backend, "cuda").reason)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from primus_fp8_plugin.megatron import is_fp8_linear
+    from primus_fp8_plugin.megatron.te_compare import GptShape, batch, build_gpt, copy_weights, loss_and_grads
 
-    from primus_fp8_plugin.megatron import get_gpt_block_spec, is_fp8_linear
-
-    loss_bf16, g_bf16 = loss_and_grads(build(get_gpt_layer_local_spec()))
-    fp8_model = build(get_gpt_block_spec(2, backend=backend))
+    shape = GptShape(**SHAPE)
+    ids, pos = batch(shape)
+    fp8_model = build_gpt(shape, "plugin", backend=backend)
     assert sum(is_fp8_linear(m) for m in fp8_model.modules()) == 8
-    loss_fp8, g_fp8 = loss_and_grads(fp8_model)
-    g_fp8 = {n.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
-              .replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."): g for n, g in g_fp8.items()}  # fmt: skip
+    bf16_model = build_gpt(shape, "bf16")
+    copy_weights(fp8_model, bf16_model)
+    loss_bf16, g_bf16 = loss_and_grads(bf16_model, ids, pos)
+    loss_fp8, g_fp8 = loss_and_grads(fp8_model, ids, pos)  # gradient names in the local spec's form
     assert g_fp8.keys() == g_bf16.keys()
     errs = {n: rel_frobenius(g_fp8[n], g_bf16[n]) for n in g_bf16}
     worst = max(errs.items(), key=lambda kv: kv[1])
@@ -76,8 +47,7 @@ def test_gpt_plugin_spec_matches_te_spec(nccl_world, backend):
         pytest.skip(backend_availability(backend, "cuda").reason)
     from primus_fp8_plugin.megatron.te_compare import GptShape, batch, build_gpt, copy_weights, loss_and_grads
 
-    shape = GptShape(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, seq_length=256,
-                     micro_batch_size=4)  # fmt: skip
+    shape = GptShape(**SHAPE)
     ids, pos = batch(shape)
     te_model = build_gpt(shape, "te")
     results = {"te": loss_and_grads(te_model, ids, pos)}
