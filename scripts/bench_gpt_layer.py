@@ -18,19 +18,11 @@ import torch
 from benchlib import bench_parser, environment, print_table, require_cuda, save_figure, save_json, try_import_te
 
 from primus_fp8_plugin import backend_availability
-from primus_fp8_plugin.validate import rel_frobenius
 
 SHAPES = {  # name: (hidden, heads, ffn, seq, micro batch)
     "h1024": (1024, 16, 4096, 1024, 4),
     "h4096": (4096, 32, 14336, 2048, 2),
 }
-
-
-def worst(ga: dict, gb: dict) -> tuple[str, float]:
-    if ga.keys() != gb.keys():
-        raise RuntimeError(f"gradient names differ: {sorted(ga.keys() ^ gb.keys())[:5]}")
-    errs = {n: rel_frobenius(ga[n], gb[n]) for n in gb}
-    return max(errs.items(), key=lambda kv: kv[1])
 
 
 def main() -> int:
@@ -43,7 +35,7 @@ def main() -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from primus_fp8_plugin.megatron.te_compare import GptShape, batch, build_gpt, copy_weights, loss_and_grads, step_ms
+    from primus_fp8_plugin.megatron import te_compare as tc
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29813")
@@ -54,9 +46,9 @@ def main() -> int:
     rows = []
     for name in args.only or SHAPES:
         h, heads, ffn, seq, mb = SHAPES[name]
-        shape = GptShape(num_layers=2, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn,
+        shape = tc.GptShape(num_layers=2, hidden_size=h, num_attention_heads=heads, ffn_hidden_size=ffn,
                          seq_length=seq, micro_batch_size=mb)  # fmt: skip
-        ids, pos = batch(shape)
+        ids, pos = tc.batch(shape)
         # the first model's weights go to the others (fused-norm names map onto the local spec's, not back)
         kinds = [("te", "te", None)] if te is not None else []
         kinds += [(f"plugin-{b}", "plugin", b) for b in args.backends if backend_availability(b, "cuda")]
@@ -64,13 +56,13 @@ def main() -> int:
         source = None
         results = {}
         for label, kind, backend in kinds:
-            model = build_gpt(shape, kind, backend=backend or "auto")
+            model = tc.build_gpt(shape, kind, backend=backend or "auto")
             if source is None:
                 source = model
             else:
-                copy_weights(source, model)
-            loss, grads = loss_and_grads(model, ids, pos)
-            ms = step_ms(model, ids, pos)
+                tc.copy_weights(source, model)
+            loss, grads = tc.loss_and_grads(model, ids, pos)
+            ms = tc.step_ms(model, ids, pos)
             results[label] = (loss, grads, ms)
             if model is not source:
                 del model
@@ -81,9 +73,9 @@ def main() -> int:
             row = {"shape": name, "model": label, "loss": loss, "loss_vs_bf16_pct": 100 * (loss - base_loss) / base_loss,
                    "step_ms": ms, "tokens_per_s": tokens / ms * 1e3, "speed_vs_bf16": base_ms / ms}  # fmt: skip
             if label != "bf16":
-                row["worst_grad_vs_bf16"] = "{} {:.4f}".format(*worst(grads, base_grads))
+                row["worst_grad_vs_bf16"] = "{} {:.4f}".format(*tc.worst_grad_error(grads, base_grads))
             if "te" in results and label != "te":
-                row["worst_grad_vs_te"] = "{} {:.4f}".format(*worst(grads, results["te"][1]))
+                row["worst_grad_vs_te"] = "{} {:.4f}".format(*tc.worst_grad_error(grads, results["te"][1]))
                 row["speed_vs_te"] = results["te"][2] / ms
             rows.append(row)
     print_table(rows, [("shape", "s"), ("model", "s"), ("loss", ".5f"), ("loss_vs_bf16_pct", "+.3f"), ("step_ms", ".2f"),

@@ -3,9 +3,12 @@
 time, and a torch.profiler table. For the fixed per-call cost that dominates small layers.
 
     python scripts/profile_linear.py [--backend cublas] [--shape 4096x4096x4096] [--trace out.json]
+    python scripts/profile_linear.py --op-overhead      # any machine, no GPU needed
 
 Host cost is measured on a tiny problem (256x256x256: the GPU finishes each kernel long before the
 CPU launches the next one), as wall time per call without synchronising, over many calls.
+``--op-overhead`` measures the autograd op's own Python (linear.py, recipe, tensor checks) on the CPU,
+with a backend whose five operations return precomputed results at once.
 """
 
 from __future__ import annotations
@@ -33,12 +36,75 @@ def host_us(fn, n: int = 300) -> float:
     return (t1 - t0) / n * 1e6
 
 
+def op_overhead_us(s: int = 128, n: int = 2000) -> dict[str, float]:
+    """Microseconds per call of ``fp8_blockwise_linear`` on the CPU with an instant backend, and of
+    a BF16 ``nn.Linear`` (real CPU GEMMs) for scale."""
+    from primus_fp8_plugin import fp8_blockwise_linear
+
+    ref = get_backend("reference", torch.device("cpu"))
+    recipe = BlockwiseRecipe()
+    x = torch.randn(s, s, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(s, s, dtype=torch.bfloat16))
+    dy = torch.randn(s, s, dtype=torch.bfloat16)
+    xq = ref.quantize_act(x.detach(), recipe.params(TensorRole.INPUT), rowwise=True, columnwise=True)
+    wq = ref.quantize_weight(w.detach(), recipe.params(TensorRole.WEIGHT))
+    y = ref.gemm_fwd(xq, wq, None, torch.bfloat16)
+
+    class Instant(type(ref)):
+        name = "instant"
+
+        def quantize_act(self, x, params, *, rowwise, columnwise):
+            return xq
+
+        def quantize_weight(self, w, params):
+            return wq
+
+        def gemm_fwd(self, *args):
+            return y.clone()
+
+        def gemm_dgrad(self, *args):
+            return y.clone()
+
+        def gemm_wgrad(self, *args):
+            return y.clone()
+
+    instant, bf16 = Instant(), torch.nn.Linear(s, s, bias=False, dtype=torch.bfloat16)
+
+    def timed(fn) -> float:
+        for _ in range(50):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def ours_step():
+        w.grad = None
+        fp8_blockwise_linear(x, w, backend=instant).backward(dy)
+
+    def bf16_step():
+        bf16.weight.grad = None
+        bf16(x).backward(dy)
+
+    return {
+        "ours forward (instant backend)": timed(lambda: fp8_blockwise_linear(x, w, backend=instant)),
+        "ours forward+backward (instant backend)": timed(ours_step),
+        "bf16 nn.Linear forward+backward (real CPU GEMMs)": timed(bf16_step),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cublas")
     ap.add_argument("--shape", default="4096x4096x4096", help="MxNxK for the profiler table")
     ap.add_argument("--trace", help="write a chrome trace (with Python stacks) of three tiny fwd+bwd steps")
+    ap.add_argument("--op-overhead", action="store_true", help="the op's own Python on the CPU (no GPU needed)")
     args = ap.parse_args()
+    if args.op_overhead:
+        print("host cost per call of the autograd op with an instant backend, 128x128x128, CPU:")
+        for name, us in op_overhead_us().items():
+            print(f"  {name:50s} {us:8.1f} us")
+        return 0
     if not require_cuda("profile_linear"):
         return 2
     be = get_backend(args.backend, torch.device("cuda"))

@@ -144,10 +144,16 @@ def with_core_attention(spec: ModuleSpec, core_attention: str) -> ModuleSpec:
         return spec
     from .attention import SdpaAttention
 
-    attn = copy.copy(spec.submodules.self_attention)
-    attn.submodules = dataclasses.replace(attn.submodules, core_attention=SdpaAttention)
+    attn = _with_attention_submodules(spec.submodules.self_attention, core_attention=SdpaAttention)
     return ModuleSpec(module=spec.module, params=spec.params,
                       submodules=dataclasses.replace(spec.submodules, self_attention=attn))  # fmt: skip
+
+
+def _with_attention_submodules(attn: ModuleSpec, **changes) -> ModuleSpec:
+    """A copy of a self-attention spec with some of its submodules replaced (the input stays as it was)."""
+    attn = copy.copy(attn)
+    attn.submodules = dataclasses.replace(attn.submodules, **changes)
+    return attn
 
 
 def get_gpt_layer_spec(
@@ -179,8 +185,7 @@ def get_gpt_layer_spec(
         return spec
     sub = spec.submodules
     fused = _fp8_module(Fp8LayerNormColumnParallelLinear, recipe, backend)
-    attn = copy.copy(sub.self_attention)
-    attn.submodules = dataclasses.replace(attn.submodules, linear_qkv=fused)
+    attn = _with_attention_submodules(sub.self_attention, linear_qkv=fused)
     changes = {"input_layernorm": IdentityOp, "self_attention": attn, "sharded_state_dict_keys_map": {}}
     if num_experts is None:
         changes.update(pre_mlp_layernorm=IdentityOp, mlp=_with_fc1(sub.mlp, fused))

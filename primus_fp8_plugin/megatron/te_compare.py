@@ -106,6 +106,15 @@ def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor)
     return loss.item(), grads
 
 
+def worst_grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """(name, relative Frobenius error) of the parameter whose gradient departs most from ``ref``'s."""
+    from ..validate import rel_frobenius
+
+    if grads.keys() != ref.keys():
+        raise ValueError(f"gradient names differ: {sorted(grads.keys() ^ ref.keys())[:5]}")
+    return max(((n, rel_frobenius(grads[n], ref[n])) for n in ref), key=lambda item: item[1])
+
+
 def step_ms(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor, reps: int = 10) -> float:
     """Median milliseconds of one forward+backward (CUDA events, after 3 warm-up steps)."""
     times = []

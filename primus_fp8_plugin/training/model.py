@@ -38,8 +38,8 @@ def transformer_config(cfg, on_cuda: bool):
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        # Megatron's own layers (the output layer) need apex for the fusion; the plugin's layers fuse
-        # on their own when the spec asks (fp8_fuse_wgrad), so the config keeps it off.
+        # Off: Megatron's own layers in the model (the output layer) refuse it without apex. The
+        # plugin's layers could fuse without apex, but they read the same config flag.
         gradient_accumulation_fusion=False,
     )
     if m.num_experts:
