@@ -40,24 +40,32 @@ def transformer_config(shape: GptShape, *, te_fp8: bool):
     return TransformerConfig(**kw)
 
 
-def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0) -> torch.nn.Module:
-    """``kind``: ``"te"`` (TE spec, Float8BlockScaling), ``"plugin"`` (this package) or ``"bf16"`` (local)."""
+KINDS = ("te", "te_bf16", "plugin", "bf16")
+
+
+def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0, attention: str = "local") -> torch.nn.Module:
+    """``kind``: ``"te"`` (TE spec, Float8BlockScaling), ``"te_bf16"`` (TE spec without FP8: the control for
+    ``"te"``), ``"plugin"`` (this package) or ``"bf16"`` (Megatron's local spec). ``attention`` (``"local"``
+    or ``"sdpa"``, see ``specs.with_core_attention``) applies to the plugin and BF16 models; TE's spec
+    always uses TE's fused attention."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    from .specs import get_gpt_block_spec
+    from .specs import get_gpt_block_spec, with_core_attention
 
-    if kind == "te":
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind.startswith("te") and attention != "local":
+        raise ValueError(f"attention={attention!r} does not apply to TE's spec (it has its own fused attention)")
+    if kind.startswith("te"):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec()
     elif kind == "plugin":
-        spec = get_gpt_block_spec(shape.num_layers, backend=backend)
-    elif kind == "bf16":
-        spec = get_gpt_layer_local_spec()
+        spec = get_gpt_block_spec(shape.num_layers, backend=backend, core_attention=attention)
     else:
-        raise ValueError(f"kind must be 'te', 'plugin' or 'bf16', got {kind!r}")
+        spec = with_core_attention(get_gpt_layer_local_spec(), attention)
     cfg = transformer_config(shape, te_fp8=kind == "te")
     torch.manual_seed(seed)
     with warnings.catch_warnings():

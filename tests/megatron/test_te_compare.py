@@ -57,5 +57,10 @@ def test_worst_grad_error_names_the_worst_parameter_and_refuses_other_names():
 
 
 def test_build_gpt_refuses_an_unknown_kind():
-    with pytest.raises(ValueError, match="kind must be 'te', 'plugin' or 'bf16'"):
+    with pytest.raises(ValueError, match="kind must be one of"):
         tc.build_gpt(tc.GptShape(), "fp4")
+
+
+def test_build_gpt_refuses_an_attention_choice_for_te():
+    with pytest.raises(ValueError, match="does not apply to TE's spec"):
+        tc.build_gpt(tc.GptShape(), "te_bf16", attention="sdpa")
