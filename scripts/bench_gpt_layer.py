@@ -5,7 +5,9 @@ gradient agreement and step time.
 
     python scripts/bench_gpt_layer.py [--json out.json] [--backends cublas triton] [--attention local sdpa]
 
-TE's spec always runs TE's fused attention; ``--attention`` picks the core attention of the plugin and
+With TE installed, the plugin's linears also run inside TE's spec (attention column "te": TE's fused
+attention and norms around them), which differs from TE's model only in the linears. TE's spec always
+runs TE's fused attention; ``--attention`` picks the core attention of the plugin and
 BF16 models: ``local`` (Megatron's unfused DotProductAttention) or ``sdpa`` (the plugin's SdpaAttention,
 fused), so that the linears are compared with the same kind of attention around them.
 
@@ -59,9 +61,12 @@ def main() -> int:
                          seq_length=seq, micro_batch_size=mb)  # fmt: skip
         ids, pos = tc.batch(shape)
         # (label, kind, backend, attention); TE's spec brings its own fused attention
+        backends = [b for b in args.backends if backend_availability(b, "cuda")]
         models = [("te", "te", None, "te"), ("te_bf16", "te_bf16", None, "te")] if te is not None else []
+        if te is not None:  # the plugin's linears inside TE's spec: differs from "te" only in the linears
+            models += [(f"plugin-{b}", "plugin_te_spec", b, "te") for b in backends]
         for attention in args.attention:
-            models += [(f"plugin-{b}", "plugin", b, attention) for b in args.backends if backend_availability(b, "cuda")]
+            models += [(f"plugin-{b}", "plugin", b, attention) for b in backends]
             models.append(("bf16", "bf16", None, attention))
         # the first model's weights go to the others (fused-norm names map onto the local spec's, not back)
         source = None

@@ -58,7 +58,7 @@ def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("mode", ["te_blockwise", "te_bf16"])
+@pytest.mark.parametrize("mode", ["te_blockwise", "te_bf16", "te_spec_blockwise"])
 def test_te_modes_without_transformer_engine_are_refused(tmp_path, mode):
     import importlib.util
 

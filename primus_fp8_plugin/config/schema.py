@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-FP8_MODES = ("bf16", "blockwise", "te_blockwise", "te_bf16")
-TE_MODES = ("te_blockwise", "te_bf16")  # built from TE's layer spec
+FP8_MODES = ("bf16", "blockwise", "te_blockwise", "te_bf16", "te_spec_blockwise")
+TE_MODES = ("te_blockwise", "te_bf16", "te_spec_blockwise")  # built from TE's layer spec
 BACKENDS = ("auto", "triton", "cublas", "flydsl", "reference")
 
 
@@ -37,7 +37,9 @@ class ModelConfig:
 
 @dataclass
 class Fp8Config:
-    mode: str = "blockwise"  # bf16 | blockwise (this plugin) | te_blockwise (TE Float8BlockScaling) | te_bf16 (TE spec, BF16)
+    # bf16 | blockwise (this plugin) | te_blockwise (TE Float8BlockScaling) | te_bf16 (TE spec, BF16) |
+    # te_spec_blockwise (TE spec with this plugin's linears swapped in: differs from te_blockwise only in the linears)
+    mode: str = "blockwise"
     fp8_format: str = "E4M3"  # or HYBRID
     pow2_scales: bool = True
     bf16_layers: list[int] = field(default_factory=list)  # layer indices kept in BF16 (negative ok)

@@ -40,28 +40,37 @@ def transformer_config(shape: GptShape, *, te_fp8: bool):
     return TransformerConfig(**kw)
 
 
-KINDS = ("te", "te_bf16", "plugin", "bf16")
+KINDS = ("te", "te_bf16", "plugin_te_spec", "plugin", "bf16")
 
 
 def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0, attention: str = "local") -> torch.nn.Module:
-    """``kind``: ``"te"`` (TE spec, Float8BlockScaling), ``"te_bf16"`` (TE spec without FP8: the control for
-    ``"te"``), ``"plugin"`` (this package) or ``"bf16"`` (Megatron's local spec). ``attention`` (``"local"``
-    or ``"sdpa"``, see ``specs.with_core_attention``) applies to the plugin and BF16 models; TE's spec
-    always uses TE's fused attention."""
+    """``kind``:
+
+    * ``"te"``: TE's spec under Float8BlockScaling;
+    * ``"te_bf16"``: TE's spec without FP8 (the control for ``"te"``);
+    * ``"plugin_te_spec"``: TE's spec with the plugin's linears swapped in (differs from ``"te"`` only in
+      the linears);
+    * ``"plugin"``: this package's spec; ``"bf16"``: Megatron's local spec.
+
+    ``attention`` (``"local"`` or ``"sdpa"``, see ``specs.with_core_attention``) applies to the last two;
+    TE's spec always uses TE's fused attention."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    from .specs import get_gpt_block_spec, with_core_attention
+    from .specs import apply_fp8_blockwise, get_gpt_block_spec, with_core_attention
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    if kind.startswith("te") and attention != "local":
+    te_spec = kind in ("te", "te_bf16", "plugin_te_spec")
+    if te_spec and attention != "local":
         raise ValueError(f"attention={attention!r} does not apply to TE's spec (it has its own fused attention)")
-    if kind.startswith("te"):
+    if te_spec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec()
+        if kind == "plugin_te_spec":
+            spec = apply_fp8_blockwise(spec, backend=backend)
     elif kind == "plugin":
         spec = get_gpt_block_spec(shape.num_layers, backend=backend, core_attention=attention)
     else:

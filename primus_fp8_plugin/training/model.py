@@ -51,15 +51,18 @@ def transformer_config(cfg, on_cuda: bool):
 
 def layer_spec(cfg):
     """The decoder spec for ``cfg.fp8.mode`` (a TransformerBlockSubmodules or a layer ModuleSpec)."""
-    from ..megatron import get_gpt_block_spec
+    from ..megatron import apply_fp8_blockwise, get_gpt_block_spec
 
     m = cfg.model
+    recipe = BlockwiseRecipe(fp8_format=cfg.fp8.fp8_format, pow2_scales=cfg.fp8.pow2_scales)
     if cfg.fp8.mode in TE_MODES:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
+        te_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
+        if cfg.fp8.mode == "te_spec_blockwise":  # TE's attention and norms around the plugin's linears
+            return apply_fp8_blockwise(te_spec, recipe=recipe, backend=cfg.backend.name)
+        return te_spec
     bf16_layers = range(m.num_layers) if cfg.fp8.mode == "bf16" else list(cfg.fp8.bf16_layers)
-    recipe = BlockwiseRecipe(fp8_format=cfg.fp8.fp8_format, pow2_scales=cfg.fp8.pow2_scales)
     return get_gpt_block_spec(
         m.num_layers, bf16_layers=bf16_layers, num_experts=m.num_experts,
         normalization=m.normalization, core_attention=m.attention, recipe=recipe, backend=cfg.backend.name,

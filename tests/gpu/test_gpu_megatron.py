@@ -62,3 +62,30 @@ def test_gpt_plugin_spec_matches_te_spec(nccl_world, backend):
           f"TE-vs-bf16 {te_bf16}, plugin-vs-bf16 {p_bf16}")  # fmt: skip
     assert abs(l_p - l_te) / l_te < 1e-3
     assert p_te[1] < te_bf16[1], "the plugin should agree with TE better than TE agrees with BF16"
+
+
+@pytest.mark.parametrize("backend", ["triton", "cublas"])
+def test_plugin_linears_inside_te_spec_match_te(nccl_world, backend):
+    """TE's spec with the plugin's linears swapped in against TE's own under Float8BlockScaling, same
+    weights and inputs. Attention and norms are TE's in both, so only the linears differ: TE-exact
+    quantization leaves only GEMM accumulation order (cuBLAS vs Triton, or cuBLAS heuristics), far less
+    than the FP8-vs-BF16 difference."""
+    pytest.importorskip("transformer_engine.pytorch")
+    if not backend_availability(backend, "cuda"):
+        pytest.skip(backend_availability(backend, "cuda").reason)
+    from primus_fp8_plugin.megatron import te_compare as tc
+
+    shape = tc.GptShape(**SHAPE)
+    ids, pos = tc.batch(shape)
+    te_model = tc.build_gpt(shape, "te")
+    results = {"te": tc.loss_and_grads(te_model, ids, pos)}
+    for kind in ("plugin_te_spec", "te_bf16"):
+        model = tc.build_gpt(shape, kind, backend=backend)
+        tc.copy_weights(te_model, model)
+        results[kind] = tc.loss_and_grads(model, ids, pos)
+    (l_te, g_te), (l_p, g_p), (l_b, g_b) = results["te"], results["plugin_te_spec"], results["te_bf16"]
+    p_te, te_bf16 = tc.worst_grad_error(g_p, g_te), tc.worst_grad_error(g_te, g_b)
+    print(f"{backend}: loss te {l_te:.6f} plugin-in-te-spec {l_p:.6f} te-bf16 {l_b:.6f}; worst grad error "
+          f"plugin-vs-TE {p_te}, TE-vs-TE-bf16 {te_bf16}")  # fmt: skip
+    assert abs(l_p - l_te) / l_te < 2e-4
+    assert p_te[1] < te_bf16[1] / 4, "with TE's attention and norms the plugin's linears should nearly reproduce TE"
