@@ -87,7 +87,9 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
                 weight.grad_added_to_main_grad = True
             else:
                 dw = backend.gemm_wgrad(dyq, xq, weight.dtype, None)
-        db = dy2d.float().sum(0).to(dy.dtype) if (ctx.has_bias and need_db) else None
+        # TE's own bias gradient under Float8BlockScaling (unfused): a sum in dY's dtype, which torch
+        # accumulates in fp32 and rounds once, without an fp32 copy of dY.
+        db = dy2d.sum(0) if (ctx.has_bias and need_db) else None
         ctx.wq = None
         return dx, dw, db, None, None, None, None
 

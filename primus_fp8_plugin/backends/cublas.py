@@ -34,6 +34,15 @@ def _scale_128x128(te_scale: torch.Tensor) -> torch.Tensor:
     return te_scale.t()
 
 
+def add_bias_rounding_once(y: torch.Tensor, bias: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(y + bias)`` for an fp32 ``y`` [M, N], rounded once to ``out_dtype``: one kernel that adds in
+    fp32 and writes ``out_dtype`` (the same bits as ``y.add_(bias).to(out_dtype)``, without the
+    second pass over the fp32 tensor)."""
+    if out_dtype == torch.float32:
+        return y.add_(bias)
+    return torch.add(y, bias, out=torch.empty(y.shape, dtype=out_dtype, device=y.device))
+
+
 def _cublas_can(a, b, *dims: int) -> bool:
     """cuBLAS blockwise needs E4M3 operands and 16-byte aligned leading dims."""
     e4m3 = a.fp8_dtype == torch.float8_e4m3fn and b.fp8_dtype == torch.float8_e4m3fn
@@ -78,7 +87,7 @@ class CublasBackend(TritonBackend):
             w.rowwise_data, _scale_128x128(w.rowwise_scale_inv), F.ScalingType.BlockWise128x128,
             out_dtype if bias is None else torch.float32,
         )  # fmt: skip
-        return y if bias is None else y.add_(bias).to(out_dtype)
+        return y if bias is None else add_bias_rounding_once(y, bias, out_dtype)
 
     def gemm_dgrad(self, dy, w, out_dtype):
         m, n = dy.shape

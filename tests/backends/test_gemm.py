@@ -128,3 +128,17 @@ def test_bad_gemm_input_is_refused(backend):
         gemm_wgrad(dyq, xq, accumulate_into=torch.zeros(128, 256, dtype=torch.bfloat16), backend=backend)
     with pytest.raises(ValueError, match="accumulate_into"):
         gemm_wgrad(dyq, xq, accumulate_into=torch.zeros(256, 128), backend=backend)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+def test_cublas_bias_epilogue_rounds_once_like_the_two_pass_form(out_dtype, bias_dtype):
+    # The cuBLAS backend adds the bias to the fp32 GEMM result in one pass that writes out_dtype;
+    # it must give the bits of "add in fp32, then round" (what TE's cuBLASLt epilogue does).
+    from primus_fp8_plugin.backends.cublas import add_bias_rounding_once
+
+    y = make_input((37, 272), seed=5).float() * 1e3
+    bias = make_input((1, 272), seed=6, spread=False).view(272).to(bias_dtype)
+    got = add_bias_rounding_once(y.clone(), bias, out_dtype)
+    assert got.dtype == out_dtype and got.shape == y.shape
+    assert torch.equal(got, y.clone().add_(bias).to(out_dtype))
