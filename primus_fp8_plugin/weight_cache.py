@@ -19,6 +19,12 @@ the exact weight it was made from:
 
 What no key can see: a write through ``.data`` outside an optimizer step. Call ``invalidate()``
 (``Fp8BlockwiseLinear.invalidate_weight_cache()``) after such a write.
+
+Under CUDA-graph capture the host-side key check would be frozen into the graph: a graph captured
+while the cache was valid would replay without quantizing and read the copy of the capture step
+after every later optimizer step. So while the current stream is capturing, ``get`` always
+quantizes (the graph re-quantizes on every replay, correct for any weight values), and the entry it
+makes is not trusted afterwards outside the graph.
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ def _after_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def optimizer_step_epoch() -> int:
@@ -73,10 +84,13 @@ class WeightCache:
     def get(self, weight: torch.Tensor, params: QuantParams, backend: Backend, *, refresh: bool = False) -> BlockwiseFp8Tensor:
         """The quantized copies of ``weight`` (both W and W^T), re-made if anything changed."""
         key = self._key_of(weight, params, backend)
-        if refresh or key != self._key or self._value is None:
+        capturing = _capturing()
+        if refresh or capturing or key != self._key or self._value is None:
             with torch.no_grad():
                 self._value = backend.quantize_weight(weight.detach().contiguous(), params)
-            self._key = key
+            # a copy made inside a graph capture lives in the graph's memory pool and is rewritten
+            # by each replay: never serve it by key outside the graph
+            self._key = None if capturing else key
             self.refreshes += 1
         return self._value
 

@@ -114,3 +114,27 @@ def test_cache_is_reported_and_never_in_state_dict():
     off = Fp8BlockwiseLinear(256, 128, cache_weight=False)
     run(off, make_input((4, 256), dtype=torch.float32))
     assert off.weight_cache_nbytes == 0
+
+
+def test_under_cuda_graph_capture_the_cache_always_quantizes(monkeypatch):
+    # A capture that skipped quantization (cache valid at capture time) would replay a stale copy after
+    # every later optimizer step. While capturing, every call quantizes; afterwards the entry made
+    # inside the capture is not served by key.
+    from primus_fp8_plugin import weight_cache
+
+    layer = make_layer()
+    cache = layer._weight_cache
+    x = make_input((32, 256), seed=1)
+    run(layer, x)
+    run(layer, x)
+    assert cache.refreshes == 1  # eager: cached
+    monkeypatch.setattr(weight_cache, "_capturing", lambda: True)
+    run(layer, x)
+    run(layer, x)
+    assert cache.refreshes == 3  # capturing: quantized each time although the weight did not change
+    monkeypatch.setattr(weight_cache, "_capturing", lambda: False)
+    with torch.no_grad():
+        layer.weight.data.mul_(0.5)  # through .data: no version bump, no optimizer step
+    y = run(layer, x)
+    assert cache.refreshes == 4  # the capture-time entry is not trusted outside the graph
+    assert torch.equal(y, fresh_output(layer, x))

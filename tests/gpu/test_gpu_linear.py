@@ -74,3 +74,32 @@ def test_layer_matches_transformer_engine(gpu_backend):
     errs = {name: rel_frobenius(a, b) for name, a, b in zip(("out", "dgrad", "wgrad", "bgrad"), *res, strict=True)}
     print(f"{gpu_backend} vs TE te.Linear: {errs}")
     assert all(e <= 3e-3 for e in errs.values()), errs
+
+
+def test_cuda_graph_replays_see_every_optimizer_step(gpu_backend):
+    """A forward captured in a CUDA graph while the weight cache was valid still re-quantizes the
+    weight on each replay (weight_cache.py: the cache always quantizes under capture), so replays
+    after optimizer steps give what an uncached layer computes from the new weights."""
+    torch.manual_seed(0)
+    kw = dict(bias=True, device="cuda", dtype=torch.bfloat16, backend=gpu_backend)
+    layer = Fp8BlockwiseLinear(512, 256, **kw)
+    uncached = Fp8BlockwiseLinear(512, 256, cache_weight=False, **kw)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    x = make_input((200, 512), seed=5).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():  # warm-up (compiles) off the capturing stream
+        for _ in range(2):
+            layer(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y = layer(x)
+    for step in range(3):
+        layer.weight.grad = torch.randn_like(layer.weight)
+        opt.step()
+        graph.replay()
+        uncached.load_state_dict(layer.state_dict())
+        with torch.no_grad():
+            expected = uncached(x)
+        assert torch.equal(y, expected), f"replay after optimizer step {step + 1} used a stale weight copy"
