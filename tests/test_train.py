@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = ["backend=reference", "logging.progress=false", "train.warmup_steps=2", "train.eval_interval=0"]
 
 
-def train(tmp_path, *overrides, torchrun=0, name="run"):
-    args = [*FAST, f"logging.dir={tmp_path / name}", f"data.cache_dir={tmp_path / 'data'}", *overrides]
+def train(tmp_path, *overrides, torchrun=0, name="run", progress=False):
+    fast = FAST if not progress else [o for o in FAST if not o.startswith("logging.progress")]
+    args = [*fast, f"logging.dir={tmp_path / name}", f"data.cache_dir={tmp_path / 'data'}", *overrides]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}", "--master-port=29871",
                "-m", "primus_fp8_plugin.train", *args]  # fmt: skip
@@ -67,6 +68,15 @@ def test_te_modes_without_transformer_engine_are_refused(tmp_path, mode):
     proc, _ = train(tmp_path, f"fp8={mode}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"fp8.mode: {mode} needs Transformer Engine" in proc.stderr
+
+
+def test_run_with_the_progress_bar_logs_validation_and_ends_cleanly(tmp_path):
+    # the README's main job runs with the bar on: validation losses and the end event go through it too
+    proc, records = train(tmp_path, "train.steps=4", "train.eval_interval=2", "logging.log_interval=1", progress=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step=2 valid_loss=" in proc.stderr + proc.stdout
+    assert records[-1]["event"] == "end" and records[-1]["step"] == 4
+    assert sum("valid_loss" in r for r in records) == 2
 
 
 def test_a_split_without_documents_is_refused_not_looped_on(tmp_path):

@@ -84,10 +84,13 @@ class Metrics:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.bar is not None and "loss" in record:
+        line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
+        if self.bar is None:
+            print(line, flush=True)
+        elif "event" not in record and {"loss", "lr", "tokens_per_s"} <= record.keys():  # a training step
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-        elif self.bar is None:
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()), flush=True)
+        else:  # validation losses and events: a line above the bar
+            self.bar.write(line)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
@@ -96,6 +99,7 @@ class Metrics:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None  # later records (the end event) print as lines
 
 
 def _memory_bytes(device: torch.device) -> int:
