@@ -125,3 +125,26 @@ def test_two_process_tensor_and_sequence_parallel_run(tmp_path):
     # same data and initial weights; TP changes only where partial sums round (FP8 noise level)
     assert abs(a[1] - b[1]) / a[1] < 5e-3
     assert b[6] < b[1]
+
+
+@pytest.mark.parametrize("mode", ["te_blockwise", "te_bf16", "te_spec_blockwise"])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("attention", "sdpa", "model.attention: 'sdpa' does not apply to fp8.mode="),
+        ("bf16_layers", [0, -1], "fp8.bf16_layers: is not supported with fp8.mode="),
+    ],
+)
+def test_te_modes_refuse_settings_they_would_ignore(mode, field, value, message):
+    from omegaconf import OmegaConf
+
+    from primus_fp8_plugin.config.schema import Config, ConfigError, validate
+
+    cfg = OmegaConf.structured(Config)
+    cfg.fp8.mode = mode
+    if field == "attention":
+        cfg.model.attention = value
+    else:
+        cfg.fp8.bf16_layers = value
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)

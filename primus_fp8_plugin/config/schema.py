@@ -38,7 +38,8 @@ class ModelConfig:
 @dataclass
 class Fp8Config:
     # bf16 | blockwise (this plugin) | te_blockwise (TE Float8BlockScaling) | te_bf16 (TE spec, BF16) |
-    # te_spec_blockwise (TE spec with this plugin's linears swapped in: differs from te_blockwise only in the linears)
+    # te_spec_blockwise (TE spec with this plugin's linears swapped in, and with them the fused pre-norms;
+    # TE's attention and final norm stay)
     mode: str = "blockwise"
     fp8_format: str = "E4M3"  # or HYBRID
     pow2_scales: bool = True
@@ -152,7 +153,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps})")
     _require(cfg.data.source in ("stdlib", "indexed"), "data.source", f"{cfg.data.source!r}: use stdlib or indexed")
     _require(cfg.data.source != "indexed" or bool(cfg.data.path), "data.path", "data.source=indexed needs a .bin/.idx prefix")
-    if cfg.fp8.mode in TE_MODES:
+    if cfg.fp8.mode in TE_MODES:  # built from TE's layer spec: refuse what it would silently ignore
+        why = "TE's spec brings its own fused attention"
+        _require(m.attention == "local", "model.attention", f"{m.attention!r} does not apply to fp8.mode={cfg.fp8.mode} ({why})")
+        _require(not list(cfg.fp8.bf16_layers), "fp8.bf16_layers", f"is not supported with fp8.mode={cfg.fp8.mode}")
         try:
             import transformer_engine.pytorch  # noqa: F401
         except ImportError as err:

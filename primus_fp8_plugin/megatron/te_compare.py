@@ -1,7 +1,7 @@
-"""The same Megatron GPT built three ways, with the same weights: Transformer Engine's spec under
-``Float8BlockScaling`` (``config.fp8 = "e4m3"``, ``fp8_recipe = "blockwise"``), the plugin's spec, and
-Megatron's local BF16 spec. Used by ``tests/gpu`` and ``scripts/bench_gpt_layer.py`` (needs a GPU and,
-for the TE model, Transformer Engine).
+"""The same Megatron GPT built several ways (``KINDS``), with the same weights: Transformer Engine's
+spec under ``Float8BlockScaling`` (``config.fp8 = "e4m3"``, ``fp8_recipe = "blockwise"``) or in BF16,
+TE's spec with the plugin's linears, the plugin's spec, and Megatron's local BF16 spec. Used by
+``tests/gpu`` and ``scripts/bench_gpt_layer.py`` (needs a GPU and, for the TE kinds, Transformer Engine).
 
 Parameter names agree across the TE spec and the plugin's fused-norm spec (``linear_qkv.layer_norm_weight``
 and so on); the BF16 local spec keeps its norms as separate modules, mapped by ``to_local_names``.
@@ -48,8 +48,9 @@ def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0, 
 
     * ``"te"``: TE's spec under Float8BlockScaling;
     * ``"te_bf16"``: TE's spec without FP8 (the control for ``"te"``);
-    * ``"plugin_te_spec"``: TE's spec with the plugin's linears swapped in (differs from ``"te"`` only in
-      the linears);
+    * ``"plugin_te_spec"``: TE's spec with the plugin's linears swapped in (``apply_fp8_blockwise``: the
+      fused norm+linear layers too, so the two pre-norms are the plugin's; attention and the final norm
+      stay TE's);
     * ``"plugin"``: this package's spec; ``"bf16"``: Megatron's local spec.
 
     ``attention`` (``"local"`` or ``"sdpa"``, see ``specs.with_core_attention``) applies to the last two;
