@@ -38,8 +38,8 @@ class ModelConfig:
 @dataclass
 class Fp8Config:
     # bf16 | blockwise (this plugin) | te_blockwise (TE Float8BlockScaling) | te_bf16 (TE spec, BF16) |
-    # te_spec_blockwise (TE spec with this plugin's linears swapped in, and with them the fused pre-norms;
-    # TE's attention and final norm stay)
+    # te_spec_blockwise (TE spec with this plugin's linears swapped in, TE's norms and attention kept:
+    # differs from te_blockwise only in the linears)
     mode: str = "blockwise"
     fp8_format: str = "E4M3"  # or HYBRID
     pow2_scales: bool = True

@@ -72,10 +72,42 @@ def _swap(node, recipe, backend):
     return node
 
 
-def apply_fp8_blockwise(spec, *, recipe: BlockwiseRecipe | None = None, backend: str = "auto"):
-    """A copy of ``spec`` whose column/row-parallel linears (local or TE classes, TE's fused
-    norm+linear included) are the FP8 blockwise ones. Norms, attention and everything else stay."""
+def apply_fp8_blockwise(spec, *, recipe: BlockwiseRecipe | None = None, backend: str = "auto", norm=None):
+    """A copy of ``spec`` whose column/row-parallel linears (local or TE classes) are the FP8 blockwise
+    ones. Attention and everything else stay.
+
+    TE's fused norm+linear (``TELayerNormColumnParallelLinear``) becomes, by default, the plugin's fused
+    ``Fp8LayerNormColumnParallelLinear`` (the norm is then the plugin's). With ``norm`` (a norm class,
+    e.g. TE's ``TENorm``) and a transformer-layer ``spec``, it is split instead: ``norm`` goes into
+    ``input_layernorm`` / ``pre_mlp_layernorm`` and the linear becomes ``Fp8ColumnParallelLinear``, so
+    that only the linears change."""
+    if norm is not None:
+        spec = _unfuse_norm_linears(spec, norm, recipe, backend)
     return _swap(spec, recipe, backend)
+
+
+def _is_fused_norm_linear(node) -> bool:
+    cls = node.module if isinstance(node, ModuleSpec) else node
+    return isinstance(cls, type) and cls.__name__ in ("TELayerNormColumnParallelLinear", "Fp8LayerNormColumnParallelLinear")
+
+
+def _unfuse_norm_linears(spec, norm, recipe, backend):
+    """A transformer-layer spec with its fused norm+linear layers (linear_qkv, linear_fc1) split into
+    ``norm`` followed by the plugin's column-parallel linear."""
+    sub = getattr(spec, "submodules", None)
+    if not isinstance(spec, ModuleSpec) or not hasattr(sub, "self_attention"):
+        raise ValueError("apply_fp8_blockwise(norm=...) needs a transformer-layer ModuleSpec")
+    linear = _fp8_module(Fp8ColumnParallelLinear, recipe, backend)
+    changes = {}
+    attn = sub.self_attention
+    if _is_fused_norm_linear(getattr(attn.submodules, "linear_qkv", None)):
+        changes.update(input_layernorm=norm, self_attention=_with_attention_submodules(attn, linear_qkv=linear))
+    mlp_sub = sub.mlp.keywords["submodules"] if isinstance(sub.mlp, partial) else getattr(sub.mlp, "submodules", None)
+    if _is_fused_norm_linear(getattr(mlp_sub, "linear_fc1", None)):
+        changes.update(pre_mlp_layernorm=norm, mlp=_with_fc1(sub.mlp, linear))
+    if changes:  # fused-name aliases of the norms' checkpoint keys no longer apply
+        changes["sharded_state_dict_keys_map"] = {}
+    return ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(sub, **changes))
 
 
 def fp8_block_spec(layer_spec, num_layers: int, *, bf16_layers: Iterable[int] = (), recipe=None, backend="auto"):

@@ -40,7 +40,7 @@ def transformer_config(shape: GptShape, *, te_fp8: bool):
     return TransformerConfig(**kw)
 
 
-KINDS = ("te", "te_bf16", "plugin_te_spec", "plugin", "bf16")
+KINDS = ("te", "te_bf16", "plugin_te_spec", "plugin_te_norms", "plugin", "bf16")
 
 
 def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0, attention: str = "local") -> torch.nn.Module:
@@ -51,6 +51,8 @@ def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0, 
     * ``"plugin_te_spec"``: TE's spec with the plugin's linears swapped in (``apply_fp8_blockwise``: the
       fused norm+linear layers too, so the two pre-norms are the plugin's; attention and the final norm
       stay TE's);
+    * ``"plugin_te_norms"``: the same with TE's norms kept (``apply_fp8_blockwise(..., norm=TENorm)``):
+      differs from ``"te"`` only in the linears;
     * ``"plugin"``: this package's spec; ``"bf16"``: Megatron's local spec.
 
     ``attention`` (``"local"`` or ``"sdpa"``, see ``specs.with_core_attention``) applies to the last two;
@@ -63,7 +65,7 @@ def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0, 
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    te_spec = kind in ("te", "te_bf16", "plugin_te_spec")
+    te_spec = kind in ("te", "te_bf16", "plugin_te_spec", "plugin_te_norms")
     if te_spec and attention != "local":
         raise ValueError(f"attention={attention!r} does not apply to TE's spec (it has its own fused attention)")
     if te_spec:
@@ -72,6 +74,10 @@ def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0, 
         spec = get_gpt_layer_with_transformer_engine_spec()
         if kind == "plugin_te_spec":
             spec = apply_fp8_blockwise(spec, backend=backend)
+        elif kind == "plugin_te_norms":
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            spec = apply_fp8_blockwise(spec, backend=backend, norm=TENorm)
     elif kind == "plugin":
         spec = get_gpt_block_spec(shape.num_layers, backend=backend, core_attention=attention)
     else:

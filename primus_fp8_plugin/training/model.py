@@ -59,8 +59,10 @@ def layer_spec(cfg):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         te_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
-        if cfg.fp8.mode == "te_spec_blockwise":  # TE's attention around the plugin's (norm+)linears
-            return apply_fp8_blockwise(te_spec, recipe=recipe, backend=cfg.backend.name)
+        if cfg.fp8.mode == "te_spec_blockwise":  # TE's spec, norms and attention around the plugin's linears
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            return apply_fp8_blockwise(te_spec, recipe=recipe, backend=cfg.backend.name, norm=TENorm)
         return te_spec
     bf16_layers = range(m.num_layers) if cfg.fp8.mode == "bf16" else list(cfg.fp8.bf16_layers)
     return get_gpt_block_spec(

@@ -250,3 +250,23 @@ def test_sdpa_core_attention_in_the_plugins_specs():
     assert abs(loss_fp8 - loss_l) / loss_l < 5e-3 and all(torch.isfinite(g).all() for g in g_fp8.values())
     with pytest.raises(ValueError, match="core_attention must be one of"):
         get_gpt_layer_spec(core_attention="flash")
+
+
+def test_apply_fp8_blockwise_with_a_norm_unfuses_norm_linears():
+    # norm=...: a fused norm+linear becomes that norm followed by the plugin's column-parallel linear
+    # (for TE's spec: TENorm, so that only the linears change). Checked on the plugin's own fused spec,
+    # whose fused class the split recognises as it does TE's: the model equals the separate-norm spec's.
+    from primus_fp8_plugin.megatron import Fp8ColumnParallelLinear, TorchNorm, apply_fp8_blockwise, get_gpt_layer_spec
+
+    _, separate, fused = specs()
+    split = apply_fp8_blockwise(fused, norm=TorchNorm, backend="reference")
+    sub = split.submodules
+    assert sub.input_layernorm is TorchNorm and sub.pre_mlp_layernorm is TorchNorm
+    assert sub.self_attention.submodules.linear_qkv.module is Fp8ColumnParallelLinear
+    assert fused.submodules.input_layernorm.__name__ == "IdentityOp"  # the input spec is left as it was
+    loss_a, g_a = loss_and_grads(build_gpt(separate))
+    loss_b, g_b = loss_and_grads(build_gpt(split))
+    assert loss_a == loss_b and g_a.keys() == g_b.keys()
+    assert all(torch.equal(g_a[n], g_b[n]) for n in g_a)
+    with pytest.raises(ValueError, match="needs a transformer-layer ModuleSpec"):
+        apply_fp8_blockwise(get_gpt_layer_spec().submodules, norm=TorchNorm)
