@@ -6,7 +6,7 @@ gradient agreement and step time.
     python scripts/bench_gpt_layer.py [--json out.json] [--backends cublas triton] [--attention local sdpa]
 
 With TE installed, the plugin's linears also run inside TE's spec (attention column "te": TE's fused
-attention around them; the fused pre-norms come with the plugin's norm+linear layers). TE's spec always
+attention and norms around them), which differs from TE's model only in the linears. TE's spec always
 runs TE's fused attention; ``--attention`` picks the core attention of the plugin and
 BF16 models: ``local`` (Megatron's unfused DotProductAttention) or ``sdpa`` (the plugin's SdpaAttention,
 fused), so that the linears are compared with the same kind of attention around them.
@@ -63,8 +63,8 @@ def main() -> int:
         # (label, kind, backend, attention); TE's spec brings its own fused attention
         backends = [b for b in args.backends if backend_availability(b, "cuda")]
         models = [("te", "te", None, "te"), ("te_bf16", "te_bf16", None, "te")] if te is not None else []
-        if te is not None:  # the plugin's (norm+)linears inside TE's spec, around TE's attention
-            models += [(f"plugin-{b}", "plugin_te_spec", b, "te") for b in backends]
+        if te is not None:  # the plugin's linears inside TE's spec (TE's attention and norms)
+            models += [(f"plugin-{b}", "plugin_te_norms", b, "te") for b in backends]
         for attention in args.attention:
             models += [(f"plugin-{b}", "plugin", b, attention) for b in backends]
             models.append(("bf16", "bf16", None, attention))
