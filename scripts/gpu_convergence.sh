@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The convergence evidence (docs/CONVERGENCE.md) on one GPU machine whose calls are limited to
-# 10 minutes: the three arms of recipes/convergence_125m.sh (BF16, the plugin, TE blockwise) train
+# 10 minutes: the arms of recipes/convergence_125m.sh (BF16, the plugin, TE blockwise, TE in BF16) train
 # side by side in the background (setsid: they outlive the call that starts them; the machine stays
 # up while calls follow back to back), then compare_convergence.py reads the finished runs.
 #   [ONLY=plugin] bash scripts/gpu_convergence.sh start [hydra overrides...]   # TE arm only if TE imports
@@ -14,7 +14,7 @@ DIR="${CONV_DIR:-/tmp/convergence}"
 OUT="${OUT:-/tmp/out}"
 # NAME:OVERRIDES arms (overrides joined by commas); CONV_ARMS replaces the default set, e.g.
 # CONV_ARMS="te_bf16:fp8=te_bf16 sdpa_bf16:fp8=bf16,model.attention=sdpa sdpa_plugin:fp8=blockwise,model.attention=sdpa"
-read -r -a ARMS <<< "${CONV_ARMS:-bf16:fp8=bf16 plugin:fp8=blockwise te:fp8=te_blockwise}"
+read -r -a ARMS <<< "${CONV_ARMS:-bf16:fp8=bf16 plugin:fp8=blockwise te:fp8=te_blockwise te_bf16:fp8=te_bf16}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 status() {
