@@ -23,16 +23,18 @@ from primus_fp8_plugin import BlockwiseRecipe, Fp8BlockwiseLinear, get_backend
 from primus_fp8_plugin.recipe import TensorRole
 
 
-def host_us(fn, n: int = 300) -> float:
-    """Wall microseconds per call of ``fn`` with the GPU never the bottleneck (tiny inputs)."""
-    for _ in range(20):
+def host_us(fn, n: int = 300, warmup: int = 20, cuda: bool = True) -> float:
+    """Wall microseconds per call of ``fn``, without synchronising inside the timed loop (on a GPU
+    with tiny inputs, so that the GPU is never the bottleneck)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
     t1 = time.perf_counter()
-    torch.cuda.synchronize()
+    sync()
     return (t1 - t0) / n * 1e6
 
 
@@ -71,12 +73,7 @@ def op_overhead_us(s: int = 128, n: int = 2000) -> dict[str, float]:
     instant, bf16 = Instant(), torch.nn.Linear(s, s, bias=False, dtype=torch.bfloat16)
 
     def timed(fn) -> float:
-        for _ in range(50):
-            fn()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n * 1e6
+        return host_us(fn, n, warmup=50, cuda=False)
 
     def ours_step():
         w.grad = None

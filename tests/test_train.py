@@ -129,22 +129,19 @@ def test_two_process_tensor_and_sequence_parallel_run(tmp_path):
 
 @pytest.mark.parametrize("mode", ["te_blockwise", "te_bf16", "te_spec_blockwise"])
 @pytest.mark.parametrize(
-    "field, value, message",
+    "key, value, message",
     [
-        ("attention", "sdpa", "model.attention: 'sdpa' does not apply to fp8.mode="),
-        ("bf16_layers", [0, -1], "fp8.bf16_layers: is not supported with fp8.mode="),
+        ("model.attention", "sdpa", "model.attention: 'sdpa' does not apply to fp8.mode="),
+        ("fp8.bf16_layers", [0, -1], "fp8.bf16_layers: is not supported with fp8.mode="),
     ],
 )
-def test_te_modes_refuse_settings_they_would_ignore(mode, field, value, message):
+def test_te_modes_refuse_settings_they_would_ignore(mode, key, value, message):
     from omegaconf import OmegaConf
 
     from primus_fp8_plugin.config.schema import Config, ConfigError, validate
 
     cfg = OmegaConf.structured(Config)
     cfg.fp8.mode = mode
-    if field == "attention":
-        cfg.model.attention = value
-    else:
-        cfg.fp8.bf16_layers = value
+    OmegaConf.update(cfg, key, value)
     with pytest.raises(ConfigError, match=message):
         validate(cfg)

@@ -20,6 +20,18 @@ from torch.overrides import TorchFunctionMode
 
 _installed = False
 
+# Megatron's fused kernels (and its gradient-accumulation fusion in its own linears) need apex or TE:
+# off in every config this package builds without them (CPU runs, the trainer, te_compare). The
+# plugin's layers fuse wgrad accumulation themselves, but read the same config flag.
+FUSIONS_OFF = dict(
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+)
+
 
 def install_cpu_standins() -> None:
     """Patch the CUDA-only calls Megatron-core makes outside the math (idempotent)."""
@@ -88,16 +100,6 @@ def cpu_transformer_config(**overrides):
     """A ``TransformerConfig`` with what a CPU run needs (CPU init, fusions off); ``overrides`` win."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = dict(
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    kw = dict(use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, **FUSIONS_OFF)
     kw.update(overrides)
     return TransformerConfig(**kw)

@@ -27,17 +27,15 @@ class GptShape:
 
 
 def transformer_config(shape: GptShape, *, te_fp8: bool):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """BF16, fusions off, weights initialised on the CPU (the same on every build); TE's blockwise FP8
+    recipe when ``te_fp8``."""
+    from .cpu import cpu_transformer_config
 
-    kw = dict(
+    fp8 = dict(fp8="e4m3", fp8_recipe="blockwise") if te_fp8 else {}
+    return cpu_transformer_config(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
-        ffn_hidden_size=shape.ffn_hidden_size, params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=False, bias_activation_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        ffn_hidden_size=shape.ffn_hidden_size, params_dtype=torch.bfloat16, bf16=True, **fp8,
     )  # fmt: skip
-    if te_fp8:
-        kw.update(fp8="e4m3", fp8_recipe="blockwise")
-    return TransformerConfig(**kw)
 
 
 KINDS = ("te", "te_bf16", "plugin_te_spec", "plugin_te_norms", "plugin", "bf16")
@@ -128,6 +126,20 @@ def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor)
     loss.backward()
     grads = {to_local_names(n): p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads
+
+
+def results_by_kind(shape: GptShape, kinds: list[str], backend: str = "auto") -> dict[str, tuple[float, dict]]:
+    """``loss_and_grads`` of each kind's model on the same batch; the first kind's weights are copied
+    into the others (so list a fused-norm kind, e.g. ``"te"``, first: names map fused -> local only)."""
+    ids, pos = batch(shape)
+    source = build_gpt(shape, kinds[0], backend=backend)
+    results = {kinds[0]: loss_and_grads(source, ids, pos)}
+    for kind in kinds[1:]:
+        model = build_gpt(shape, kind, backend=backend)
+        copy_weights(source, model)
+        results[kind] = loss_and_grads(model, ids, pos)
+        del model
+    return results
 
 
 def worst_grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[str, float]:

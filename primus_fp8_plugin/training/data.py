@@ -71,20 +71,21 @@ def build_stdlib_corpus(cache_dir: str | Path, max_bytes: int, log=print) -> str
 
 def _check_split_has_documents(prefix: str, split: str, sizes: list[int]) -> None:
     """Megatron's GPTDataset loops forever on a split with no tokens (it counts epochs until the
-    requested samples fit); refuse that up front. Documents go to splits as Megatron assigns them."""
-    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+    requested samples fit); refuse that up front. Documents go to splits as Megatron's builder assigns
+    them: split-matrix book-ends times the document count, each rounded."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from ..config import ConfigError
 
     n_docs = len(IndexedDataset(prefix))
-    weights = parse_and_normalize_split(split)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w * float(n_docs))))
-    bounds = [min(b, n_docs) for b in bounds]
-    for name, lo, hi, want in zip(("train", "valid", "test"), bounds, bounds[1:], sizes, strict=False):
-        if want and hi <= lo:
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, ends, want in zip(("train", "valid", "test"), matrix, sizes, strict=False):
+        n = 0 if ends is None else int(round(ends[1] * float(n_docs))) - int(round(ends[0] * float(n_docs)))
+        if want and n <= 0:
             raise ConfigError(
                 f"data.split={split!r}: the {name} split of {prefix} gets none of its {n_docs} documents "
                 f"but {want} samples are asked of it; use a larger corpus (data.max_bytes) or change data.split"

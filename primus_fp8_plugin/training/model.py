@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config.schema import TE_MODES
+from ..megatron.cpu import FUSIONS_OFF
 from ..recipe import BlockwiseRecipe
 
 
@@ -32,15 +33,7 @@ def transformer_config(cfg, on_cuda: bool):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=(not on_cuda) or p.cpu_initialization,
-        # apex-free fallbacks: Megatron's fused kernels need apex / TE
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        # Off: Megatron's own layers in the model (the output layer) refuse it without apex. The
-        # plugin's layers could fuse without apex, but they read the same config flag.
-        gradient_accumulation_fusion=False,
+        **FUSIONS_OFF,  # apex-free (Megatron's output layer refuses gradient_accumulation_fusion without apex)
     )
     if m.num_experts:
         kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_token_dispatcher_type="allgather")

@@ -34,24 +34,23 @@ def test_gpt_on_gpu_matches_bf16(nccl_world, backend):
     assert worst[1] < 0.15
 
 
-@pytest.mark.parametrize("backend", ["triton", "cublas"])
-def test_gpt_plugin_spec_matches_te_spec(nccl_world, backend):
+@pytest.fixture(params=["triton", "cublas"])
+def backend_with_te(request):
+    """A GPU backend, with Transformer Engine importable (skipped otherwise)."""
+    pytest.importorskip("transformer_engine.pytorch")
+    if not backend_availability(request.param, "cuda"):
+        pytest.skip(backend_availability(request.param, "cuda").reason)
+    return request.param
+
+
+def test_gpt_plugin_spec_matches_te_spec(nccl_world, backend_with_te):
     """TE's spec under Float8BlockScaling and the plugin's spec, same weights and inputs: the same
     quantization, so the plugin sits much closer to TE than either sits to BF16 (what remains comes
     from TE's fused attention and norm kernels, whose bf16 roundings flip a few FP8 roundings)."""
-    pytest.importorskip("transformer_engine.pytorch")
-    if not backend_availability(backend, "cuda"):
-        pytest.skip(backend_availability(backend, "cuda").reason)
     from primus_fp8_plugin.megatron import te_compare as tc
 
-    shape = tc.GptShape(**SHAPE)
-    ids, pos = tc.batch(shape)
-    te_model = tc.build_gpt(shape, "te")
-    results = {"te": tc.loss_and_grads(te_model, ids, pos)}
-    for kind in ("plugin", "bf16"):
-        model = tc.build_gpt(shape, kind, backend=backend)
-        tc.copy_weights(te_model, model)
-        results[kind] = tc.loss_and_grads(model, ids, pos)
+    backend = backend_with_te
+    results = tc.results_by_kind(tc.GptShape(**SHAPE), ["te", "plugin", "bf16"], backend=backend)
 
     def worst(a, b):
         return tc.worst_grad_error(results[a][1], results[b][1])
@@ -64,25 +63,16 @@ def test_gpt_plugin_spec_matches_te_spec(nccl_world, backend):
     assert p_te[1] < te_bf16[1], "the plugin should agree with TE better than TE agrees with BF16"
 
 
-@pytest.mark.parametrize("backend", ["triton", "cublas"])
-def test_plugin_linears_inside_te_spec_match_te(nccl_world, backend):
+def test_plugin_linears_inside_te_spec_match_te(nccl_world, backend_with_te):
     """TE's spec with the plugin's linears swapped in against TE's own under Float8BlockScaling, same
     weights and inputs, two ways: ``plugin_te_spec`` (the plugin's fused norm+linear layers, so the
     pre-norms are the plugin's) and ``plugin_te_norms`` (TE's norms kept: only the linears differ).
     Each linear is TE-exact, so both should sit far closer to TE than FP8 sits to BF16."""
-    pytest.importorskip("transformer_engine.pytorch")
-    if not backend_availability(backend, "cuda"):
-        pytest.skip(backend_availability(backend, "cuda").reason)
     from primus_fp8_plugin.megatron import te_compare as tc
 
-    shape = tc.GptShape(**SHAPE)
-    ids, pos = tc.batch(shape)
-    te_model = tc.build_gpt(shape, "te")
-    results = {"te": tc.loss_and_grads(te_model, ids, pos)}
-    for kind in ("plugin_te_spec", "plugin_te_norms", "te_bf16"):
-        model = tc.build_gpt(shape, kind, backend=backend)
-        tc.copy_weights(te_model, model)
-        results[kind] = tc.loss_and_grads(model, ids, pos)
+    backend = backend_with_te
+    kinds = ["te", "plugin_te_spec", "plugin_te_norms", "te_bf16"]
+    results = tc.results_by_kind(tc.GptShape(**SHAPE), kinds, backend=backend)
     l_te, g_te = results["te"]
     te_bf16 = tc.worst_grad_error(g_te, results["te_bf16"][1])
     for kind in ("plugin_te_spec", "plugin_te_norms"):

@@ -221,3 +221,16 @@ def test_refuses_what_it_does_not_implement(name):
     attn = SdpaAttention(attn_config(**overrides), 1, AttnMaskType[mask_type], "self")
     with pytest.raises(NotImplementedError, match="SdpaAttention"):
         call(attn)
+
+
+@pytest.mark.parametrize("groups, value_groups", [(3, 3), (2, 1)])
+def test_refuses_head_counts_that_do_not_group(groups, value_groups):
+    # 4 query heads: 3 key/value groups do not divide them; keys and values with different group counts
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_fp8_plugin.megatron.attention import SdpaAttention
+
+    q, k, v, _ = inputs(groups=groups)
+    attn = SdpaAttention(attn_config(), 1, AttnMaskType.causal, "self")
+    with pytest.raises(ValueError, match=r"SdpaAttention: 4 query heads"):
+        attn(q, k, v[:, :, :value_groups], None)
