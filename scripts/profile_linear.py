@@ -4,6 +4,7 @@ time, and a torch.profiler table. For the fixed per-call cost that dominates sma
 
     python scripts/profile_linear.py [--backend cublas] [--shape 4096x4096x4096] [--trace out.json]
     python scripts/profile_linear.py --op-overhead      # any machine, no GPU needed
+    python scripts/profile_linear.py --breakdown        # host time of each backend call inside the op
 
 Host cost is measured on a tiny problem (256x256x256: the GPU finishes each kernel long before the
 CPU launches the next one), as wall time per call without synchronising, over many calls.
@@ -90,12 +91,69 @@ def op_overhead_us(s: int = 128, n: int = 2000) -> dict[str, float]:
     }
 
 
+class TimedBackend:
+    """Delegates to a backend and adds up the wall time of each of its five operations, in whichever
+    thread calls them (forward: the caller's; backward: autograd's device thread)."""
+
+    OPS = ("quantize_act", "quantize_weight", "gemm_fwd", "gemm_dgrad", "gemm_wgrad")
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.totals = dict.fromkeys(self.OPS, 0.0)
+        for op in self.OPS:
+            setattr(self, op, self._timed(op, getattr(inner, op)))
+
+    def _timed(self, op, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.totals[op] += time.perf_counter() - t0
+            return out
+
+        return call
+
+
+def breakdown_us(backend: str, s: int = 256, n: int = 300) -> dict[str, float]:
+    """Host microseconds per fwd+bwd step of the real op (cached weight) split into: the forward call,
+    the backward call, and inside them each backend operation; the rest is the op's Python, autograd
+    and thread hand-offs. Tiny problem, so the GPU never holds the host back."""
+    from primus_fp8_plugin import fp8_blockwise_linear
+    from primus_fp8_plugin.backends import Backend
+    from primus_fp8_plugin.weight_cache import WeightCache
+
+    timed = TimedBackend(get_backend(backend, torch.device("cuda")))
+    Backend.register(type(timed))  # a virtual subclass: fp8_blockwise_linear takes it as a backend
+    x = torch.randn(s, s, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(s, s, device="cuda", dtype=torch.bfloat16))
+    dy = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    cache = WeightCache()
+    fwd_t = bwd_t = 0.0
+    for i in range(n + 20):
+        if i == 20:
+            torch.cuda.synchronize()
+            timed.totals = dict.fromkeys(timed.OPS, 0.0)
+            fwd_t = bwd_t = 0.0
+        w.grad = None
+        t0 = time.perf_counter()
+        y = fp8_blockwise_linear(x, w, backend=timed, weight_cache=cache)
+        t1 = time.perf_counter()
+        y.backward(dy)
+        t2 = time.perf_counter()
+        fwd_t, bwd_t = fwd_t + t1 - t0, bwd_t + t2 - t1
+    torch.cuda.synchronize()
+    out = {"forward call": fwd_t, "backward call": bwd_t}
+    out.update({f"  in them: {op}": t for op, t in timed.totals.items()})
+    out["  in them: everything else"] = fwd_t + bwd_t - sum(timed.totals.values())
+    return {k: v / n * 1e6 for k, v in out.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="cublas")
     ap.add_argument("--shape", default="4096x4096x4096", help="MxNxK for the profiler table")
     ap.add_argument("--trace", help="write a chrome trace (with Python stacks) of three tiny fwd+bwd steps")
     ap.add_argument("--op-overhead", action="store_true", help="the op's own Python on the CPU (no GPU needed)")
+    ap.add_argument("--breakdown", action="store_true", help="host time of each backend call inside the op (GPU)")
     args = ap.parse_args()
     if args.op_overhead:
         print("host cost per call of the autograd op with an instant backend, 128x128x128, CPU:")
@@ -104,6 +162,11 @@ def main() -> int:
         return 0
     if not require_cuda("profile_linear"):
         return 2
+    if args.breakdown:
+        print(f"host time per fwd+bwd step of the op, {args.backend} backend, 256^3, cached weight:")
+        for name, us in breakdown_us(args.backend).items():
+            print(f"  {name:40s} {us:8.1f} us")
+        return 0
     be = get_backend(args.backend, torch.device("cuda"))
     recipe = BlockwiseRecipe()
     p_in, p_w, p_dy = (recipe.params(r) for r in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT))
@@ -157,9 +220,23 @@ def main() -> int:
 
         return lambda: Probe.apply(x).backward(dy)
 
+    from primus_fp8_plugin.backends.triton.launch import FastLauncher
+
+    def plain_launch(work):
+        def f():
+            FastLauncher.enabled = False
+            try:
+                work()
+            finally:
+                FastLauncher.enabled = True
+
+        return f
+
+    pieces["quantize_act, plain kernel[grid]"] = plain_launch(pieces["quantize_act (dual)"])
     pieces.update(
         {
             "autograd probe: nothing": in_backward(lambda: None),
+            "autograd probe: quantize_act, plain": in_backward(plain_launch(pieces["quantize_act (dual)"])),
             "autograd probe: quantize_act": in_backward(pieces["quantize_act (dual)"]),
             "autograd probe: gemm_dgrad": in_backward(pieces["gemm_dgrad"]),
             "autograd probe: gemm_wgrad": in_backward(pieces["gemm_wgrad"]),

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ...recipe import BLOCK
+from .launch import FastLauncher
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,9 @@ def _blockwise_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+_launch = FastLauncher(_blockwise_gemm_kernel)
+
+
 def blockwise_gemm(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -164,11 +168,11 @@ def blockwise_gemm(
         return c
     cfg = config or select_config(m, n, k, b_block_dim)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _blockwise_gemm_kernel[grid](
-        a, b, c, a_scale_inv, b_scale_inv, bias if bias is not None else c,
+    _launch(
+        grid, a, b, c, a_scale_inv, b_scale_inv, bias if bias is not None else c,
         m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale_inv.stride(0), b_scale_inv.stride(0),
-        B_2D=b_block_dim == 2, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK, GROUP_M=cfg.group_m,
+        b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
+        cfg.block_m, cfg.block_n, BLOCK, cfg.group_m,  # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
+from .launch import FastLauncher
 from .scales import abs_or_inf, is_bad, quantize_with_scale, scale_from_amax
 
 SUB_M = 16  # rows per chunk (measured on H200: docs/PERFORMANCE.md)
@@ -94,6 +95,9 @@ def _quantize_1x128_dual_kernel(
         tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
 
 
+_launch = FastLauncher(_quantize_1x128_dual_kernel)
+
+
 def quantize_1x128_dual(
     x: torch.Tensor,
     params: QuantParams,
@@ -122,11 +126,11 @@ def quantize_1x128_dual(
         grid = (ceil_div(m, BLOCK), ceil_div(k, BLOCK))
         q_any = row_q if row_q is not None else col_q
         s_any = row_s if row_s is not None else col_s
-        _quantize_1x128_dual_kernel[grid](
-            x, row_q if rowwise else q_any, row_s if rowwise else s_any, col_q if columnwise else q_any,
+        _launch(
+            grid, x, row_q if rowwise else q_any, row_s if rowwise else s_any, col_q if columnwise else q_any,
             col_s if columnwise else s_any, m, k, pad4(m), pad4(k), x.stride(0),
             params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
-            ROWWISE=rowwise, COLWISE=columnwise, POW2=params.pow2_scales, BLOCK=BLOCK, SUB_M=sub_m,
+            rowwise, columnwise, params.pow2_scales, BLOCK, sub_m,  # ROWWISE, COLWISE, POW2, BLOCK, SUB_M
             num_warps=num_warps,
         )  # fmt: skip
     elif columnwise:

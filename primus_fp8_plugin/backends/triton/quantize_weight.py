@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
+from .launch import FastLauncher
 from .scales import abs_or_inf, is_bad, quantize_with_scale, scale_from_amax
 
 SUB_M = 64  # measured on H200: docs/PERFORMANCE.md
@@ -83,6 +84,9 @@ def _quantize_128x128_kernel(
     tl.store(st_ptr + pid_k * stride_st + pid_n, s_inv)
 
 
+_launch = FastLauncher(_quantize_128x128_kernel)
+
+
 def quantize_128x128(
     w: torch.Tensor, params: QuantParams, *, sub_m: int = SUB_M, num_warps: int = NUM_WARPS
 ) -> BlockwiseFp8Tensor:
@@ -96,10 +100,11 @@ def quantize_128x128(
     s = torch.ones(scale_inv_shape(n, k, 2), dtype=torch.float32, device=dev)
     st = torch.ones(scale_inv_shape(k, n, 2), dtype=torch.float32, device=dev)
     grid = (ceil_div(n, BLOCK), ceil_div(k, BLOCK))
-    _quantize_128x128_kernel[grid](
-        w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
+    _launch(
+        grid, w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
         params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
-        POW2=params.pow2_scales, BLOCK=BLOCK, SUB_M=sub_m, num_warps=num_warps,
+        params.pow2_scales, BLOCK, sub_m,  # POW2, BLOCK, SUB_M
+        num_warps=num_warps,
     )  # fmt: skip
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st

@@ -1,0 +1,82 @@
+"""Launch Triton kernels with less host work than ``kernel[grid](...)``.
+
+``JITFunction.run`` binds the arguments by name, specialises each one, formats the compile options
+into a string key, checks the kernel's globals and builds launch metadata on every call: about
+25 us of Python per launch on the H200's host (docs/PERFORMANCE.md), for kernels that take a few
+microseconds on the GPU. A layer's forward+backward launches three of them.
+
+``FastLauncher`` keeps the compiled kernel per specialisation and calls its launcher directly. The
+key is Triton's own specialisation of every runtime argument (``native_specialize_impl``: dtype,
+16-byte alignment of pointers, int width, divisibility by 16, value 1), the constexpr values, the
+launch options and the device, so a call reuses a binary only where ``JITFunction.run`` would have
+picked the same one. A miss (first call of a new specialisation) goes through ``JITFunction.run``,
+which compiles and launches, and the binary it returns is kept. Where Triton's launch hooks are set
+(profilers such as proton use them) every call takes the ordinary path.
+
+Arguments are passed positionally in the kernel's signature order, constexprs included.
+``PRIMUS_FP8_FAST_LAUNCH=0`` (or ``FastLauncher.enabled = False``) sends every call the ordinary way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.runtime.jit import JITFunction
+
+
+class FastLauncher:
+    """``launcher(grid, *args, num_warps=..., num_stages=...)`` == ``fn[grid](*args, num_warps=..., num_stages=...)``."""
+
+    enabled = os.environ.get("PRIMUS_FP8_FAST_LAUNCH", "1") != "0"
+
+    def __init__(self, fn: JITFunction) -> None:
+        self.fn = fn
+        # under TRITON_INTERPRET=1 ``fn`` is an interpreted function: every call takes the plain path
+        self._jit = isinstance(fn, JITFunction)
+        params = fn.params if self._jit else []
+        self._names = [p.name for p in params]
+        # (position, is_const, specialize, align) of each runtime argument; positions of constexprs
+        self._runtime = [
+            (p.num, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+            for p in params
+            if not p.is_constexpr
+        ]
+        self._constexpr = [p.num for p in params if p.is_constexpr]
+        self._compiled: dict[tuple, object] = {}
+        self._backend: dict[int, object] = {}  # device -> Triton backend (its specialisation rules)
+        self.misses = 0  # compiled-kernel lookups that went through JITFunction.run
+
+    def _key(self, device: int, args: Sequence, num_warps: int, num_stages: int) -> tuple:
+        backend = self._backend[device]
+        spec = tuple(native_specialize_impl(backend, args[i], c, s, a) for i, c, s, a in self._runtime)
+        return (device, num_warps, num_stages, spec, tuple(args[i] for i in self._constexpr))
+
+    def __call__(self, grid: tuple[int, ...], *args, num_warps: int, num_stages: int = 3) -> None:
+        if not (self._jit and FastLauncher.enabled):
+            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            return
+        if len(args) != len(self._names):
+            raise TypeError(f"{self.fn.__name__} takes {len(self._names)} arguments ({', '.join(self._names)}), got {len(args)}")
+        device = torch.cuda.current_device()
+        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+        kernel = None
+        if device in self._backend and not hooks:
+            key = self._key(device, args, num_warps, num_stages)
+            kernel = self._compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            if hooks:
+                return
+            self.misses += 1
+            if device not in self._backend:
+                self._backend[device] = self.fn.device_caches[device][3]
+            self._compiled[self._key(device, args, num_warps, num_stages)] = kernel
+            return
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)

@@ -1,0 +1,71 @@
+"""The fast Triton launch path (backends/triton/launch.py) on a GPU: every call gives the same bits as
+the ordinary ``kernel[grid]`` launch, and a change in any specialisation Triton makes (pointer
+alignment, int divisibility by 16, a dim equal to 1, constexprs) picks another binary. Skipped
+without a GPU (CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_fp8_plugin import BlockwiseRecipe, TensorRole, backend_availability, get_backend
+from primus_fp8_plugin.backends.triton import launch as launch_mod
+from primus_fp8_plugin.backends.triton import quantize_act
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def triton_backend():
+    avail = backend_availability("triton", "cuda")
+    if not avail:
+        pytest.skip(f"triton: {avail.reason}")
+    return get_backend("triton", torch.device("cuda"))
+
+
+def _parts(t):
+    names = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+    return [getattr(t, n) for n in names if getattr(t, n) is not None]
+
+
+def _same_bits(a, b):
+    for x, y in zip(_parts(a), _parts(b), strict=True):
+        xb = x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int32)
+        yb = y.view(torch.uint8) if y.element_size() == 1 else y.view(torch.int32)
+        assert torch.equal(xb, yb)
+
+
+@pytest.mark.parametrize("m, k, offset", [(1, 256, 0), (17, 144, 0), (256, 384, 0), (130, 256, 1), (16, 128, 3)])
+def test_fast_launch_matches_plain_launch(triton_backend, m, k, offset):
+    """Ragged M, M == 1, and inputs whose base pointer is not 16-byte aligned (offset elements into a buffer)."""
+    gen = torch.Generator(device="cuda").manual_seed(m * 1000 + k + offset)
+    buf = torch.randn(m * k + offset, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+    x = buf[offset:].view(m, k)
+    p = BlockwiseRecipe().params(TensorRole.INPUT)
+    launcher = quantize_act._launch
+    for rowwise, columnwise in ((True, True), (True, False), (False, True)):
+        fast1 = triton_backend.quantize_act(x, p, rowwise=rowwise, columnwise=columnwise)
+        misses = launcher.misses
+        fast2 = triton_backend.quantize_act(x, p, rowwise=rowwise, columnwise=columnwise)  # the cached binary
+        assert launcher.misses == misses, "a repeated call with the same specialisation recompiled or re-bound"
+        launch_mod.FastLauncher.enabled = False
+        try:
+            plain = triton_backend.quantize_act(x, p, rowwise=rowwise, columnwise=columnwise)
+        finally:
+            launch_mod.FastLauncher.enabled = True
+        _same_bits(fast1, plain)
+        _same_bits(fast2, plain)
+
+
+def test_alignment_change_takes_another_binary(triton_backend):
+    """The same shape from an aligned and from a misaligned base pointer: two specialisations (fp16,
+    which no other test here launches, so that both start uncompiled)."""
+    p = BlockwiseRecipe().params(TensorRole.INPUT)
+    buf = torch.randn(64 * 256 + 1, device="cuda", dtype=torch.float16)
+    launcher = quantize_act._launch
+    triton_backend.quantize_act(buf[:-1].view(64, 256), p, rowwise=True, columnwise=True)
+    before = launcher.misses
+    triton_backend.quantize_act(buf[1:].view(64, 256), p, rowwise=True, columnwise=True)
+    assert launcher.misses == before + 1
+    triton_backend.quantize_act(buf[:-1].view(64, 256), p, rowwise=True, columnwise=True)
+    assert launcher.misses == before + 1
