@@ -144,15 +144,17 @@ class BlockwiseRecipe:
                 f"got x={self.x_block_scaling_dim}, w={self.w_block_scaling_dim}, "
                 f"grad={self.grad_block_scaling_dim}"
             )
-        # Validates amax_epsilon through QuantParams.
-        self.params(TensorRole.INPUT)
+        # The three roles' parameters, made once (QuantParams validates amax_epsilon): params() runs
+        # three times per layer call, on the host's critical path.
+        grad_dtype = torch.float8_e5m2 if self.fp8_format is Fp8Format.HYBRID else torch.float8_e4m3fn
+        by_role = {
+            TensorRole.INPUT: QuantParams(torch.float8_e4m3fn, self.x_block_scaling_dim, self.pow2_scales, self.amax_epsilon),
+            TensorRole.WEIGHT: QuantParams(torch.float8_e4m3fn, self.w_block_scaling_dim, self.pow2_scales, self.amax_epsilon),
+            TensorRole.GRAD_OUTPUT: QuantParams(grad_dtype, self.grad_block_scaling_dim, self.pow2_scales, self.amax_epsilon),
+        }
+        object.__setattr__(self, "_params_by_role", by_role)
 
     def params(self, role: TensorRole) -> QuantParams:
         """The quantization parameters of one tensor role."""
-        role = TensorRole(role)
-        if role is TensorRole.INPUT:
-            return QuantParams(torch.float8_e4m3fn, self.x_block_scaling_dim, self.pow2_scales, self.amax_epsilon)
-        if role is TensorRole.WEIGHT:
-            return QuantParams(torch.float8_e4m3fn, self.w_block_scaling_dim, self.pow2_scales, self.amax_epsilon)
-        grad_dtype = torch.float8_e5m2 if self.fp8_format is Fp8Format.HYBRID else torch.float8_e4m3fn
-        return QuantParams(grad_dtype, self.grad_block_scaling_dim, self.pow2_scales, self.amax_epsilon)
+        params = self._params_by_role.get(role)
+        return params if params is not None else self._params_by_role[TensorRole(role)]

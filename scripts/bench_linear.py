@@ -2,13 +2,18 @@
 """Linear-layer step time on the GPU: ours (Fp8BlockwiseLinear) vs torch BF16 nn.Linear vs TE te.Linear
 (Float8BlockScaling), forward + backward, all measured in the same run.
 
-    python scripts/bench_linear.py [--json out.json] [--plot out.png] [--backends cublas triton]
+    python scripts/bench_linear.py [--json out.json] [--plot out.png] [--backends cublas triton] [--cuda-graph]
 
 Two measurements per shape (M tokens, N out, K in; 6*M*N*K FLOPs per forward+backward):
 * ``step``: one forward+backward with a freshly quantized weight (what every optimizer step costs
   once): ours with ``is_first_microbatch=True``, TE with ``is_first_microbatch=None``;
 * ``4 microbatches``: four forward+backward passes sharing one weight quantization (ours: the
   weight cache; TE: ``is_first_microbatch=True`` then ``False``), reported per microbatch.
+
+``--cuda-graph`` adds BF16 and ours (first backend given) captured with
+``torch.cuda.make_graphed_callables``: forward and backward each replay one graph, so the host cost
+per call disappears. Under capture our weight cache always quantizes (weight_cache.py), so a graphed
+microbatch always includes the weight quantization.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def step_fns(layer, x, dy, call):
 def main() -> int:
     ap = bench_parser(__doc__, "MxNxK")
     ap.add_argument("--backends", nargs="*", default=["cublas", "triton"])
+    ap.add_argument("--cuda-graph", action="store_true", help="also BF16 and ours captured in CUDA graphs")
     args = ap.parse_args()
     if not require_cuda("bench_linear"):
         return 2
@@ -88,10 +94,18 @@ def main() -> int:
                     return lay(inp, is_first_microbatch=first)
 
             contenders["TE"] = (te_layer, te_call)
+        if args.cuda_graph:
+            plain = lambda lay, inp, f: lay(inp)  # noqa: E731
+            bf16_g = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            contenders["bf16 graph"] = (torch.cuda.make_graphed_callables(bf16_g, (x,)), plain)
+            ours = [b for b in args.backends if backend_availability(b, "cuda")]
+            if ours:
+                lay = Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=ours[0])
+                contenders[f"ours-{ours[0]} graph"] = (torch.cuda.make_graphed_callables(lay, (x,)), plain)
         flops = 6 * m * n * k
         times = {}
         for name, (layer, call) in contenders.items():
-            if name == "bf16":
+            if name == "bf16" or name.endswith(" graph"):
                 single, four = step_fns(layer, x, dy, lambda lay, inp, f: lay(inp))
             elif name == "TE":
                 # one step: no weight caching (None); four microbatches: True, then False

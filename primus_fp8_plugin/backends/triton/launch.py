@@ -28,6 +28,15 @@ from triton._C.libtriton import native_specialize_impl
 from triton.runtime.jit import JITFunction
 
 
+def _launch_hooks_set() -> bool:
+    """Whether a Triton launch hook is installed (triton 3.6 keeps empty ``HookChain`` objects there;
+    older versions keep None or a function)."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
 class FastLauncher:
     """``launcher(grid, *args, num_warps=..., num_stages=...)`` == ``fn[grid](*args, num_warps=..., num_stages=...)``."""
 
@@ -62,7 +71,7 @@ class FastLauncher:
         if len(args) != len(self._names):
             raise TypeError(f"{self.fn.__name__} takes {len(self._names)} arguments ({', '.join(self._names)}), got {len(args)}")
         device = torch.cuda.current_device()
-        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+        hooks = _launch_hooks_set()
         kernel = None
         if device in self._backend and not hooks:
             key = self._key(device, args, num_warps, num_stages)
