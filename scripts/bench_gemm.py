@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
-"""Blockwise FP8 GEMM throughput on the GPU: ours (Triton) vs cuBLAS blockwise, BF16 cuBLAS and TE.
+"""Blockwise FP8 GEMM throughput on the GPU: ours vs cuBLAS blockwise, BF16 cuBLAS and TE.
 
-    python scripts/bench_gemm.py [--json out.json] [--plot out.png] [--tune]
+    python scripts/bench_gemm.py [--json out.json] [--plot out.png] [--tune] [--gluon-configs n256 ...]
+
+``ours`` is what the ``triton`` backend runs: on Hopper the warp-specialised Gluon kernel
+(backends/triton/gemm_gluon.py), elsewhere the portable Triton kernel; ``portable`` is the portable
+Triton kernel (backends/triton/gemm.py) on every GPU. ``--gluon-configs`` adds Gluon launch configs
+(names from ``gemm_gluon.BENCH_CONFIGS``) as further columns, where they support the GEMM.
 
 For each layer shape (M, N, K) and each GEMM of a linear layer (fwd Y=XW^T, dgrad dX=dYW,
 wgrad dW=dY^T X; 2*M*N*K FLOPs each), every contender is timed in the same run on the same
@@ -31,7 +36,9 @@ from benchlib import (
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.backends.cublas import CublasBackend
+from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm
 from primus_fp8_plugin.backends.triton.gemm import CONFIG_TABLE, GemmConfig, blockwise_gemm, select_config
+from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, blockwise_gemm_gluon, supports
 from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
 from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
 
@@ -109,6 +116,7 @@ def tune(shapes, recipe) -> dict[str, dict]:
 def main() -> int:
     ap = bench_parser(__doc__, "MxNxK, e.g. 8192x8192x8192")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs and write the config table first")
+    ap.add_argument("--gluon-configs", nargs="*", default=[], choices=sorted(BENCH_CONFIGS), help="extra Gluon configs")
     args = ap.parse_args()
     if not require_cuda("bench_gemm"):
         return 2
@@ -130,9 +138,16 @@ def main() -> int:
             flops = 2 * gm * gn * gk
             hp_a, hp_b = meta["hp"]
             fns = {
-                "ours": lambda: blockwise_gemm(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16),
+                "ours": lambda: hopper_or_portable_gemm(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16),
+                "portable": lambda: blockwise_gemm(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16),
                 "bf16": lambda: torch.matmul(hp_a, hp_b.t()),
             }
+            for name in args.gluon_configs:
+                cfg = BENCH_CONFIGS[name]
+                if supports(cfg, bdim, torch.bfloat16) is None:
+                    fns[f"gluon {name}"] = lambda cfg=cfg: blockwise_gemm_gluon(
+                        a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16, config=cfg
+                    )
             if have_cublas:
                 fns["cublas"] = {
                     "fwd": lambda: cublas.gemm_fwd(meta["a"], meta["b"], None, torch.bfloat16),
@@ -147,6 +162,9 @@ def main() -> int:
             row = {"shape": f"{m}x{n}x{k}", "gemm": direction, **{f"{kk} TF": v for kk, v in tflops.items()}}
             if "cublas" in tflops:
                 row["ours/cublas"] = tflops["ours"] / tflops["cublas"]
+                for name in args.gluon_configs:
+                    if f"gluon {name}" in tflops:
+                        row[f"gluon {name}/cublas"] = tflops[f"gluon {name}"] / tflops["cublas"]
             row["ours/bf16"] = tflops["ours"] / tflops["bf16"]
             if "TE" in tflops:
                 row["ours/TE"] = tflops["ours"] / tflops["TE"]
@@ -155,8 +173,10 @@ def main() -> int:
             torch.cuda.empty_cache()
     env = environment()
     print(f"\n# bench_gemm  {env}")
-    cols = [("shape", ""), ("gemm", ""), ("ours TF", ".0f"), ("cublas TF", ".0f"), ("TE TF", ".0f"), ("bf16 TF", ".0f"),
-            ("ours/cublas", ".2f"), ("ours/TE", ".2f"), ("ours/bf16", ".2f")]  # fmt: skip
+    cols = [("shape", ""), ("gemm", ""), ("ours TF", ".0f"), ("portable TF", ".0f"), ("cublas TF", ".0f"), ("TE TF", ".0f"),
+            ("bf16 TF", ".0f"), ("ours/cublas", ".2f"), ("ours/TE", ".2f"), ("ours/bf16", ".2f")]  # fmt: skip
+    for name in args.gluon_configs:
+        cols += [(f"gluon {name} TF", ".0f"), (f"gluon {name}/cublas", ".2f")]
     print_table(rows, cols)
     summary = {}
     for direction in ("fwd", "dgrad", "wgrad"):
@@ -183,10 +203,10 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), sharey=True)
     for ax, direction in zip(axes, ("fwd", "dgrad", "wgrad")):
         rs = [r for r in rows if r["gemm"] == direction]
-        names = [n for n in ("ours", "cublas", "TE", "bf16") if any(f"{n} TF" in r for r in rs)]
+        names = [n for n in ("ours", "portable", "cublas", "TE", "bf16") if any(f"{n} TF" in r for r in rs)]
         for j, name in enumerate(names):
-            ax.bar([i + 0.2 * j for i in range(len(rs))], [r.get(f"{name} TF", 0) for r in rs], width=0.2, label=name)
-        ax.set_xticks([i + 0.3 for i in range(len(rs))], [r["shape"] for r in rs], rotation=30, fontsize=7)
+            ax.bar([i + 0.16 * j for i in range(len(rs))], [r.get(f"{name} TF", 0) for r in rs], width=0.16, label=name)
+        ax.set_xticks([i + 0.32 for i in range(len(rs))], [r["shape"] for r in rs], rotation=30, fontsize=7)
         ax.set_title(direction)
         ax.set_ylabel("TFLOPS")
         ax.legend(fontsize=8)

@@ -46,3 +46,16 @@ def test_no_register_spills_and_resources_fit(reports, target):
     for r in (r for r in reports if r["target"] == target):
         assert r["spill_bytes"] == 0 and r["vgpr_spills"] == 0, r
         assert 0 < r["registers"] <= reg_limit and r["shared_bytes"] <= smem_limit, r
+
+
+def test_gluon_gemm_compiles_for_sm90_without_spills():
+    """The Hopper Gluon GEMM (every variant its wrapper launches with the default config): FP8 wgmma,
+    TMA loads and stores, mbarriers, setmaxnreg, no spills, no wgmma serialisation, fits in smem."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "primus_fp8_plugin.backends.triton.gemm_gluon"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count(" OK ") >= 18, proc.stdout

@@ -1,5 +1,9 @@
 """The Triton backend: quantization and blockwise GEMM kernels for NVIDIA Hopper and AMD gfx950.
 
+GEMMs: on Hopper (sm_90) the warp-specialised Gluon kernel (``gemm_gluon.py``) wherever its TMA
+layout rules hold (K % 16 == 0, N % 8 == 0, 16-byte aligned operands); the portable Triton kernel
+(``gemm.py``) everywhere else (other shapes, gfx950, the CPU interpreter).
+
 On a CPU it runs through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before import
 (for tests: slow, exact once ``interpreter_fix`` corrects the interpreter's float casts).
 """
@@ -12,6 +16,7 @@ import torch
 
 from ..base import Availability, Backend
 from .gemm import blockwise_gemm
+from .gemm_gluon import blockwise_gemm_gluon
 from .quantize_act import quantize_1x128_dual
 from .quantize_weight import quantize_128x128
 
@@ -41,13 +46,36 @@ def device_availability(device: torch.device) -> Availability:
     return Availability(True)
 
 
+_HOPPER: dict[int, bool] = {}  # device index -> NVIDIA sm_90
+
+
+def _is_hopper(device: torch.device) -> bool:
+    if INTERPRET or device.type != "cuda" or torch.version.hip:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _HOPPER:
+        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] == 9
+    return _HOPPER[index]
+
+
+def hopper_or_portable_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs) -> torch.Tensor:
+    """``blockwise_gemm``'s contract: the Gluon kernel on Hopper where it applies (it raises
+    NotImplementedError, before launching anything, for what it does not take), else the portable one."""
+    if _is_hopper(a.device):
+        try:
+            return blockwise_gemm_gluon(a, a_scale_inv, b, b_scale_inv, **kwargs)
+        except NotImplementedError:
+            pass
+    return blockwise_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs)
+
+
 class TritonBackend(Backend):
     """Triton kernels for all five operations. Subclasses that bring other GEMM kernels (cuBLAS,
     FlyDSL) keep the Triton quantizers and replace ``_blockwise_gemm`` or the GEMM methods."""
 
     name = "triton"
     # C = A @ B^T with per-128-K-block promotion; scales in TE's layouts (triton/gemm.py).
-    _blockwise_gemm = staticmethod(blockwise_gemm)
+    _blockwise_gemm = staticmethod(hopper_or_portable_gemm)
 
     def availability(self, device):
         return device_availability(device)

@@ -10,10 +10,11 @@ loop: unrolling it let the compiler hoist every chunk's load and tripled the reg
    quantized with the column scales, transposed and stored, with its scale_inv entries ``[mb, k]``
    of ``[ceil(M/128), pad4(K)]``.
 
-Small chunks keep few registers live per program, so many programs (and their loads) are in flight
-on each SM: the kernel is memory-bound, and latency hiding is what makes it fast. Transposes are
-done on fp32 values (before the FP8 cast). Programs on the last tile row/column also write the
-layout's padding entries (1.0).
+The kernel is bound by how many loads it keeps in flight per SM and by instructions per element
+(docs/PERFORMANCE.md): per element it does one NaN-propagating max per copy, one multiply and one
+saturating conversion (scales.py says why no clamp or NaN select is needed); interior tiles take
+unmasked loads and stores; the transpose moves FP8 bytes, not fp32 values. Programs on the last tile
+row/column also write the layout's padding entries (1.0).
 """
 
 from __future__ import annotations
@@ -25,73 +26,63 @@ import triton.language as tl
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
 from .launch import FastLauncher
-from .scales import abs_or_inf, is_bad, quantize_with_scale, scale_from_amax
+from .scales import amax_nan, max_nan, scale_and_inverse
 
-SUB_M = 16  # rows per chunk (measured on H200: docs/PERFORMANCE.md)
-NUM_WARPS = 4
+SUB_M = 32  # rows per chunk, with NUM_WARPS: the fastest of a sweep on the H200 (docs/PERFORMANCE.md)
+NUM_WARPS = 2
 
 
 @triton.jit
 def _quantize_1x128_dual_kernel(
-    x_ptr,
-    row_q_ptr,
-    row_s_ptr,
-    col_q_ptr,
-    col_s_ptr,
-    M,
-    K,
-    M_PAD,
-    K_PAD,
-    stride_xm,
-    fp8_max,
-    amax_eps,
-    in_max,
-    ROWWISE: tl.constexpr,
-    COLWISE: tl.constexpr,
-    POW2: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SUB_M: tl.constexpr,
-):
+    x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, M_PAD, K_PAD, stride_xm, fp8_max, amax_eps, in_max,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
+):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     m0 = pid_m * BLOCK
-    cols = pid_k * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < K
+    k0 = pid_k * BLOCK
     sub = tl.arange(0, SUB_M)
-    x_tile = x_ptr + m0.to(tl.int64) * stride_xm  # 64-bit base; in-tile offsets fit in 32 bits
-
-    # Column amax accumulates elementwise over the chunks (NaN counts as inf) and is reduced once.
-    col_amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)
+    blk = tl.arange(0, BLOCK)
+    full = (m0 + BLOCK <= M) & (k0 + BLOCK <= K)  # interior tiles need no masks
+    # 64-bit tile bases; in-tile offsets fit in 32 bits
+    x_tile = x_ptr + m0.to(tl.int64) * stride_xm + k0
+    rq_tile = row_q_ptr + m0.to(tl.int64) * K + k0
+    cq_tile = col_q_ptr + k0.to(tl.int64) * M + m0
+    col_amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)  # reduced once after the chunks
     for c in tl.range(0, BLOCK // SUB_M):
-        rows = m0 + c * SUB_M + sub
-        mask = (rows < M)[:, None] & col_ok[None, :]
-        x = tl.load(x_tile + (c * SUB_M + sub)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
+        r = c * SUB_M + sub
+        mask = (m0 + r < M)[:, None] & (k0 + blk < K)[None, :]
+        if full:
+            x = tl.load(x_tile + r[:, None] * stride_xm + blk[None, :]).to(tl.float32)
+        else:
+            x = tl.load(x_tile + r[:, None] * stride_xm + blk[None, :], mask=mask, other=0.0).to(tl.float32)
         if ROWWISE:
-            amax = tl.max(abs_or_inf(x), axis=1)
-            bad = is_bad(amax)
-            scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
-            q = quantize_with_scale(x, scale[:, None], bad[:, None], fp8_max, row_q_ptr.dtype.element_ty)
-            tl.store(row_q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
-            s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
+            scale, s_inv = scale_and_inverse(amax_nan(x, 1), fp8_max, amax_eps, in_max, POW2)
+            q = (scale[:, None] * x).to(row_q_ptr.dtype.element_ty)
+            if full:
+                tl.store(rq_tile + r[:, None] * K + blk[None, :], q)
+            else:
+                tl.store(rq_tile + r[:, None] * K + blk[None, :], q, mask=mask)
+            rows = m0 + r
             s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
             tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
         if COLWISE:
-            col_amax2d = tl.maximum(col_amax2d, abs_or_inf(x))
-
+            col_amax2d = max_nan(col_amax2d, tl.abs(x))
     if COLWISE:
-        col_amax = tl.max(col_amax2d, axis=0)
-        bad = is_bad(col_amax)
-        scale = scale_from_amax(col_amax, fp8_max, amax_eps, in_max, POW2)
+        scale, s_inv = scale_and_inverse(tl.reduce(col_amax2d, 0, max_nan), fp8_max, amax_eps, in_max, POW2)
         for c in tl.range(0, BLOCK // SUB_M):
-            rows = m0 + c * SUB_M + sub
-            mask = (rows < M)[:, None] & col_ok[None, :]
-            x = tl.load(x_tile + (c * SUB_M + sub)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-            xt = tl.trans(x).to(tl.float32)  # [BLOCK (k), SUB_M (m)], transposed in the input dtype
-            q = quantize_with_scale(xt, scale[:, None], bad[:, None], fp8_max, col_q_ptr.dtype.element_ty)
-            tl.store(col_q_ptr + cols.to(tl.int64)[:, None] * M + rows[None, :], q, mask=col_ok[:, None] & (rows < M)[None, :])
-        s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
-        s_inv = tl.where(col_ok, s_inv, 1.0)
+            r = c * SUB_M + sub
+            mask = (m0 + r < M)[:, None] & (k0 + blk < K)[None, :]
+            if full:
+                x = tl.load(x_tile + r[:, None] * stride_xm + blk[None, :])
+                q = tl.trans((scale[None, :] * x.to(tl.float32)).to(col_q_ptr.dtype.element_ty))
+                tl.store(cq_tile + blk[:, None] * M + r[None, :], q)
+            else:
+                x = tl.load(x_tile + r[:, None] * stride_xm + blk[None, :], mask=mask, other=0.0)
+                q = tl.trans((scale[None, :] * x.to(tl.float32)).to(col_q_ptr.dtype.element_ty))
+                tl.store(cq_tile + blk[:, None] * M + r[None, :], q, mask=tl.trans(mask))
+        cols = k0 + blk
+        s_inv = tl.where(cols < K, s_inv, 1.0)
         tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
 
 

@@ -16,7 +16,7 @@ import triton.language as tl
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher
-from .scales import abs_or_inf, is_bad, quantize_with_scale, scale_from_amax
+from .scales import max_nan, scale_and_inverse
 
 SUB_M = 64  # measured on H200: docs/PERFORMANCE.md
 NUM_WARPS = 8
@@ -24,62 +24,57 @@ NUM_WARPS = 8
 
 @triton.jit
 def _quantize_128x128_kernel(
-    w_ptr,
-    q_ptr,
-    qt_ptr,
-    s_ptr,
-    st_ptr,
-    N,
-    K,
-    stride_wn,
-    stride_s,
-    stride_st,
-    fp8_max,
-    amax_eps,
-    in_max,
-    POW2: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SUB_M: tl.constexpr,
-):
+    w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max,
+    POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
+):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK
-    cols = pid_k * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < K
+    k0 = pid_k * BLOCK
     sub = tl.arange(0, SUB_M)
-    w_tile = w_ptr + n0.to(tl.int64) * stride_wn
+    blk = tl.arange(0, BLOCK)
+    full = (n0 + BLOCK <= N) & (k0 + BLOCK <= K)  # interior blocks need no masks
+    # 64-bit block bases; in-block offsets fit in 32 bits
+    w_blk = w_ptr + n0.to(tl.int64) * stride_wn + k0
+    q_blk = q_ptr + n0.to(tl.int64) * K + k0
+    qt_blk = qt_ptr + k0.to(tl.int64) * N + n0
 
-    amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)  # NaN counts as inf: see scales.abs_or_inf
+    amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)  # NaN-propagating: see scales.py
     for c in tl.static_range(BLOCK // SUB_M):
-        rows = n0 + c * SUB_M + sub
-        mask = (rows < N)[:, None] & col_ok[None, :]
-        x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        amax2d = tl.maximum(amax2d, abs_or_inf(x))
-    amax = tl.max(tl.max(amax2d, axis=1), axis=0)
-    bad = is_bad(amax)
-    scale = scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2)
+        r = c * SUB_M + sub
+        mask = (n0 + r < N)[:, None] & (k0 + blk < K)[None, :]
+        if full:
+            x = tl.load(w_blk + r[:, None] * stride_wn + blk[None, :])
+        else:
+            x = tl.load(w_blk + r[:, None] * stride_wn + blk[None, :], mask=mask, other=0.0)
+        amax2d = max_nan(amax2d, tl.abs(x.to(tl.float32)))
+    amax = tl.reduce(tl.reduce(amax2d, 1, max_nan), 0, max_nan)
+    scale, s_inv = scale_and_inverse(amax, fp8_max, amax_eps, in_max, POW2)
 
     # W, then W^T in a separate pass over the block (from L2). Computing both from one loaded chunk
     # gave wrong W^T bytes (about 1 in 4) for fp32 inputs on sm_90 with triton 3.6, apparently as the
     # compiler moved the transpose after the FP8 cast; tests/gpu guard this.
     for c in tl.static_range(BLOCK // SUB_M):
-        rows = n0 + c * SUB_M + sub
-        mask = (rows < N)[:, None] & col_ok[None, :]
-        x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
-        q = quantize_with_scale(x.to(tl.float32), scale, bad, fp8_max, q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q, mask=mask)
-    scale_v = tl.zeros([BLOCK], dtype=tl.float32) + scale  # per-row scale vector, as in quantize_act
-    bad_v = (tl.zeros([BLOCK], dtype=tl.float32) + bad.to(tl.float32)) != 0.0
+        r = c * SUB_M + sub
+        mask = (n0 + r < N)[:, None] & (k0 + blk < K)[None, :]
+        if full:
+            x = tl.load(w_blk + r[:, None] * stride_wn + blk[None, :])
+            tl.store(q_blk + r[:, None] * K + blk[None, :], (scale * x.to(tl.float32)).to(q_ptr.dtype.element_ty))
+        else:
+            x = tl.load(w_blk + r[:, None] * stride_wn + blk[None, :], mask=mask, other=0.0)
+            q = (scale * x.to(tl.float32)).to(q_ptr.dtype.element_ty)
+            tl.store(q_blk + r[:, None] * K + blk[None, :], q, mask=mask)
     for c in tl.static_range(BLOCK // SUB_M):
-        rows = n0 + c * SUB_M + sub
-        row_ok = rows < N
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(w_tile + (c * SUB_M + sub)[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
-        xt = tl.trans(x.to(tl.float32))  # [BLOCK (k), SUB_M (n)]
-        qt = quantize_with_scale(xt, scale_v[:, None], bad_v[:, None], fp8_max, qt_ptr.dtype.element_ty)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * N + rows[None, :], qt, mask=col_ok[:, None] & row_ok[None, :])
-    s_inv = tl.where(bad, float("nan"), tl.div_rn(tl.zeros_like(scale) + 1.0, scale))
+        r = c * SUB_M + sub
+        mask = (n0 + r < N)[:, None] & (k0 + blk < K)[None, :]
+        if full:
+            x = tl.load(w_blk + r[:, None] * stride_wn + blk[None, :])
+            qt = (scale * tl.trans(x.to(tl.float32))).to(qt_ptr.dtype.element_ty)  # [BLOCK (k), SUB_M (n)]
+            tl.store(qt_blk + blk[:, None] * N + r[None, :], qt)
+        else:
+            x = tl.load(w_blk + r[:, None] * stride_wn + blk[None, :], mask=mask, other=0.0)
+            qt = (scale * tl.trans(x.to(tl.float32))).to(qt_ptr.dtype.element_ty)
+            tl.store(qt_blk + blk[:, None] * N + r[None, :], qt, mask=tl.trans(mask))
     tl.store(s_ptr + pid_n * stride_s + pid_k, s_inv)
     tl.store(st_ptr + pid_k * stride_st + pid_n, s_inv)
 

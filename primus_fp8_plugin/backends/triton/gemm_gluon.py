@@ -1,0 +1,783 @@
+"""Blockwise-scaled FP8 GEMM for Hopper (sm_90) written in Gluon: ``C [M, N] = A [M, K] @ B [N, K]^T``.
+
+Same math, scale layouts and wrapper semantics as :func:`.gemm.blockwise_gemm` (DeepSeek-V3 / TE
+``Float8BlockScaling`` promotion: every 128-wide K block's tensor-core product is scaled by
+``a_scale_inv[kb, m] * b_scale(n, kb)`` and added to an fp32 accumulator).
+
+Design (DeepGEMM-like, warp specialised, persistent):
+
+* one CTA per SM walks the output tiles (BLOCK_M=128 x BLOCK_N) in an L2-grouped order;
+* a 1-warp producer partition TMA-loads the A [128, 128] and B [BLOCK_N, 128] FP8 tiles of each K
+  block into NVMMA-swizzled shared memory, through a NUM_STAGES-deep ready/empty mbarrier ring;
+* two 4-warp consumer partitions (one warpgroup each, rows 0-63 and 64-127 of the tile) run async
+  ``wgmma`` (m64nBLOCK_Nk32, e4m3/e5m2) of each K block into a *fresh* fp32 accumulator, wait for it,
+  release the smem stage, and promote it into the running accumulator with
+  ``acc += part * a_scale[m] * b_scale[n]`` on the CUDA cores. The promotion of one warpgroup
+  overlaps the other warpgroup's wgmma through the warp scheduler (DeepGEMM's scheme). Registers
+  are rebalanced with ``setmaxnreg`` (consumers 232, producer 40 under ``maxnreg=168``).
+  ``pipe_mma=True`` (experimental, off by default) double-buffers the fresh accumulator inside a
+  warpgroup; triton 3.6 + ptxas serialise its wgmmas (C7515), so it is slower as written;
+* ``block_n=256`` (config ``n256``, 128x256 tiles: 25% less L2->SM operand traffic per FLOP than
+  128x128): each K block runs two m64n128k32 wgmma chains (B rows 0-127, 128-255) one after the
+  other into one fresh accumulator, promoted into two running accumulators (``_consumer_wide``);
+  the epilogue stores the two 128-column halves through one [64, 128] buffer. Supported for
+  128x128 B scales with bf16/fp16 output or ``accumulate_into`` (1x128 B scales and plain fp32
+  output spill registers: the wrapper raises ``NotImplementedError``, see ``supports``);
+* the scales are prefetched into registers one K block ahead (plain global loads, L2 hot);
+* epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
+  dtype, registers -> swizzled smem -> TMA store (its completion overlaps the next tile's K loop).
+
+Limits (checked by the wrapper, which raises ``NotImplementedError``/``ValueError``): NVIDIA sm_90;
+A, B row-major K-contiguous with K % 16 == 0 (TMA 16-byte strides); N % 8 == 0 (output TMA);
+operands float8_e4m3fn or float8_e5m2; the output / ``accumulate_into`` must be row-contiguous.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_K = 128  # one scale per K block: fixed by the recipe
+SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA on H100/H200 (227 KiB)
+
+
+@dataclass(frozen=True)
+class GluonGemmConfig:
+    """Launch configuration. BLOCK_M is fixed at 128 (two 64-row consumer warpgroups)."""
+
+    block_n: int = 128
+    num_stages: int = 0  # 0: as many as fit in shared memory (at most 6)
+    group_m: int = 8
+    pipe_mma: bool = False  # experimental: double-buffered fresh accumulator (ptxas serialises it, C7515)
+    consumer_regs: int = 232
+    producer_regs: int = 40
+
+    @property
+    def block_m(self) -> int:
+        return 128
+
+
+def default_config() -> GluonGemmConfig:
+    return GluonGemmConfig()
+
+
+_TORCH_TO_GL = {
+    torch.float8_e4m3fn: gl.float8e4nv,
+    torch.float8_e5m2: gl.float8e5,
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+    torch.float32: gl.float32,
+}
+
+
+def _c_block_n(block_n: int) -> int:
+    # BLOCK_N=256 tiles store their two 128-column halves one after the other through one buffer
+    return 128 if block_n == 256 else block_n
+
+
+def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0) -> int:
+    stage_bytes = (128 + block_n) * BLOCK_K  # fp8 A and B tiles
+    c_bytes = 128 * _c_block_n(block_n) * torch.empty((), dtype=out_dtype).element_size()
+    fit = (SMEM_LIMIT - c_bytes - 1024) // stage_bytes
+    stages = min(fit, 6) if requested <= 0 else requested
+    if stages < 2 or stages > fit:
+        raise ValueError(f"{stages} stages of BLOCK_N={block_n} do not fit in shared memory (max {fit})")
+    return stages
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    # L2-friendly order: GROUP_M rows of tiles sweep the N tiles together.
+    width = GROUP_M * num_pid_n
+    group = tile // width
+    first_m = group * GROUP_M
+    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % width) % group_size
+    pid_n = (tile % width) // group_size
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    nk = gl.cdiv(K, BK)
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        for kb in range(nk):
+            s = it % NUM_STAGES
+            phase = (it // NUM_STAGES) & 1
+            # The ring starts empty: the first wait on each slot (parity 1) passes at once.
+            mbarrier.wait(empty.index(s), phase ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, kb * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [off_n, kb * BK], ready.index(s), b_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _load_scales(a_s_ptr, b_s_ptr, kb, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr, stride_as, stride_bs,
+                 B_2D: gl.constexpr):  # fmt: skip
+    # a_scale [64] (rows of this warpgroup); b_scale: [BLOCK_N] for 1x128 B, a scalar for 128x128 B
+    # (kb == nk happens for the prefetch after the last K block: masked off)
+    sa = gl.load(a_s_ptr + kb * stride_as + offs_m, mask=m_mask & (kb < nk), other=0.0)
+    if B_2D:
+        sb = gl.load(sb_row_ptr + kb, mask=kb < nk, other=0.0)
+    else:
+        sb = gl.load(b_s_ptr + kb * stride_bs + offs_n, mask=n_mask & (kb < nk), other=0.0)
+    return sa, sb
+
+
+@gluon.jit
+def _promote(acc, part, sa, sb, B_2D: gl.constexpr):
+    if B_2D:
+        acc = acc + part * gl.expand_dims(sa * sb, 1)
+    else:
+        acc = acc + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
+    return acc
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
+              M, N, K, stride_as, stride_bs, stride_cm,
+              WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
+              PIPE_MMA: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    HALF_M: gl.constexpr = c_bufs.type.shape[1]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    nk = gl.cdiv(K, BK)
+    c_smem = c_bufs.index(WG)
+    zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, mma_layout)
+
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M + WG * HALF_M
+        off_n = pid_n * BLOCK_N
+        offs_m = off_m + gl.arange(0, HALF_M, layout=row_layout)
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=col_layout)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        sb_row_ptr = b_s_ptr + (off_n // BK) * stride_bs  # 128x128 B scales: row n // 128
+
+        sa, sb = _load_scales(a_s_ptr, b_s_ptr, 0, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr, stride_as,
+                              stride_bs, B_2D)  # fmt: skip
+        acc = zero
+        if PIPE_MMA:
+            # K block 0 goes in flight into buffer X; the loop then handles two K blocks per trip so
+            # that buffers X and Y keep fixed roles (no register copies of an in-flight wgmma).
+            s = it % NUM_STAGES
+            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+            x = warpgroup_mma(a_bufs.index(s).slice(WG * HALF_M, HALF_M), b_bufs.index(s).permute((1, 0)),
+                              zero, use_acc=False, is_async=True)  # fmt: skip
+            s_x = s
+            sa_x = sa
+            sb_x = sb
+            it += 1
+            y = zero
+            for kb in range(1, nk - 1, 2):
+                # --- K block kb into Y; promote X (block kb - 1)
+                sa_y, sb_y = _load_scales(a_s_ptr, b_s_ptr, kb, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
+                                          stride_as, stride_bs, B_2D)  # fmt: skip
+                s_y = it % NUM_STAGES
+                mbarrier.wait(ready.index(s_y), (it // NUM_STAGES) & 1)
+                y = warpgroup_mma(a_bufs.index(s_y).slice(WG * HALF_M, HALF_M), b_bufs.index(s_y).permute((1, 0)),
+                                  y, use_acc=False, is_async=True)  # fmt: skip
+                it += 1
+                xd = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
+                mbarrier.arrive(empty.index(s_x))
+                acc = _promote(acc, xd, sa_x, sb_x, B_2D)
+                # --- K block kb + 1 into X; promote Y (block kb)
+                sa_x, sb_x = _load_scales(a_s_ptr, b_s_ptr, kb + 1, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
+                                          stride_as, stride_bs, B_2D)  # fmt: skip
+                s_x = it % NUM_STAGES
+                mbarrier.wait(ready.index(s_x), (it // NUM_STAGES) & 1)
+                x = warpgroup_mma(a_bufs.index(s_x).slice(WG * HALF_M, HALF_M), b_bufs.index(s_x).permute((1, 0)),
+                                  xd, use_acc=False, is_async=True)  # fmt: skip
+                it += 1
+                yd = warpgroup_mma_wait(num_outstanding=1, deps=(y,))
+                mbarrier.arrive(empty.index(s_y))
+                acc = _promote(acc, yd, sa_y, sb_y, B_2D)
+                y = yd
+            if nk % 2 == 0:
+                # One K block left (nk - 1, odd): into Y, then drain both.
+                sa_y, sb_y = _load_scales(a_s_ptr, b_s_ptr, nk - 1, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
+                                          stride_as, stride_bs, B_2D)  # fmt: skip
+                s_y = it % NUM_STAGES
+                mbarrier.wait(ready.index(s_y), (it // NUM_STAGES) & 1)
+                y_last = warpgroup_mma(
+                    a_bufs.index(s_y).slice(WG * HALF_M, HALF_M),
+                    b_bufs.index(s_y).permute((1, 0)),
+                    y,
+                    use_acc=False,
+                    is_async=True,
+                )
+                it += 1
+                xd = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
+                mbarrier.arrive(empty.index(s_x))
+                acc = _promote(acc, xd, sa_x, sb_x, B_2D)
+                yd = warpgroup_mma_wait(num_outstanding=0, deps=(y_last,))
+                mbarrier.arrive(empty.index(s_y))
+                acc = _promote(acc, yd, sa_y, sb_y, B_2D)
+            else:
+                xd = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
+                mbarrier.arrive(empty.index(s_x))
+                acc = _promote(acc, xd, sa_x, sb_x, B_2D)
+        else:
+            # DeepGEMM order: wgmma of the block, wait, release the stage, promote (the other
+            # warpgroup's wgmma fills the tensor cores meanwhile).
+            for kb in range(nk):
+                s = it % NUM_STAGES
+                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+                part = warpgroup_mma(a_bufs.index(s).slice(WG * HALF_M, HALF_M), b_bufs.index(s).permute((1, 0)),
+                                     zero, use_acc=False, is_async=True)  # fmt: skip
+                it += 1
+                sa_n, sb_n = _load_scales(a_s_ptr, b_s_ptr, kb + 1, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
+                                          stride_as, stride_bs, B_2D)  # fmt: skip
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s))
+                acc = _promote(acc, part, sa, sb, B_2D)
+                sa = sa_n
+                sb = sb_n
+
+        # ---- epilogue: bias, accumulate, one rounding, TMA store of this warpgroup's 64 rows
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)
+            acc = acc + gl.expand_dims(bias, 0)
+        if ACCUMULATE:
+            c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
+            c_mask = gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0)
+            acc = acc + gl.load(c_ptrs, mask=c_mask, other=0.0)
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
+                   M, N, K, stride_as, stride_bs, stride_cm,
+                   WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
+                   GROUP_M: gl.constexpr):  # fmt: skip
+    """BLOCK_N = 2 x 128 tile: each K block runs two m64n128k32 wgmma chains (B rows 0-127, 128-255)
+    one after the other into ONE fresh accumulator, promoted into two running accumulators (acc0,
+    acc1). Per thread: 2 x 64 running + 64 fresh fp32 registers. Each 128-column half is exactly one
+    128x128 B scale block, so the B_2D scales stay scalars; 1x128 B scales are loaded per half just
+    in time (between the wgmma issue and its wait) to keep the register count down. The epilogue
+    stores the two halves one after the other through the same [64, 128] smem buffer."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    HALF_M: gl.constexpr = c_bufs.type.shape[1]
+    SUB_N: gl.constexpr = c_bufs.type.shape[2]
+    gl.static_assert(BLOCK_N == 2 * SUB_N)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    nk = gl.cdiv(K, BK)
+    num_sb_rows = gl.cdiv(N, BK)  # rows of the 128x128 B scale tensor
+    c_smem = c_bufs.index(WG)
+    zero = gl.zeros([HALF_M, SUB_N], gl.float32, mma_layout)
+    cols = gl.arange(0, SUB_N, layout=col_layout)
+
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M + WG * HALF_M
+        off_n0 = pid_n * BLOCK_N
+        off_n1 = off_n0 + SUB_N
+        has_n1 = off_n1 < N
+        offs_m = off_m + gl.arange(0, HALF_M, layout=row_layout)
+        m_mask = offs_m < M
+        sb_row0 = b_s_ptr + (off_n0 // BK) * stride_bs
+        sb_row1 = b_s_ptr + gl.minimum(off_n1 // BK, num_sb_rows - 1) * stride_bs
+        sb_col_ptr = b_s_ptr + off_n0  # 1x128 B scales: b_s[kb, n]
+        n_left0 = N - off_n0
+        n_left1 = N - off_n1
+
+        sa = gl.load(a_s_ptr + offs_m, mask=m_mask, other=0.0)
+        sb0 = gl.load(sb_row0)
+        sb1 = gl.load(sb_row1)
+        acc0 = zero
+        acc1 = zero
+        # The fresh accumulator is the (dead) previous product, overwritten with use_acc=False: a
+        # loop-invariant zero tensor would pin 64 more registers per thread.
+        part = zero
+        for kb in range(nk):
+            s = it % NUM_STAGES
+            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+            a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
+            # ---- columns 0-127 of the tile
+            part = warpgroup_mma(a_op, b_bufs.index(s).slice(0, SUB_N).permute((1, 0)), part, use_acc=False,
+                                 is_async=True)  # fmt: skip
+            if B_2D:
+                has_next = kb + 1 < nk
+                sa_n = gl.load(a_s_ptr + (kb + 1) * stride_as + offs_m, mask=m_mask & has_next, other=0.0)
+                sb0_n = gl.load(sb_row0 + kb + 1, mask=has_next, other=0.0)
+                sb1_n = gl.load(sb_row1 + kb + 1, mask=has_next, other=0.0)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                acc0 = acc0 + part * gl.expand_dims(sa * sb0, 1)
+            else:
+                # 1x128 B scales: loaded just in time (a prefetched [128]-column vector would cost 32
+                # more registers per thread)
+                sa = gl.load(a_s_ptr + kb * stride_as + offs_m, mask=m_mask, other=0.0)
+                sbv = gl.load(sb_col_ptr + kb * stride_bs + cols, mask=cols < n_left0, other=0.0)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                acc0 = acc0 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
+            # ---- columns 128-255 of the tile
+            part = warpgroup_mma(a_op, b_bufs.index(s).slice(SUB_N, SUB_N).permute((1, 0)), part, use_acc=False,
+                                 is_async=True)  # fmt: skip
+            if B_2D:
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s))
+                acc1 = acc1 + part * gl.expand_dims(sa * sb1, 1)
+                sb0 = sb0_n
+                sb1 = sb1_n
+            else:
+                sbv = gl.load(sb_col_ptr + kb * stride_bs + SUB_N + cols, mask=cols < n_left1, other=0.0)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s))
+                acc1 = acc1 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
+            if B_2D:
+                sa = sa_n
+            it += 1
+
+        # ---- epilogue: the two 128-column halves through one [64, 128] smem buffer
+        offs_n = off_n0 + cols
+        n_mask = offs_n < N
+        if HAS_BIAS:
+            acc0 = acc0 + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32), 0)
+        if ACCUMULATE:
+            c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
+            acc0 = acc0 + gl.load(c_ptrs, mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0), other=0.0)
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
+        c_smem.store(acc0.to(c_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(c_desc, [off_m, off_n0], c_smem)
+        if has_n1:
+            offs_n = off_n1 + cols
+            n_mask = offs_n < N
+            if HAS_BIAS:
+                acc1 = acc1 + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32), 0)
+            if ACCUMULATE:
+                c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
+                acc1 = acc1 + gl.load(c_ptrs, mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0), other=0.0)
+            tma.store_wait(pendings=0)
+            c_smem.store(acc1.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n1], c_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _blockwise_gemm_gluon_kernel(
+    a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
+    M, N, K, stride_as, stride_bs, stride_cm,
+    B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr, PIPE_MMA: gl.constexpr,
+    NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):  # fmt: skip
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    HALF_M: gl.constexpr = c_desc.block_type.shape[0]
+    gl.static_assert(BLOCK_M == 2 * HALF_M)
+    C_N: gl.constexpr = c_desc.block_type.shape[1]
+    WIDE: gl.constexpr = BLOCK_N == 2 * C_N  # BLOCK_N=256: two 128-column halves (_consumer_wide)
+    gl.static_assert(BLOCK_N == C_N or WIDE)
+
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BK], b_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, HALF_M, C_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    # The argument tuples must be written inline: a tuple assigned to a variable turns its
+    # constexprs into tensors.
+    if WIDE:
+        gl.warp_specialize([
+            (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
+                              K, stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+            (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
+                              K, stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+    else:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
+                         stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, PIPE_MMA, GROUP_M)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
+                         stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, PIPE_MMA, GROUP_M)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------------
+
+
+def _shared_layout(block_shape, dtype):
+    return gl.NVMMASharedLayout.get_default_for(block_shape, _TORCH_TO_GL[dtype])
+
+
+def _maxnreg(cfg: GluonGemmConfig) -> int:
+    # 12 warps (2 consumer warpgroups + the producer's warpgroup); setmaxnreg moves registers
+    # between them, the kernel-wide budget is 64K registers: maxnreg * 384 <= 65536.
+    return 168
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
+    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise NotImplementedError(f"FP8 operands (e4m3fn/e5m2) required, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"expected a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if not (a.is_contiguous() and b.is_contiguous()):
+        raise NotImplementedError("a and b must be contiguous (row-major, K-contiguous)")
+    m, k = a.shape
+    n = b.shape[0]
+    if k % 16 != 0:
+        raise NotImplementedError(f"K={k} must be a multiple of 16 (TMA needs 16-byte row strides)")
+    if n % 8 != 0:
+        raise NotImplementedError(f"N={n} must be a multiple of 8 (TMA store of the output)")
+    for t in (a, b):
+        if t.data_ptr() % 16 != 0:
+            raise NotImplementedError("a and b must be 16-byte aligned")
+    kb = triton.cdiv(k, BLOCK_K)
+    if a_scale_inv.dtype != torch.float32 or a_scale_inv.dim() != 2 or a_scale_inv.stride(1) != 1:
+        raise ValueError("a_scale_inv must be a float32 [ceil(K/128), >=M] tensor with unit column stride")
+    if a_scale_inv.shape[0] != kb or a_scale_inv.shape[1] < m:
+        raise ValueError(f"a_scale_inv has shape {tuple(a_scale_inv.shape)}, expected [{kb}, >={m}]")
+    if b_scale_inv.dtype != torch.float32 or b_scale_inv.dim() != 2 or b_scale_inv.stride(1) != 1:
+        raise ValueError("b_scale_inv must be a float32 2-D tensor with unit column stride")
+    if b_block_dim == 2:
+        if b_scale_inv.shape[0] != triton.cdiv(n, BLOCK_K) or b_scale_inv.shape[1] < kb:
+            raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{triton.cdiv(n, 128)}, >={kb}]")
+    elif b_block_dim == 1:
+        if b_scale_inv.shape[0] != kb or b_scale_inv.shape[1] < n:
+            raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{kb}, >={n}]")
+    else:
+        raise ValueError(f"b_block_dim must be 1 or 2, got {b_block_dim}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [N={n}] tensor")
+    if accumulate_into is not None:
+        c = accumulate_into
+        if c.dtype != torch.float32 or tuple(c.shape) != (m, n) or c.stride(1) != 1 or (c.stride(0) * 4) % 16:
+            raise NotImplementedError("accumulate_into must be a float32 [M, N] tensor with unit column stride "
+                                      "and 16-byte aligned rows")  # fmt: skip
+        if c.data_ptr() % 16:
+            raise NotImplementedError("accumulate_into must be 16-byte aligned")
+    elif out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise NotImplementedError(f"out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
+    for t in (a_scale_inv, b_scale_inv) + ((bias,) if bias is not None else ()):
+        if t.device != a.device or b.device != a.device:
+            raise ValueError("all tensors must be on the same device")
+
+
+def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
+    if cfg.block_n not in (64, 128, 256):
+        raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
+    if cfg.pipe_mma and cfg.block_n > 128:
+        raise NotImplementedError("pipe_mma needs block_n <= 128 (three accumulators per thread)")
+    if cfg.block_n == 256 and b_block_dim == 1:
+        raise NotImplementedError("block_n=256 supports 128x128-scaled B only (b_block_dim=2): with 1x128 B scales "
+                                  "the per-column scale vector makes the consumer spill registers")  # fmt: skip
+    if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
+        raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
+                                  "(ptxas); use bf16/fp16 or accumulate_into")  # fmt: skip
+    if b_block_dim == 2 and cfg.block_n < 128 and 128 % cfg.block_n != 0:
+        raise ValueError("128x128-scaled B needs block_n dividing 128 (one B scale per tile and K block)")
+    if cfg.consumer_regs * 256 + cfg.producer_regs * 128 > 65536 or cfg.consumer_regs % 8 or cfg.producer_regs % 8:
+        raise ValueError(f"setmaxnreg budget: 2 x 128 x {cfg.consumer_regs} + 128 x {cfg.producer_regs} > 64K "
+                         "registers, or not multiples of 8")  # fmt: skip
+
+
+def supports(
+    cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False
+) -> str | None:
+    """None when the wrapper runs ``cfg`` for this B scale layout (and output), else the reason it raises."""
+    try:
+        _check_config(cfg, b_block_dim, out_dtype, accumulate)
+    except (NotImplementedError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def blockwise_gemm_gluon(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    *,
+    b_block_dim: int,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    accumulate_into: torch.Tensor | None = None,
+    config: GluonGemmConfig | None = None,
+) -> torch.Tensor:
+    """``a [M, K] @ b [N, K]^T`` with blockwise scale promotion; same contract as ``gemm.blockwise_gemm``.
+
+    Returns ``accumulate_into`` (updated in place: ``C += A @ B^T``) when given, else a new
+    ``[M, N]`` tensor of ``out_dtype``.
+    """
+    if a.device.type != "cuda" or torch.version.hip:
+        raise NotImplementedError("the Gluon blockwise GEMM runs on NVIDIA GPUs only")
+    if torch.cuda.get_device_capability(a.device)[0] != 9:
+        raise NotImplementedError("the Gluon blockwise GEMM is written for Hopper (sm_90) wgmma")
+    _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
+    m, k = a.shape
+    n = b.shape[0]
+    if accumulate_into is not None:
+        c = accumulate_into
+    else:
+        c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+        if k == 0:
+            return c.zero_()
+    if m == 0 or n == 0 or k == 0:
+        return c
+    cfg = config or default_config()
+    _check_config(cfg, b_block_dim, c.dtype, accumulate_into is not None)
+    stages = stages_that_fit(cfg.block_n, c.dtype, cfg.num_stages)
+    bm, bn = cfg.block_m, cfg.block_n
+    cn = _c_block_n(bn)
+    a_desc = TensorDescriptor.from_tensor(a, [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
+    b_desc = TensorDescriptor.from_tensor(b, [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
+    c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], [bm // 2, cn], _shared_layout([bm // 2, cn], c.dtype))
+    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = (min(num_tiles, _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())),)
+    _blockwise_gemm_gluon_kernel[grid](
+        a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
+        m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0),
+        B_2D=b_block_dim == 2, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
+        PIPE_MMA=cfg.pipe_mma, NUM_STAGES=stages, GROUP_M=cfg.group_m,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=4, maxnreg=_maxnreg(cfg),
+    )  # fmt: skip
+    return c
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile check (no GPU needed)
+# --------------------------------------------------------------------------------------------------
+
+_GL_NAME = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bfloat16: "bf16",
+            torch.float16: "fp16", torch.float32: "fp32"}  # fmt: skip
+
+EXPECT_SM90 = {
+    "wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e[45]m[23]\.e[45]m[23]",
+    "tma_load": r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
+    "tma_store": r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta",
+    "mbarrier_wait": r"mbarrier\.try_wait",
+    "mbarrier_arrive": r"mbarrier\.arrive",
+    "setmaxnreg": r"setmaxnreg",
+    "QGMMA": r"QGMMA",
+}
+
+
+@dataclass
+class AotVariant:
+    name: str
+    b_block_dim: int
+    out_dtype: torch.dtype
+    has_bias: bool
+    accumulate: bool
+    a_dtype: torch.dtype = torch.float8_e4m3fn
+    b_dtype: torch.dtype = torch.float8_e4m3fn
+    config: GluonGemmConfig = GluonGemmConfig()
+
+
+def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotVariant]:
+    """Every kernel variant the wrapper launches for the given configs (default: the default config)."""
+    configs = configs or {"default": GluonGemmConfig()}
+    out = []
+    for cfg_name, cfg in configs.items():
+        for bdim in (2, 1):
+            if supports(cfg, bdim) is not None:
+                continue
+            for od in (torch.bfloat16, torch.float16, torch.float32):
+                if supports(cfg, bdim, od) is not None:
+                    continue
+                for bias in (False, True):
+                    out.append(AotVariant(f"{cfg_name}:b{bdim}d:{_GL_NAME[od]}:bias={int(bias)}", bdim, od, bias,
+                                          False, config=cfg))  # fmt: skip
+            out.append(AotVariant(f"{cfg_name}:b{bdim}d:accumulate", bdim, torch.float32, False, True, config=cfg))
+            out.append(AotVariant(f"{cfg_name}:b{bdim}d:accumulate+bias", bdim, torch.float32, True, True, config=cfg))
+        if supports(cfg, 1) is None:
+            out.append(AotVariant(f"{cfg_name}:b1d:e5m2xe4m3:bf16", 1, torch.bfloat16, False, False,
+                                  a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
+        out.append(AotVariant(f"{cfg_name}:b2d:e5m2xe4m3:bf16", 2, torch.bfloat16, False, False,
+                              a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
+    return out
+
+
+# Configurations worth timing on the GPU (scripts/check_gluon_gemm.py --configs).
+BENCH_CONFIGS = {
+    "n128_s4": GluonGemmConfig(block_n=128, num_stages=4),
+    "n128_g16": GluonGemmConfig(block_n=128, group_m=16),
+    "n64": GluonGemmConfig(block_n=64),
+    "n128_pipe": GluonGemmConfig(block_n=128, pipe_mma=True),
+    # 128x256 tile (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP
+    "n256": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24),
+}
+
+
+def compile_variant(v: AotVariant):
+    """Compile one variant for sm_90 without a GPU; returns the CompiledKernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    cfg = v.config
+    bm, bn = cfg.block_m, cfg.block_n
+    out_dtype = torch.float32 if v.accumulate else v.out_dtype
+    stages = stages_that_fit(bn, out_dtype, cfg.num_stages)
+    m = n = k = 1024  # only the descriptors' types matter
+    a = torch.empty(m, k, dtype=v.a_dtype)
+    b = torch.empty(n, k, dtype=v.b_dtype)
+    c = torch.empty(m, n, dtype=out_dtype)
+    descs = [
+        TensorDescriptor.from_tensor(a, [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype)),
+        TensorDescriptor.from_tensor(b, [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype)),
+        TensorDescriptor.from_tensor(c, [bm // 2, _c_block_n(bn)], _shared_layout([bm // 2, _c_block_n(bn)], out_dtype)),
+    ]
+    sig = {
+        "a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
+        "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "bias_ptr": f"*{_GL_NAME[out_dtype]}", "c_ptr": f"*{_GL_NAME[out_dtype]}",
+        "M": "i32", "N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", "stride_cm": "i32",
+        "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr", "PIPE_MMA": "constexpr",
+        "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
+    }  # fmt: skip
+    cons = {"B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias, "ACCUMULATE": v.accumulate, "PIPE_MMA": cfg.pipe_mma,
+            "NUM_STAGES": stages, "GROUP_M": cfg.group_m, "CONSUMER_REGS": cfg.consumer_regs,
+            "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
+    names = list(sig)
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("a_s_ptr", "b_s_ptr", "bias_ptr", "c_ptr")}
+    attrs.update({(names.index(p),): [["tt.divisibility", 16]] for p in ("N", "K", "stride_as", "stride_cm")})
+    src = GluonASTSource(fn=_blockwise_gemm_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": _maxnreg(cfg)})
+
+
+def _cuda_tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def inspect_compiled(kernel) -> dict:
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([_cuda_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+        ptx_file = Path(d) / "k.ptx"
+        ptx_file.write_text(ptx)
+        ptxas = subprocess.run([_cuda_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx_file), "-o", str(Path(d) / "o.cubin")],
+                               capture_output=True, text=True)  # fmt: skip
+    res = dict(re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage))
+    text = ptx + "\n" + sass
+    found = {key: len(re.findall(pat, text)) for key, pat in EXPECT_SM90.items()}
+    setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    # C7515: ptxas serialised the wgmma pipeline (accumulator registers touched while in flight)
+    warnings = [
+        ln
+        for ln in (ptxas.stdout + ptxas.stderr).splitlines()
+        if "arning" in ln or "Performance Loss" in ln or "spill" in ln and " 0 bytes spill" not in ln
+    ]
+    return {
+        "regs": int(res.get("REG", -1)), "stack": int(res.get("STACK", -1)), "local": int(res.get("LOCAL", -1)),
+        "smem": int(getattr(kernel.metadata, "shared", 0)), "found": found, "setmaxnreg": setmaxnreg,
+        "ptxas_warnings": warnings, "ptx": ptx, "sass": sass,
+    }  # fmt: skip
+
+
+def aot_check(dump_dir: Path | None = None, verbose: bool = True, configs: dict[str, GluonGemmConfig] | None = None) -> bool:
+    """Compile every variant the wrapper can launch (default configs) for sm_90 and check the result:
+    wgmma with FP8 operands, TMA loads/stores, mbarriers, setmaxnreg, no spills, fits in smem."""
+    ok_all = True
+    for v in aot_variants(configs):
+        try:
+            info = inspect_compiled(compile_variant(v))
+        except Exception as e:  # noqa: BLE001
+            ok_all = False
+            print(f"{v.name:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+            continue
+        ok = (all(info["found"].values()) and info["stack"] == 0 and info["local"] == 0
+              and info["smem"] <= SMEM_LIMIT and not any("serializ" in w for w in info["ptxas_warnings"]))  # fmt: skip
+        ok_all &= ok
+        if verbose:
+            print(f"{v.name:40} {'OK ' if ok else 'BAD'} regs={info['regs']:3} stack={info['stack']} "
+                  f"local={info['local']} smem={info['smem']} setmaxnreg={info['setmaxnreg']} "
+                  f"found={info['found']}")  # fmt: skip
+            for w in info["ptxas_warnings"]:
+                print(f"    ptxas: {w}")
+        if dump_dir is not None:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            stem = re.sub(r"[^\w.-]+", "_", v.name)
+            (dump_dir / f"{stem}.ptx").write_text(info["ptx"])
+            (dump_dir / f"{stem}.sass").write_text(info["sass"])
+    return ok_all
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="AOT-compile the Gluon blockwise GEMM for sm_90 and check it")
+    ap.add_argument("--dump", type=Path, help="write PTX and SASS of each variant into this folder")
+    ap.add_argument("--all-configs", action="store_true", help="also compile every entry of BENCH_CONFIGS")
+    args = ap.parse_args()
+    cfgs = {"default": GluonGemmConfig(), **BENCH_CONFIGS} if args.all_configs else None
+    sys.exit(0 if aot_check(args.dump, configs=cfgs) else 1)

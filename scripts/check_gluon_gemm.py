@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Check and time the Gluon blockwise FP8 GEMM (``backends/triton/gemm_gluon.py``) on an H100/H200.
+
+    python scripts/check_gluon_gemm.py                      # correctness + benchmark, default config
+    python scripts/check_gluon_gemm.py --configs n128,n128_s4,n64,n128_g16
+    python scripts/check_gluon_gemm.py --aot                # only the sm_90 compile check (no GPU needed)
+    python scripts/check_gluon_gemm.py --no-bench           # correctness only
+    timeout -k 10 300 python scripts/check_gluon_gemm.py --configs default,n256   # a hung kernel ends as rc 124
+
+Configs that do not handle a B scale layout (``gemm_gluon.supports``) print SKIP / n/a for it.
+
+(a) correctness against a float64 emulation of the blockwise math (pass: relative Frobenius error
+    <= 2e-3) on ragged shapes, b_block_dim 1 and 2, bias, accumulate_into, bf16 / fp32 outputs;
+(b) TFLOPS of the Gluon kernel vs cuBLAS blockwise (torch.nn.functional.scaled_mm) and the plain
+    Triton ``blockwise_gemm``, fwd form (128x128 B scales) and wgrad form (1x128 B scales).
+Every case is guarded: a failure prints its exception and the script goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from primus_fp8_plugin.backends.triton import gemm_gluon  # noqa: E402
+from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, GluonGemmConfig, blockwise_gemm_gluon  # noqa: E402
+
+TOL = 2e-3
+CONFIGS = {"default": GluonGemmConfig(), **BENCH_CONFIGS}
+
+CORRECTNESS_SHAPES = [(1, 128, 128), (130, 256, 384), (200, 384, 640), (4096, 4096, 4096), (300, 136, 400)]
+BENCH_SHAPES = [
+    (4096, 4096, 4096),
+    (8192, 8192, 8192),
+    (16384, 8192, 8192),
+    (8192, 8192, 29568),
+    (8192, 29568, 8192),
+    (16384, 14336, 4096),
+    (16384, 4096, 14336),
+]
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def pad4(x: int) -> int:
+    return cdiv(x, 4) * 4
+
+
+def make_inputs(m, n, k, b_block_dim, a_dtype=torch.float8_e4m3fn, b_dtype=torch.float8_e4m3fn, seed=0):
+    """FP8 operands and positive scales in TE's layouts (rows padded to a multiple of 4)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = (torch.randn(m, k, device="cuda", generator=g) * 2.0).to(a_dtype)
+    b = (torch.randn(n, k, device="cuda", generator=g) * 2.0).to(b_dtype)
+    kb = cdiv(k, 128)
+    a_s = torch.rand(kb, pad4(m), device="cuda", generator=g) * 1.5 + 0.25
+    if b_block_dim == 2:
+        b_s = torch.rand(cdiv(n, 128), pad4(kb), device="cuda", generator=g) * 1.5 + 0.25
+    else:
+        b_s = torch.rand(kb, pad4(n), device="cuda", generator=g) * 1.5 + 0.25
+    return a, a_s, b, b_s
+
+
+def reference(a, a_s, b, b_s, b_block_dim, bias=None, acc=None):
+    """float64 emulation: sum_kb (A[:, kb] @ B[:, kb]^T) * a_s[kb, m] * b_scale(n, kb) (+ bias) (+ acc)."""
+    m, k = a.shape
+    n = b.shape[0]
+    a64 = a.double()
+    b64 = b.double()
+    out = torch.zeros(m, n, dtype=torch.float64, device=a.device)
+    for kb in range(cdiv(k, 128)):
+        ks = slice(kb * 128, min(k, kb * 128 + 128))
+        part = a64[:, ks] @ b64[:, ks].T
+        sa = a_s[kb, :m].double()[:, None]
+        if b_block_dim == 2:
+            sb = b_s[:, kb].double().repeat_interleave(128)[:n][None, :]
+        else:
+            sb = b_s[kb, :n].double()[None, :]
+        out += part * sa * sb
+    if bias is not None:
+        out += bias.double()[None, :]
+    if acc is not None:
+        out += acc.double()
+    return out
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def correctness(cfg_name: str, cfg: GluonGemmConfig, shapes) -> int:
+    fails = 0
+    print(f"\n=== correctness [{cfg_name}] {cfg}")
+    cases = []
+    for m, n, k in shapes:
+        for bdim in (2, 1):
+            cases.append((m, n, k, bdim, torch.bfloat16, False, False, torch.float8_e4m3fn))
+            cases.append((m, n, k, bdim, torch.float32, True, False, torch.float8_e4m3fn))
+            cases.append((m, n, k, bdim, torch.bfloat16, True, False, torch.float8_e4m3fn))
+            cases.append((m, n, k, bdim, torch.float32, False, True, torch.float8_e4m3fn))
+        cases.append((m, n, k, 1, torch.bfloat16, False, False, torch.float8_e5m2))  # HYBRID wgrad: dY e5m2
+    skipped = set()
+    for m, n, k, bdim, od, has_bias, accumulate, a_dtype in cases:
+        tag = (f"M={m:5} N={n:5} K={k:5} b{bdim}d out={str(od).split('.')[-1]:8} bias={int(has_bias)} "
+               f"acc={int(accumulate)} a={str(a_dtype).split('.')[-1]}")  # fmt: skip
+        why = gemm_gluon.supports(cfg, bdim, od, accumulate)
+        if why is not None:  # the config does not handle this case (the wrapper raises NotImplementedError)
+            if why not in skipped:
+                print(f"  SKIP (b{bdim}d out={str(od).split('.')[-1]} acc={int(accumulate)} and alike): {why}")
+                skipped.add(why)
+            continue
+        try:
+            a, a_s, b, b_s = make_inputs(m, n, k, bdim, a_dtype=a_dtype, seed=m * 7 + n * 3 + k + bdim)
+            bias = torch.randn(n, device="cuda", dtype=od) * 10 if has_bias else None
+            acc0 = torch.randn(m, n, device="cuda", dtype=torch.float32) * 10 if accumulate else None
+            acc_in = acc0.clone() if accumulate else None
+            out = blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od, bias=bias,
+                                       accumulate_into=acc_in, config=cfg)  # fmt: skip
+            torch.cuda.synchronize()
+            ref = reference(a, a_s, b, b_s, bdim, bias, acc0)
+            err = rel_err(out, ref)
+            ok = err <= TOL and torch.isfinite(out).all().item()
+            if accumulate and out.data_ptr() != acc_in.data_ptr():
+                ok = False
+                print("    accumulate_into was not updated in place")
+            fails += not ok
+            print(f"  {'PASS' if ok else 'FAIL'} {tag} rel_err={err:.2e}")
+        except Exception as e:  # noqa: BLE001
+            fails += 1
+            print(f"  ERROR {tag}: {type(e).__name__}: {e}")
+            traceback.print_exc(limit=3)
+    # unsupported inputs must raise cleanly
+    try:
+        a, a_s, b, b_s = make_inputs(64, 128, 136, 1)
+        a2 = torch.empty(64, 136, dtype=torch.float8_e4m3fn, device="cuda")[:, :130]
+        blockwise_gemm_gluon(a2, a_s, b[:, :130].contiguous(), b_s, b_block_dim=1, out_dtype=torch.bfloat16)
+        print("  FAIL unsupported input (non-contiguous, K=130) did not raise")
+        fails += 1
+    except (ValueError, NotImplementedError) as e:
+        print(f"  PASS unsupported input raises {type(e).__name__}: {e}")
+    return fails
+
+
+def cublas_fn(a, a_s, b, b_s, b_block_dim, out_dtype):
+    F = torch.nn.functional
+    m = a.shape[0]
+    n = b.shape[0]
+    a_view = a_s[:, :m].t() if a_s.shape[1] != m else a_s.t()
+    if b_block_dim == 2:
+        b_view, recipe = b_s.t(), F.ScalingType.BlockWise128x128
+    else:
+        b_view, recipe = (b_s[:, :n].t() if b_s.shape[1] != n else b_s.t()), F.ScalingType.BlockWise1x128
+    return lambda: F.scaled_mm(a, b.t(), a_view, F.ScalingType.BlockWise1x128, b_view, recipe, output_dtype=out_dtype)
+
+
+def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool) -> None:
+    import triton
+
+    from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
+
+    print("\n=== benchmark (TFLOPS; ratio = gluon / cuBLAS)")
+    header = f"{'form':6} {'M':>6} {'N':>6} {'K':>6} {'cuBLAS':>8} {'triton':>8}"
+    for name in configs:
+        header += f" {name:>10} {'ratio':>6}"
+    print(header + "  check(gluon vs cuBLAS rel err)")
+    for m, n, k in shapes:
+        for form, bdim, od in (("fwd", 2, torch.bfloat16), ("wgrad", 1, torch.float32)):
+            line = f"{form:6} {m:6} {n:6} {k:6}"
+            flops = 2.0 * m * n * k
+            try:
+                a, a_s, b, b_s = make_inputs(m, n, k, bdim)
+            except Exception as e:  # noqa: BLE001
+                print(f"{line} inputs failed: {e}")
+                continue
+
+            def tflops(fn):
+                ms = triton.testing.do_bench(fn, warmup=10, rep=60)
+                return flops / ms * 1e-9
+
+            ref_out = None
+            try:
+                fn = cublas_fn(a, a_s, b, b_s, bdim, od)
+                ref_out = fn()
+                t_cublas = tflops(fn)
+                line += f" {t_cublas:8.1f}"
+            except Exception as e:  # noqa: BLE001
+                t_cublas = float("nan")
+                line += f" {'err':>8}"
+                print(f"    cuBLAS failed: {type(e).__name__}: {str(e)[:300]}")
+            if with_triton:
+                try:
+                    portable = functools.partial(blockwise_gemm, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od)
+                    line += f" {tflops(portable):8.1f}"
+                except Exception as e:  # noqa: BLE001
+                    line += f" {'err':>8}"
+                    print(f"    triton failed: {type(e).__name__}: {str(e)[:300]}")
+            else:
+                line += f" {'-':>8}"
+            checks = []
+            for name, cfg in configs.items():
+                if gemm_gluon.supports(cfg, bdim, od) is not None:
+                    line += f" {'n/a':>10} {'-':>6}"
+                    continue
+                try:
+                    fn = functools.partial(blockwise_gemm_gluon, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od, config=cfg)
+                    out = fn()
+                    if ref_out is not None:
+                        checks.append(f"{name}:{rel_err(out.float(), ref_out.double()):.1e}")
+                    t = tflops(fn)
+                    line += f" {t:10.1f} {t / t_cublas:6.2f}"
+                except Exception as e:  # noqa: BLE001
+                    line += f" {'err':>10} {'-':>6}"
+                    print(f"    gluon[{name}] failed: {type(e).__name__}: {str(e)[:500]}")
+            print(line + "  " + " ".join(checks), flush=True)
+            del a, b, a_s, b_s, ref_out
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--configs", default="default", help=f"comma list of configs to check and time, from: {', '.join(CONFIGS)} (or 'all')"
+    )
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    ap.add_argument("--no-bench", action="store_true", help="skip the benchmark")
+    ap.add_argument("--no-triton", action="store_true", help="do not time the plain Triton kernel")
+    ap.add_argument("--check-all-configs", action="store_true",
+                    help="run the full correctness check for every config (default: only the first config; "
+                         "the others get the two small shapes)")  # fmt: skip
+    ap.add_argument("--shapes", default="", help="benchmark only these shapes, e.g. 4096x4096x4096,8192x8192x8192")
+    ap.add_argument("--aot", action="store_true", help="only run the sm_90 AOT compile check (no GPU needed)")
+    args = ap.parse_args(argv)
+
+    names = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        print(f"unknown configs {unknown}; known: {list(CONFIGS)}")
+        return 2
+    configs = {c: CONFIGS[c] for c in names}
+
+    if args.aot:
+        return 0 if gemm_gluon.aot_check(configs=configs) else 1
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: run with --aot for the compile-only check")
+        return 2
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    import triton
+
+    print(f"triton {triton.__version__}")
+    t0 = time.time()
+    fails = 0
+    if not args.no_check:
+        for i, (name, cfg) in enumerate(configs.items()):
+            shapes = CORRECTNESS_SHAPES if (i == 0 or args.check_all_configs) else CORRECTNESS_SHAPES[:2]
+            fails += correctness(name, cfg, shapes)
+        print(f"\ncorrectness: {'ALL PASS' if fails == 0 else f'{fails} FAILED'}  ({time.time() - t0:.0f} s)", flush=True)
+    if not args.no_bench:
+        shapes = BENCH_SHAPES
+        if args.shapes:
+            shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        bench(configs, shapes, not args.no_triton)
+    print(f"\ntotal {time.time() - t0:.0f} s")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
