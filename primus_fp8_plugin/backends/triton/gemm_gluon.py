@@ -78,6 +78,19 @@ def default_config() -> GluonGemmConfig:
     return GluonGemmConfig()
 
 
+# 128x256 tiles (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP. Measured on
+# the H200 (docs/PERFORMANCE.md): 0.91-1.01x cuBLAS in the fwd/dgrad form against 0.68-0.88x for
+# 128x128; not available for 1x128-scaled B (wgrad) or a plain fp32 output (register spills).
+WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
+
+
+def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool) -> GluonGemmConfig:
+    """The 128x256 tile where the kernel supports it, else 128x128."""
+    if supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
+        return WIDE_CONFIG
+    return default_config()
+
+
 _TORCH_TO_GL = {
     torch.float8_e4m3fn: gl.float8e4nv,
     torch.float8_e5m2: gl.float8e5,
@@ -589,7 +602,7 @@ def blockwise_gemm_gluon(
             return c.zero_()
     if m == 0 or n == 0 or k == 0:
         return c
-    cfg = config or default_config()
+    cfg = config or select_config(b_block_dim, c.dtype, accumulate_into is not None)
     _check_config(cfg, b_block_dim, c.dtype, accumulate_into is not None)
     stages = stages_that_fit(cfg.block_n, c.dtype, cfg.num_stages)
     bm, bn = cfg.block_m, cfg.block_n
@@ -641,8 +654,8 @@ class AotVariant:
 
 
 def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotVariant]:
-    """Every kernel variant the wrapper launches for the given configs (default: the default config)."""
-    configs = configs or {"default": GluonGemmConfig()}
+    """Every kernel variant the wrapper launches for the given configs (default: the two it selects)."""
+    configs = configs or {"n128": GluonGemmConfig(), "n256": WIDE_CONFIG}
     out = []
     for cfg_name, cfg in configs.items():
         for bdim in (2, 1):
@@ -671,7 +684,8 @@ BENCH_CONFIGS = {
     "n64": GluonGemmConfig(block_n=64),
     "n128_pipe": GluonGemmConfig(block_n=128, pipe_mma=True),
     # 128x256 tile (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP
-    "n256": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24),
+    "n256": WIDE_CONFIG,
+    "n128": GluonGemmConfig(),
 }
 
 

@@ -18,7 +18,7 @@ from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher
 from .scales import max_nan, scale_and_inverse
 
-SUB_M = 64  # measured on H200: docs/PERFORMANCE.md
+SUB_M = 128  # the whole block per pass, with NUM_WARPS: fastest of a sweep on the H200 (docs/PERFORMANCE.md)
 NUM_WARPS = 8
 
 
