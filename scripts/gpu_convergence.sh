@@ -74,7 +74,7 @@ case "${1:-}" in
       IFS=, read -r -a args <<< "$spec"
       d="$DIR/speed_$name"; rm -rf "$d"
       python3 -m primus_fp8_plugin.train model=gpt_125m train=convergence "${args[@]}" "train.steps=$steps" train.warmup_steps=5 \
-        train.eval_interval=0 logging.log_interval=1 logging.progress=false "logging.dir=$d" "data.cache_dir=$DIR/$name/data" "$@" \
+        train.eval_interval=0 logging.log_interval=1 logging.progress=false "logging.dir=$d" "data.cache_dir=$DIR/speed_data" "$@" \
         > "$d.log" 2>&1 || { echo "$name: failed"; tail -5 "$d.log"; continue; }
       python3 - "$name" "$d/metrics.jsonl" <<'PY'
 import json, statistics, sys

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("hydra")
@@ -57,6 +58,15 @@ def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_cuda_graphs_on_the_cpu_are_refused(tmp_path, device):
+    if device == "auto" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: device=auto would run on it")
+    proc, _ = train(tmp_path, "train.cuda_graph=true", f"device={device}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "train.cuda_graph: CUDA graphs need a GPU" in proc.stderr
 
 
 @pytest.mark.parametrize("mode", ["te_blockwise", "te_bf16", "te_spec_blockwise"])

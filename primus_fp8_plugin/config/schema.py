@@ -85,6 +85,11 @@ class TrainConfig:
     seed: int = 1234
     eval_interval: int = 100
     eval_steps: int = 4
+    # Megatron-core's per-layer CUDA graphs (TransformerConfig.cuda_graph_impl="local"): each
+    # transformer layer's forward and backward replay as graphs after cuda_graph_warmup_steps, which
+    # removes the per-kernel host cost (docs/PERFORMANCE.md). GPU only.
+    cuda_graph: bool = False
+    cuda_graph_warmup_steps: int = 3
 
 
 @dataclass
@@ -151,6 +156,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
              f"must be a multiple of micro_batch_size x data-parallel size = {t.micro_batch_size * dp}")  # fmt: skip
     _require(0 <= t.min_lr <= t.lr, "train.min_lr", "must be in [0, train.lr]")
     _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps})")
+    _require(not t.cuda_graph or cfg.device != "cpu", "train.cuda_graph", "CUDA graphs need a GPU (device=cpu was set)")
+    _require(t.cuda_graph_warmup_steps >= 1, "train.cuda_graph_warmup_steps", "must be >= 1")
     _require(cfg.data.source in ("stdlib", "indexed"), "data.source", f"{cfg.data.source!r}: use stdlib or indexed")
     _require(cfg.data.source != "indexed" or bool(cfg.data.path), "data.path", "data.source=indexed needs a .bin/.idx prefix")
     if cfg.fp8.mode in TE_MODES:  # built from TE's layer spec: refuse what it would silently ignore

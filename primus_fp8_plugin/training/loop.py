@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import validate
+from ..config.schema import ConfigError
 from . import data as data_mod
 from .model import build_model, transformer_config
 
@@ -38,6 +39,8 @@ def init_runtime(cfg) -> tuple[torch.device, contextlib.ExitStack]:
         raise RuntimeError("device=cuda but no CUDA device is visible")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     validate(cfg, world)
+    if cfg.train.cuda_graph and not on_cuda:
+        raise ConfigError("train.cuda_graph: CUDA graphs need a GPU, and this run is on the CPU (no CUDA device visible)")
     if on_cuda:
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
@@ -60,7 +63,8 @@ def init_runtime(cfg) -> tuple[torch.device, contextlib.ExitStack]:
     np.random.seed(seed)
     torch.manual_seed(seed)
     if on_cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        # Megatron's CUDA graphs need an RNG tracker whose states can live in a graph
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=bool(cfg.train.cuda_graph))
     stack.callback(parallel_state.destroy_model_parallel)
     return device, stack
 

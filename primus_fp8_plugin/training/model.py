@@ -35,6 +35,8 @@ def transformer_config(cfg, on_cuda: bool):
         use_cpu_initialization=(not on_cuda) or p.cpu_initialization,
         **FUSIONS_OFF,  # apex-free (Megatron's output layer refuses gradient_accumulation_fusion without apex)
     )
+    if cfg.train.cuda_graph:  # init_runtime refused it on the CPU
+        kw.update(cuda_graph_impl="local", cuda_graph_warmup_steps=cfg.train.cuda_graph_warmup_steps)
     if m.num_experts:
         kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_token_dispatcher_type="allgather")
     if cfg.fp8.mode == "te_blockwise":  # te_bf16: the same TE spec without FP8

@@ -68,6 +68,10 @@ class GluonGemmConfig:
     pipe_mma: bool = False  # experimental: double-buffered fresh accumulator (ptxas serialises it, C7515)
     consumer_regs: int = 232
     producer_regs: int = 40
+    # block_n=256 with 1x128 B scales only: the producer TMA-loads each K block's A-scale [128] and
+    # B-scale [256] row slices into the smem stage with the A/B tiles (the consumers read them with
+    # ld.shared); False: the consumers load them from global memory just in time
+    scale_tma: bool = False
 
     @property
     def block_m(self) -> int:
@@ -105,8 +109,10 @@ def _c_block_n(block_n: int) -> int:
     return 128 if block_n == 256 else block_n
 
 
-def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0) -> int:
+def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0, scale_tma: bool = False) -> int:
     stage_bytes = (128 + block_n) * BLOCK_K  # fp8 A and B tiles
+    if scale_tma:
+        stage_bytes += (128 + block_n) * 4  # fp32 A-scale and B-scale row slices of the K block
     c_bytes = 128 * _c_block_n(block_n) * torch.empty((), dtype=out_dtype).element_size()
     fit = (SMEM_LIMIT - c_bytes - 1024) // stage_bytes
     stages = min(fit, 6) if requested <= 0 else requested
