@@ -6,13 +6,18 @@
     python scripts/check_gluon_gemm.py --aot                # only the sm_90 compile check (no GPU needed)
     python scripts/check_gluon_gemm.py --no-bench           # correctness only
     timeout -k 10 300 python scripts/check_gluon_gemm.py --configs default,n256   # a hung kernel ends as rc 124
+    python scripts/check_gluon_gemm.py --configs n256,n256_stma,n128   # 128x256 tiles, both wgrad scale paths
 
 Configs that do not handle a B scale layout (``gemm_gluon.supports``) print SKIP / n/a for it.
 
 (a) correctness against a float64 emulation of the blockwise math (pass: relative Frobenius error
-    <= 2e-3) on ragged shapes, b_block_dim 1 and 2, bias, accumulate_into, bf16 / fp32 outputs;
+    <= 2e-3) on ragged shapes (M = 1, 130, 200, 300; N = 136, 384), b_block_dim 1 and 2, bias,
+    accumulate_into, bf16 / fp16 / fp32 outputs, e5m2 A, and scale tensors TMA cannot read as they
+    are (unpadded rows, unaligned base: the scale_tma path copies them);
 (b) TFLOPS of the Gluon kernel vs cuBLAS blockwise (torch.nn.functional.scaled_mm) and the plain
-    Triton ``blockwise_gemm``, fwd form (128x128 B scales) and wgrad form (1x128 B scales).
+    Triton ``blockwise_gemm``: fwd form (128x128 B scales, bf16 out), wgrad form (1x128 B scales,
+    bf16 out) and wgrad+acc (1x128 B scales, accumulate_into an fp32 main_grad; cuBLAS column: fp32
+    output without the accumulation, so its ratio is a lower bound for ours).
 Every case is guarded: a failure prints its exception and the script goes on.
 """
 
@@ -36,6 +41,8 @@ TOL = 2e-3
 CONFIGS = {"default": GluonGemmConfig(), **BENCH_CONFIGS}
 
 CORRECTNESS_SHAPES = [(1, 128, 128), (130, 256, 384), (200, 384, 640), (4096, 4096, 4096), (300, 136, 400)]
+# for the configs after the first (without --check-all-configs): the ragged ones
+SMALL_SHAPES = [s for s in CORRECTNESS_SHAPES if s != (4096, 4096, 4096)]
 BENCH_SHAPES = [
     (4096, 4096, 4096),
     (8192, 8192, 8192),
@@ -106,7 +113,10 @@ def correctness(cfg_name: str, cfg: GluonGemmConfig, shapes) -> int:
             cases.append((m, n, k, bdim, torch.float32, True, False, torch.float8_e4m3fn))
             cases.append((m, n, k, bdim, torch.bfloat16, True, False, torch.float8_e4m3fn))
             cases.append((m, n, k, bdim, torch.float32, False, True, torch.float8_e4m3fn))
+        cases.append((m, n, k, 1, torch.float16, False, False, torch.float8_e4m3fn))
+        cases.append((m, n, k, 1, torch.float32, True, True, torch.float8_e4m3fn))
         cases.append((m, n, k, 1, torch.bfloat16, False, False, torch.float8_e5m2))  # HYBRID wgrad: dY e5m2
+        cases.append((m, n, k, 1, torch.float32, False, True, torch.float8_e5m2))  # ... into main_grad
     skipped = set()
     for m, n, k, bdim, od, has_bias, accumulate, a_dtype in cases:
         tag = (f"M={m:5} N={n:5} K={k:5} b{bdim}d out={str(od).split('.')[-1]:8} bias={int(has_bias)} "
@@ -131,6 +141,28 @@ def correctness(cfg_name: str, cfg: GluonGemmConfig, shapes) -> int:
             if accumulate and out.data_ptr() != acc_in.data_ptr():
                 ok = False
                 print("    accumulate_into was not updated in place")
+            fails += not ok
+            print(f"  {'PASS' if ok else 'FAIL'} {tag} rel_err={err:.2e}")
+        except Exception as e:  # noqa: BLE001
+            fails += 1
+            print(f"  ERROR {tag}: {type(e).__name__}: {e}")
+            traceback.print_exc(limit=3)
+    # scale tensors TMA cannot read in place (rows not padded to 4, base not 16-byte aligned)
+    for od, accumulate in ((torch.bfloat16, False), (torch.float32, True)):
+        if gemm_gluon.supports(cfg, 1, od, accumulate) is not None:
+            continue
+        m, n, k = 130, 136, 400
+        tag = f"M={m:5} N={n:5} K={k:5} b1d out={str(od).split('.')[-1]:8} acc={int(accumulate)} unpadded/unaligned scales"
+        try:
+            a, a_s, b, b_s = make_inputs(m, n, k, 1, seed=11)
+            a_s = a_s[:, :m].contiguous()  # row stride 130 * 4 bytes
+            b_s = torch.cat([torch.ones(b_s.shape[0], 1, device="cuda"), b_s[:, :n]], 1)[:, 1:]  # base + 4 bytes
+            acc0 = torch.randn(m, n, device="cuda") if accumulate else None
+            acc_in = acc0.clone() if accumulate else None
+            out = blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=1, out_dtype=od, accumulate_into=acc_in, config=cfg)
+            torch.cuda.synchronize()
+            err = rel_err(out, reference(a, a_s, b, b_s, 1, None, acc0))
+            ok = err <= TOL and torch.isfinite(out).all().item()
             fails += not ok
             print(f"  {'PASS' if ok else 'FAIL'} {tag} rel_err={err:.2e}")
         except Exception as e:  # noqa: BLE001
@@ -166,13 +198,14 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool) -> Non
 
     from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
 
-    print("\n=== benchmark (TFLOPS; ratio = gluon / cuBLAS)")
+    print("\n=== benchmark (TFLOPS; ratio = gluon / cuBLAS; wgrad+acc: cuBLAS writes fp32 without accumulating)")
     header = f"{'form':6} {'M':>6} {'N':>6} {'K':>6} {'cuBLAS':>8} {'triton':>8}"
     for name in configs:
         header += f" {name:>10} {'ratio':>6}"
     print(header + "  check(gluon vs cuBLAS rel err)")
     for m, n, k in shapes:
-        for form, bdim, od in (("fwd", 2, torch.bfloat16), ("wgrad", 1, torch.float32)):
+        forms = (("fwd", 2, torch.bfloat16, False), ("wgrad", 1, torch.bfloat16, False), ("w+acc", 1, torch.float32, True))
+        for form, bdim, od, accumulate in forms:
             line = f"{form:6} {m:6} {n:6} {k:6}"
             flops = 2.0 * m * n * k
             try:
@@ -195,9 +228,11 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool) -> Non
                 t_cublas = float("nan")
                 line += f" {'err':>8}"
                 print(f"    cuBLAS failed: {type(e).__name__}: {str(e)[:300]}")
+            acc_buf = torch.zeros(m, n, device="cuda", dtype=torch.float32) if accumulate else None
             if with_triton:
                 try:
-                    portable = functools.partial(blockwise_gemm, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od)
+                    portable = functools.partial(blockwise_gemm, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od,
+                                                 accumulate_into=acc_buf)  # fmt: skip
                     line += f" {tflops(portable):8.1f}"
                 except Exception as e:  # noqa: BLE001
                     line += f" {'err':>8}"
@@ -206,11 +241,14 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool) -> Non
                 line += f" {'-':>8}"
             checks = []
             for name, cfg in configs.items():
-                if gemm_gluon.supports(cfg, bdim, od) is not None:
+                if gemm_gluon.supports(cfg, bdim, od, accumulate) is not None:
                     line += f" {'n/a':>10} {'-':>6}"
                     continue
                 try:
-                    fn = functools.partial(blockwise_gemm_gluon, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od, config=cfg)
+                    fn = functools.partial(blockwise_gemm_gluon, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od,
+                                           accumulate_into=acc_buf, config=cfg)  # fmt: skip
+                    if acc_buf is not None:
+                        acc_buf.zero_()  # the check compares one product (the timing then accumulates on)
                     out = fn()
                     if ref_out is not None:
                         checks.append(f"{name}:{rel_err(out.float(), ref_out.double()):.1e}")
@@ -220,7 +258,7 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool) -> Non
                     line += f" {'err':>10} {'-':>6}"
                     print(f"    gluon[{name}] failed: {type(e).__name__}: {str(e)[:500]}")
             print(line + "  " + " ".join(checks), flush=True)
-            del a, b, a_s, b_s, ref_out
+            del a, b, a_s, b_s, ref_out, acc_buf
             torch.cuda.empty_cache()
 
 
@@ -234,7 +272,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-triton", action="store_true", help="do not time the plain Triton kernel")
     ap.add_argument("--check-all-configs", action="store_true",
                     help="run the full correctness check for every config (default: only the first config; "
-                         "the others get the two small shapes)")  # fmt: skip
+                         "the others get the ragged shapes, without 4096^3)")  # fmt: skip
     ap.add_argument("--shapes", default="", help="benchmark only these shapes, e.g. 4096x4096x4096,8192x8192x8192")
     ap.add_argument("--aot", action="store_true", help="only run the sm_90 AOT compile check (no GPU needed)")
     args = ap.parse_args(argv)
@@ -260,7 +298,7 @@ def main(argv=None) -> int:
     fails = 0
     if not args.no_check:
         for i, (name, cfg) in enumerate(configs.items()):
-            shapes = CORRECTNESS_SHAPES if (i == 0 or args.check_all_configs) else CORRECTNESS_SHAPES[:2]
+            shapes = CORRECTNESS_SHAPES if (i == 0 or args.check_all_configs) else SMALL_SHAPES
             fails += correctness(name, cfg, shapes)
         print(f"\ncorrectness: {'ALL PASS' if fails == 0 else f'{fails} FAILED'}  ({time.time() - t0:.0f} s)", flush=True)
     if not args.no_bench:

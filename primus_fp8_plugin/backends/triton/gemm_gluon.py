@@ -20,10 +20,17 @@ Design (DeepGEMM-like, warp specialised, persistent):
 * ``block_n=256`` (config ``n256``, 128x256 tiles: 25% less L2->SM operand traffic per FLOP than
   128x128): each K block runs two m64n128k32 wgmma chains (B rows 0-127, 128-255) one after the
   other into one fresh accumulator, promoted into two running accumulators (``_consumer_wide``);
-  the epilogue stores the two 128-column halves through one [64, 128] buffer. Supported for
-  128x128 B scales with bf16/fp16 output or ``accumulate_into`` (1x128 B scales and plain fp32
-  output spill registers: the wrapper raises ``NotImplementedError``, see ``supports``);
-* the scales are prefetched into registers one K block ahead (plain global loads, L2 hot);
+  the epilogue stores the two 128-column halves through one [64, 128] buffer. Supported for both
+  B scale layouts with bf16/fp16 output or ``accumulate_into`` (a plain fp32 output spills
+  registers: the wrapper raises ``NotImplementedError``, see ``supports``). With 1x128 B scales
+  (wgrad) each half is promoted with its own 128-column B-scale vector (32 registers per thread),
+  read just in time between the wgmma issue and its wait: from global memory (``WIDE_CONFIG``), or
+  with ``scale_tma=True`` (``WIDE_SCALE_TMA_CONFIG``) from the smem stage, into which the producer TMA-loads the K block's A-scale [128] and B-scale [256] row
+  slices with the tiles (TE's [KB, pad4(M)] scale rows are 16-byte aligned; other layouts are
+  copied; out-of-range columns are zero-filled). These two wgrad variants compile cleanly but have
+  not run on a GPU: ``select_config`` takes 128x256 tiles for 128x128-scaled B only (measured:
+  docs/PERFORMANCE.md);
+* otherwise the scales are prefetched into registers one K block ahead (plain global loads, L2 hot);
 * epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
   dtype, registers -> swizzled smem -> TMA store (its completion overlaps the next tile's K loop).
 
@@ -84,13 +91,24 @@ def default_config() -> GluonGemmConfig:
 
 # 128x256 tiles (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP. Measured on
 # the H200 (docs/PERFORMANCE.md): 0.91-1.01x cuBLAS in the fwd/dgrad form against 0.68-0.88x for
-# 128x128; not available for 1x128-scaled B (wgrad) or a plain fp32 output (register spills).
+# 128x128. Both B scale layouts; bf16/fp16 output or accumulate_into (a plain fp32 output spills
+# registers). 1x128-scaled B (wgrad): the 128-column B-scale vector of each half (32 registers per
+# thread) is loaded from global memory just in time, spill-free at 237 of 240 registers; the wgrad
+# form with 128x256 tiles is not yet measured on a GPU.
 WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
+# The same with the A/B scale row slices TMA-loaded into the smem stage with the tiles (1x128 B
+# scales only; 1.5 KiB more per stage: 3 stages with a bf16 output instead of 4, 3 either way with
+# accumulate_into). Chosen for the wgrad GEMM that accumulates into fp32 main_grad (no stage lost).
+WIDE_SCALE_TMA_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True)
 
 
 def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool) -> GluonGemmConfig:
-    """The 128x256 tile where the kernel supports it, else 128x128."""
-    if supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
+    """The 128x256 tile for 128x128-scaled B (fwd, dgrad) where the kernel supports it, else 128x128.
+
+    The 128x256 variants for 1x128-scaled B (wgrad: ``WIDE_CONFIG``, ``WIDE_SCALE_TMA_CONFIG``)
+    compile without spills but have not run on a GPU yet: they are reachable through ``config=`` and
+    ``scripts/check_gluon_gemm.py --configs n256,n256_stma`` only, until that check passes."""
+    if b_block_dim == 2 and supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
         return WIDE_CONFIG
     return default_config()
 
@@ -139,7 +157,8 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl.constexpr):
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs_desc, as_bufs, bs_bufs,
+              GROUP_M: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -148,7 +167,13 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl
     num_pid_n = gl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     nk = gl.cdiv(K, BK)
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    if SCALE_TMA:
+        # + the K block's A-scale [1, BLOCK_M] and B-scale [1, BLOCK_N] row slices (fp32; columns past
+        # M / N are zero-filled and, like the tiles' out-of-bounds bytes, count towards the bytes)
+        nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + as_desc.block_type.nbytes
+                                + bs_desc.block_type.nbytes)  # fmt: skip
+    else:
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -162,6 +187,9 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M: gl
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(a_desc, [off_m, kb * BK], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(b_desc, [off_n, kb * BK], ready.index(s), b_bufs.index(s))
+            if SCALE_TMA:
+                tma.async_copy_global_to_shared(as_desc, [kb, off_m], ready.index(s), as_bufs.index(s))
+                tma.async_copy_global_to_shared(bs_desc, [kb, off_n], ready.index(s), bs_bufs.index(s))
             it += 1
 
 
@@ -316,15 +344,19 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bi
 
 @gluon.jit
 def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
-                   M, N, K, stride_as, stride_bs, stride_cm,
+                   M, N, K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs,
                    WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
-                   GROUP_M: gl.constexpr):  # fmt: skip
+                   GROUP_M: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
     """BLOCK_N = 2 x 128 tile: each K block runs two m64n128k32 wgmma chains (B rows 0-127, 128-255)
     one after the other into ONE fresh accumulator, promoted into two running accumulators (acc0,
     acc1). Per thread: 2 x 64 running + 64 fresh fp32 registers. Each 128-column half is exactly one
-    128x128 B scale block, so the B_2D scales stay scalars; 1x128 B scales are loaded per half just
-    in time (between the wgmma issue and its wait) to keep the register count down. The epilogue
-    stores the two halves one after the other through the same [64, 128] smem buffer."""
+    128x128 B scale block, so the B_2D scales stay scalars. 1x128 B scales (wgrad): each half is
+    promoted with its own 128-column scale vector (32 registers per thread), read just in time
+    (between the wgmma issue and its wait) from global memory, or with ``SCALE_TMA`` from the smem
+    stage (``as_bufs``/``bs_bufs``, TMA-loaded by the producer with the tiles: one ld.shared base
+    address instead of global pointers). The stage is released after the second half's scales are
+    read. The epilogue stores the two halves one after the other through the same [64, 128] smem
+    buffer."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -344,6 +376,11 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
     c_smem = c_bufs.index(WG)
     zero = gl.zeros([HALF_M, SUB_N], gl.float32, mma_layout)
     cols = gl.arange(0, SUB_N, layout=col_layout)
+    if SCALE_TMA:
+        # the [1, n] TMA boxes (unswizzled) seen as plain [NUM_STAGES, n] fp32 rows for ld.shared
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: per stage
+        as_rows = as_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_M], flat)
+        bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
 
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -360,9 +397,10 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
         n_left0 = N - off_n0
         n_left1 = N - off_n1
 
-        sa = gl.load(a_s_ptr + offs_m, mask=m_mask, other=0.0)
-        sb0 = gl.load(sb_row0)
-        sb1 = gl.load(sb_row1)
+        if B_2D:  # (1x128 B scales: sa and the B scale vectors are read per K block in the loop)
+            sa = gl.load(a_s_ptr + offs_m, mask=m_mask, other=0.0)
+            sb0 = gl.load(sb_row0)
+            sb1 = gl.load(sb_row1)
         acc0 = zero
         acc1 = zero
         # The fresh accumulator is the (dead) previous product, overwritten with use_acc=False: a
@@ -382,6 +420,11 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
                 sb1_n = gl.load(sb_row1 + kb + 1, mask=has_next, other=0.0)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 acc0 = acc0 + part * gl.expand_dims(sa * sb0, 1)
+            elif SCALE_TMA:
+                sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
+                sbv = bs_rows.index(s).slice(0, SUB_N).load(col_layout)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                acc0 = acc0 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
             else:
                 # 1x128 B scales: loaded just in time (a prefetched [128]-column vector would cost 32
                 # more registers per thread)
@@ -398,6 +441,11 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
                 acc1 = acc1 + part * gl.expand_dims(sa * sb1, 1)
                 sb0 = sb0_n
                 sb1 = sb1_n
+            elif SCALE_TMA:
+                sbv = bs_rows.index(s).slice(SUB_N, SUB_N).load(col_layout)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s))  # after the stage's last ld.shared (program order)
+                acc1 = acc1 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
             else:
                 sbv = gl.load(sb_col_ptr + kb * stride_bs + SUB_N + cols, mask=cols < n_left1, other=0.0)
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
@@ -437,10 +485,13 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
 @gluon.jit
 def _blockwise_gemm_gluon_kernel(
     a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
-    M, N, K, stride_as, stride_bs, stride_cm,
+    M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
     B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr, PIPE_MMA: gl.constexpr,
     NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    SCALE_TMA: gl.constexpr,
 ):  # fmt: skip
+    # as_desc / bs_desc: TMA descriptors of the A and B scales ([1, BLOCK_M] and [1, BLOCK_N] boxes)
+    # when SCALE_TMA (128x256 tiles with 1x128 B scales), else None
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -449,6 +500,7 @@ def _blockwise_gemm_gluon_kernel(
     C_N: gl.constexpr = c_desc.block_type.shape[1]
     WIDE: gl.constexpr = BLOCK_N == 2 * C_N  # BLOCK_N=256: two 128-column halves (_consumer_wide)
     gl.static_assert(BLOCK_N == C_N or WIDE)
+    gl.static_assert(not SCALE_TMA or (WIDE and not B_2D))
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BK], b_desc.layout)
@@ -462,13 +514,30 @@ def _blockwise_gemm_gluon_kernel(
 
     # The argument tuples must be written inline: a tuple assigned to a variable turns its
     # constexprs into tensors.
-    if WIDE:
+    if SCALE_TMA:
+        as_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], as_desc.layout)
+        bs_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_N], bs_desc.layout)
         gl.warp_specialize([
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
-                              K, stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+                              K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE,
+                              GROUP_M, True)),
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
-                              K, stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+                              K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE,
+                              GROUP_M, True)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs_desc, as_bufs, bs_bufs,
+                         GROUP_M, True)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+    elif WIDE:
+        # (a_desc, b_desc, a_bufs, b_bufs stand in for the unused scale descriptors / buffers)
+        gl.warp_specialize([
+            (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
+                              K, stride_as, stride_bs, stride_cm, a_bufs, b_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE,
+                              GROUP_M, False)),
+            (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
+                              K, stride_as, stride_bs, stride_cm, a_bufs, b_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE,
+                              GROUP_M, False)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, a_desc, b_desc, a_bufs, b_bufs,
+                         GROUP_M, False)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
@@ -476,7 +545,8 @@ def _blockwise_gemm_gluon_kernel(
                          stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, PIPE_MMA, GROUP_M)),
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
                          stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, PIPE_MMA, GROUP_M)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, GROUP_M)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, a_desc, b_desc, a_bufs, b_bufs,
+                         GROUP_M, False)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
@@ -487,6 +557,26 @@ def _blockwise_gemm_gluon_kernel(
 
 def _shared_layout(block_shape, dtype):
     return gl.NVMMASharedLayout.get_default_for(block_shape, _TORCH_TO_GL[dtype])
+
+
+# [1, width] fp32 boxes of the scale rows (scale_tma): unswizzled, read back with plain ld.shared
+_SCALE_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _scale_desc(scale: torch.Tensor, cols: int, width: int) -> TensorDescriptor:
+    """TMA descriptor over ``scale[:, :cols]`` (fp32 [KB, >=cols], unit column stride) in [1, width]
+    boxes; TMA zero-fills the columns past ``cols``."""
+    return TensorDescriptor(scale, [scale.shape[0], cols], [scale.stride(0), 1], [1, width], _SCALE_SMEM_LAYOUT)
+
+
+def _tma_ready_scale(scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """``scale`` itself where TMA can read it (16-byte aligned base and row stride: TE's [KB, pad4(.)]
+    layout), else a copy of ``scale[:, :cols]`` with rows padded to a multiple of 4."""
+    if scale.data_ptr() % 16 == 0 and (scale.stride(0) * 4) % 16 == 0:
+        return scale
+    padded = torch.zeros(scale.shape[0], triton.cdiv(cols, 4) * 4, dtype=torch.float32, device=scale.device)
+    padded[:, :cols] = scale[:, :cols]
+    return padded
 
 
 def _maxnreg(cfg: GluonGemmConfig) -> int:
@@ -552,12 +642,12 @@ def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
     if cfg.pipe_mma and cfg.block_n > 128:
         raise NotImplementedError("pipe_mma needs block_n <= 128 (three accumulators per thread)")
-    if cfg.block_n == 256 and b_block_dim == 1:
-        raise NotImplementedError("block_n=256 supports 128x128-scaled B only (b_block_dim=2): with 1x128 B scales "
-                                  "the per-column scale vector makes the consumer spill registers")  # fmt: skip
+    if cfg.scale_tma and (cfg.block_n != 256 or b_block_dim != 1):
+        raise NotImplementedError("scale_tma (scales staged through the smem ring) is implemented for block_n=256 "
+                                  "with 1x128-scaled B (b_block_dim=1) only")  # fmt: skip
     if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
         raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
-                                  "(ptxas); use bf16/fp16 or accumulate_into")  # fmt: skip
+                                  "(ptxas, either B scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
     if b_block_dim == 2 and cfg.block_n < 128 and 128 % cfg.block_n != 0:
         raise ValueError("128x128-scaled B needs block_n dividing 128 (one B scale per tile and K block)")
     if cfg.consumer_regs * 256 + cfg.producer_regs * 128 > 65536 or cfg.consumer_regs % 8 or cfg.producer_regs % 8:
@@ -610,20 +700,26 @@ def blockwise_gemm_gluon(
         return c
     cfg = config or select_config(b_block_dim, c.dtype, accumulate_into is not None)
     _check_config(cfg, b_block_dim, c.dtype, accumulate_into is not None)
-    stages = stages_that_fit(cfg.block_n, c.dtype, cfg.num_stages)
+    stages = stages_that_fit(cfg.block_n, c.dtype, cfg.num_stages, cfg.scale_tma)
     bm, bn = cfg.block_m, cfg.block_n
     cn = _c_block_n(bn)
     a_desc = TensorDescriptor.from_tensor(a, [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
     b_desc = TensorDescriptor.from_tensor(b, [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
     c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], [bm // 2, cn], _shared_layout([bm // 2, cn], c.dtype))
+    as_desc = bs_desc = None
+    if cfg.scale_tma:  # (1x128 B scales: _check_config)
+        a_scale_inv = _tma_ready_scale(a_scale_inv, m)
+        b_scale_inv = _tma_ready_scale(b_scale_inv, n)
+        as_desc = _scale_desc(a_scale_inv, m, bm)
+        bs_desc = _scale_desc(b_scale_inv, n, bn)
     num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(num_tiles, _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())),)
     _blockwise_gemm_gluon_kernel[grid](
         a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
-        m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0),
+        m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         B_2D=b_block_dim == 2, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
         PIPE_MMA=cfg.pipe_mma, NUM_STAGES=stages, GROUP_M=cfg.group_m,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SCALE_TMA=cfg.scale_tma,
         num_warps=4, maxnreg=_maxnreg(cfg),
     )  # fmt: skip
     return c
@@ -660,8 +756,8 @@ class AotVariant:
 
 
 def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotVariant]:
-    """Every kernel variant the wrapper launches for the given configs (default: the two it selects)."""
-    configs = configs or {"n128": GluonGemmConfig(), "n256": WIDE_CONFIG}
+    """Every kernel variant the wrapper launches for the given configs (default: the three it selects)."""
+    configs = configs or {"n128": GluonGemmConfig(), "n256": WIDE_CONFIG, "n256_stma": WIDE_SCALE_TMA_CONFIG}
     out = []
     for cfg_name, cfg in configs.items():
         for bdim in (2, 1):
@@ -678,8 +774,9 @@ def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotV
         if supports(cfg, 1) is None:
             out.append(AotVariant(f"{cfg_name}:b1d:e5m2xe4m3:bf16", 1, torch.bfloat16, False, False,
                                   a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
-        out.append(AotVariant(f"{cfg_name}:b2d:e5m2xe4m3:bf16", 2, torch.bfloat16, False, False,
-                              a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
+        if supports(cfg, 2) is None:
+            out.append(AotVariant(f"{cfg_name}:b2d:e5m2xe4m3:bf16", 2, torch.bfloat16, False, False,
+                                  a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
     return out
 
 
@@ -691,6 +788,8 @@ BENCH_CONFIGS = {
     "n128_pipe": GluonGemmConfig(block_n=128, pipe_mma=True),
     # 128x256 tile (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP
     "n256": WIDE_CONFIG,
+    # 128x256 with the scales staged through the smem ring (1x128 B scales only)
+    "n256_stma": WIDE_SCALE_TMA_CONFIG,
     "n128": GluonGemmConfig(),
 }
 
@@ -704,7 +803,7 @@ def compile_variant(v: AotVariant):
     cfg = v.config
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = stages_that_fit(bn, out_dtype, cfg.num_stages)
+    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, cfg.scale_tma)
     m = n = k = 1024  # only the descriptors' types matter
     a = torch.empty(m, k, dtype=v.a_dtype)
     b = torch.empty(n, k, dtype=v.b_dtype)
@@ -718,12 +817,19 @@ def compile_variant(v: AotVariant):
         "a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
         "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "bias_ptr": f"*{_GL_NAME[out_dtype]}", "c_ptr": f"*{_GL_NAME[out_dtype]}",
         "M": "i32", "N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", "stride_cm": "i32",
+        "as_desc": "constexpr", "bs_desc": "constexpr",
         "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr", "PIPE_MMA": "constexpr",
         "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
+        "SCALE_TMA": "constexpr",
     }  # fmt: skip
-    cons = {"B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias, "ACCUMULATE": v.accumulate, "PIPE_MMA": cfg.pipe_mma,
-            "NUM_STAGES": stages, "GROUP_M": cfg.group_m, "CONSUMER_REGS": cfg.consumer_regs,
-            "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
+    cons = {"as_desc": None, "bs_desc": None, "B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias,
+            "ACCUMULATE": v.accumulate, "PIPE_MMA": cfg.pipe_mma, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
+            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "SCALE_TMA": cfg.scale_tma}  # fmt: skip
+    if cfg.scale_tma:
+        kbs = triton.cdiv(k, BLOCK_K)
+        for name, rows, width in (("as_desc", kbs, bm), ("bs_desc", kbs, bn)):
+            sig[name] = mangle_type(_scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, width))
+            del cons[name]
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("a_s_ptr", "b_s_ptr", "bias_ptr", "c_ptr")}
     attrs.update({(names.index(p),): [["tt.divisibility", 16]] for p in ("N", "K", "stride_as", "stride_cm")})
