@@ -15,13 +15,14 @@ Design (persistent, one partition of NUM_WARPS warps per CTA, CTAS_PER_SM CTAs p
   along K, one row per 8 or 4 lanes' chunk: conflict-free), row amax (shuffles), row scales, FP8
   rowwise tile -> shared memory (8/4-byte stores along K, conflict-free) -> TMA store; the column
   amax of the same registers is reduced across warps (``gl.reduce``, through shared memory);
-* *column pass*: the tile is read again from shared memory in a linear layout ``LC``, quantized with
-  the column scales and written *transposed* ([128 k, 128 m], FP8) to shared memory, 8 contiguous
-  bytes along m per thread, then TMA-stored into X^T. ``LC`` is chosen so that both the 16-byte
-  reads of the (128-byte swizzled) input and the 8-byte writes of the (128-byte swizzled) transposed
-  output are free of bank conflicts: lanes 0-2 step along m *and* k at once (``_col_layouts``); a
-  blocked layout cannot have both (the swizzle XORs with the row index mod 8, which the thread's
-  8 contiguous rows / columns share across lanes);
+* *column pass*: the tile is read again from shared memory in a blocked layout ``LC`` (16
+  contiguous m x 4-8 contiguous k per thread: 8/16-byte ``ld.shared``), quantized with the column
+  scales and written *transposed* ([128 k, 128 m], FP8) to shared memory with one 16-byte
+  ``st.shared`` per k (16 contiguous bytes along m), then TMA-stored into X^T. Bank conflicts,
+  counted ahead of time per tile (``_col_layout``): reads ideal; transposed stores ideal for fp32,
+  2x for bf16/fp16 (a search over blocked layouts found none with both ideal under the 128-byte swizzle, whose
+  16-byte unit is XORed with the row mod 8 that a thread's contiguous rows/columns share; Gluon
+  rejects lane bases moving along both dims);
 * the FP8 output tiles are OUT_BUFS-buffered: the TMA stores of one tile drain while the next tile
   is computed (``store_wait`` with the stores of the other buffer still pending);
 * the scale_inv entries are plain global stores, including the TE layout's padding entries (1.0) for
@@ -76,6 +77,9 @@ class GluonQuantConfig:
     num_stages: int = 0  # TMA load ring depth (input tiles in flight per CTA)
     out_bufs: int = 2  # FP8 output tiles per copy (1: the next tile waits for this tile's TMA stores)
     ctas_per_sm: int = 1  # persistent grid = min(tiles, ctas_per_sm * SMs)
+    # register cap per thread (ptxas otherwise caps the 8-warp dual variants at 128 and spills a
+    # few bytes); 0: none. Two 256-thread CTAs per SM need <= 128.
+    maxnreg: int = 168
 
 
 DEFAULT_CONFIG = GluonQuantConfig()
@@ -131,7 +135,7 @@ def _issue_load(x_desc, x_bufs, ready, tile, s, nk):
 def _quantize_1x128_dual_gluon_kernel(
     x_desc, rq_desc, cq_desc, row_s_ptr, col_s_ptr, M, K, M_PAD, K_PAD, fp8_max, amax_eps, in_max,
     ROWWISE: gl.constexpr, COLWISE: gl.constexpr, POW2: gl.constexpr, NUM_STAGES: gl.constexpr,
-    OUT_BUFS: gl.constexpr, LR: gl.constexpr, LC_LOAD: gl.constexpr, LC_STORE: gl.constexpr,
+    OUT_BUFS: gl.constexpr, LR: gl.constexpr, LC: gl.constexpr,
 ):  # fmt: skip
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
@@ -195,10 +199,9 @@ def _quantize_1x128_dual_gluon_kernel(
             cols = k0 + cols_r
             cs_inv = gl.where(cols < K, cs_inv, 1.0)
             gl.store(col_s_ptr + pm * K_PAD + cols, cs_inv, mask=cols < K_PAD)
-            cscale_c = gl.convert_layout(cscale, gl.SliceLayout(0, LC_LOAD))
-            xc = x_s.load(LC_LOAD).to(gl.float32)
+            cscale_c = gl.convert_layout(cscale, gl.SliceLayout(0, LC))
+            xc = x_s.load(LC).to(gl.float32)
             qc = (gl.expand_dims(cscale_c, 0) * xc).to(cq_desc.dtype)
-            qc = gl.convert_layout(qc, LC_STORE)
             if not ROWWISE:
                 tma.store_wait(pendings=NSTORES * (OUT_BUFS - 1))
                 gl.thread_barrier()
@@ -232,40 +235,20 @@ def _row_layout(elem_bytes: int, num_warps: int) -> gl.BlockedLayout:
     return gl.BlockedLayout([1, vec], [32 // tpw_k, tpw_k], [num_warps, 1], [1, 0])
 
 
-def _col_layouts(elem_bytes: int, num_warps: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
-    """Linear layouts of the [128 m, 128 k] tile for the column pass: (load order, store order).
-
-    Registers: ``vec`` contiguous k (one 16-byte ``ld.shared`` of a row) x 8 contiguous m (one 8-byte
-    ``st.shared`` of a row of the transposed FP8 tile). Lanes 0-2 step by (8, 8 vec)-style pairs
-    ``(m + 8*2^i, k + vec*2^i)``: within an 8-lane phase of a 16-byte load the swizzled 16-byte
-    column (k bits above the vector, XOR the row mod 8 = the register's row) differs, and within a
-    16-lane phase of an 8-byte store the m bits 3-6 differ, so neither access has bank conflicts
-    (128-byte swizzle: the 16-byte unit is XORed with address bits 7-9, i.e. the row mod 8).
-    Lane 3 takes m + 64, lane 4 and the warps the k bits left; leftover k bits go to registers.
-    """
-    vb = _log2(16 // elem_bytes)  # k bits inside one 16-byte load
-    wb = _log2(num_warps)
-
-    def m(i):
-        return [1 << i, 0]
-
-    def k(i):
-        return [0, 1 << i]
-
-    lanes = [[1 << (3 + i), 1 << (vb + i)] for i in range(3)] + [m(6), k(vb + 3)]
-    warps = [k(vb + i) for i in range(wb)]
-    used_k = {vb + i for i in range(wb)} | {vb + 3}
-    assert wb <= 3, "at most 8 warps"
-    # k bits vb..vb+2 are also spanned by the lanes' mixed vectors (with the warps' pure k vectors);
-    # any k bit in vb..vb+2 not taken by a warp must come from registers
-    left_k = [i for i in range(vb, 7) if i not in used_k]
-    load_regs = [k(i) for i in range(vb)] + [m(i) for i in range(3)] + [k(i) for i in left_k]
-    store_regs = [m(i) for i in range(3)] + [k(i) for i in range(vb)] + [k(i) for i in left_k]
-    shape = [BLOCK, BLOCK]
-    return (
-        gl.DistributedLinearLayout(load_regs, lanes, warps, [], shape),
-        gl.DistributedLinearLayout(store_regs, lanes, warps, [], shape),
-    )
+def _col_layout(elem_bytes: int, num_warps: int) -> gl.BlockedLayout:
+    """[128 m, 128 k] tile for the column pass: 16 contiguous m per thread (one 16-byte ``st.shared``
+    of a row of the transposed FP8 tile) x 4 or 8 contiguous k (8- or 16-byte ``ld.shared`` of the
+    input). Lanes step along k by the vector, so one load instruction covers distinct swizzled
+    16-byte columns (128-byte swizzle: the unit is XORed with the row mod 8, the same for all lanes)
+    and the stores' k (the transposed rows) differ in bits 2 (fp32) or 2-4 within a wavefront.
+    Bank conflicts per tile, counted ahead of time (wavefronts, ideal in brackets): bf16 8 warps:
+    loads 256 (256), stores 256 (128); fp32 8 warps: loads 512 (512), stores 128 (128)."""
+    if elem_bytes == 4:
+        wm = 2
+        return gl.BlockedLayout([16, 4], [4, 8], [wm, num_warps // wm], [1, 0])
+    if num_warps >= 8:
+        return gl.BlockedLayout([16, 4], [2, 16], [4, num_warps // 4], [1, 0])
+    return gl.BlockedLayout([16, 8], [4, 8], [2, num_warps // 2], [1, 0])
 
 
 def _default_stages(elem_bytes: int, cfg: GluonQuantConfig) -> int:
@@ -280,6 +263,100 @@ def smem_bytes(elem_bytes: int, stages: int, out_bufs: int, rowwise: bool, colum
 
 def _fp8_layout(dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _config(launch_opts: dict) -> GluonQuantConfig:
+    cfg = launch_opts.pop("config", None) or DEFAULT_CONFIG
+    unknown = set(launch_opts) - set(GluonQuantConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown launch options {sorted(unknown)} (config, num_warps, num_stages, out_bufs, ctas_per_sm)")
+    cfg = GluonQuantConfig(**{**cfg.__dict__, **launch_opts})
+    if cfg.num_warps not in (4, 8):
+        raise ValueError(f"num_warps={cfg.num_warps}: 4 or 8")
+    if cfg.out_bufs not in (1, 2) or cfg.ctas_per_sm < 1 or cfg.num_stages < 0:
+        raise ValueError(f"bad launch config {cfg}")
+    return cfg
+
+
+def unsupported_reason(x: torch.Tensor, params: QuantParams, rowwise: bool, columnwise: bool) -> str | None:
+    """Why the Gluon kernel cannot take this call (the caller then uses the Triton kernel), or None."""
+    if x.device.type != "cuda" or torch.version.hip:
+        return "the Gluon quantization kernel runs on NVIDIA GPUs only"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "the Gluon quantization kernel is written for Hopper (sm_90)"
+    if params.block_dim != 1:
+        return "1x128 tiles (block_dim=1) only"
+    if x.dim() != 2 or not x.is_contiguous():
+        return "x must be a contiguous 2-D tensor"
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"input dtype {x.dtype} not supported (bf16, fp16, fp32)"
+    m, k = x.shape
+    if x.data_ptr() % 16:
+        return "x must be 16-byte aligned (TMA)"
+    if (k * x.element_size()) % 16:
+        return f"K={k}: rows of x must be a multiple of 16 bytes (TMA)"
+    if rowwise and k % 16:
+        return f"K={k} must be a multiple of 16 for the rowwise FP8 copy (TMA)"
+    if columnwise and m % 16:
+        return f"M={m} must be a multiple of 16 for the columnwise FP8 copy X^T (TMA)"
+    return None
+
+
+def quantize_1x128_dual_gluon(
+    x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool, **launch_opts
+) -> BlockwiseFp8Tensor:
+    """Same contract as :func:`.quantize_act.quantize_1x128_dual` (bit-exact outputs).
+
+    ``launch_opts``: ``config=GluonQuantConfig(...)`` and/or its fields (``num_warps``, ``num_stages``,
+    ``out_bufs``, ``ctas_per_sm``). Raises ``NotImplementedError`` before launching anything when the
+    device or the shapes do not suit this kernel (``unsupported_reason``)."""
+    why = unsupported_reason(x, params, rowwise, columnwise)
+    if why is not None:
+        raise NotImplementedError(why)
+    cfg = _config(dict(launch_opts))
+    eb = x.element_size()
+    stages = _default_stages(eb, cfg)
+    need = smem_bytes(eb, stages, cfg.out_bufs, rowwise, columnwise) + 8192  # + reduction scratch, barriers
+    if need > SMEM_LIMIT:
+        raise ValueError(f"{cfg} needs about {need} bytes of shared memory (limit {SMEM_LIMIT})")
+    m, k = x.shape
+    dev, f8 = x.device, params.fp8_dtype
+    parts = {}
+    row_q = row_s = col_q = col_s = None
+    if rowwise:
+        row_q = torch.empty(m, k, dtype=f8, device=dev)
+        row_s = torch.empty(scale_inv_shape(m, k, 1), dtype=torch.float32, device=dev)
+        parts.update(rowwise_data=row_q, rowwise_scale_inv=row_s)
+    if columnwise:
+        col_q = torch.empty(k, m, dtype=f8, device=dev)
+        col_s = torch.empty(scale_inv_shape(k, m, 1), dtype=torch.float32, device=dev)
+        parts.update(columnwise_data=col_q, columnwise_scale_inv=col_s)
+    if m > 0 and k > 0 and (rowwise or columnwise):
+        x_desc, rq_desc, cq_desc = _descs(x, row_q, col_q, f8)
+        num_tiles = ceil_div(m, BLOCK) * ceil_div(k, BLOCK)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        grid = (min(num_tiles, cfg.ctas_per_sm * _num_sms(index)),)
+        s_any = row_s if row_s is not None else col_s
+        _quantize_1x128_dual_gluon_kernel[grid](
+            x_desc, rq_desc, cq_desc, row_s if rowwise else s_any, col_s if columnwise else s_any,
+            m, k, pad4(m), pad4(k), params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
+            ROWWISE=rowwise, COLWISE=columnwise, POW2=params.pow2_scales, NUM_STAGES=stages,
+            OUT_BUFS=cfg.out_bufs, LR=_row_layout(eb, cfg.num_warps), LC=_col_layout(eb, cfg.num_warps),
+            num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        )  # fmt: skip
+    elif m == 0 and columnwise:
+        col_s.fill_(1.0)
+    return BlockwiseFp8Tensor((m, k), 1, f8, x.dtype, **parts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,22 +384,118 @@ def compile_variant(in_dtype, fp8_dtype, pow2, rowwise, columnwise, cfg: GluonQu
 
     m = k = 1024
     x = torch.empty(m, k, dtype=in_dtype)
-    rq = torch.empty(m, k, dtype=fp8_dtype)
-    cq = torch.empty(k, m, dtype=fp8_dtype)
+    rq = torch.empty(m, k, dtype=fp8_dtype) if rowwise else None
+    cq = torch.empty(k, m, dtype=fp8_dtype) if columnwise else None
     x_desc, rq_desc, cq_desc = _descs(x, rq, cq, fp8_dtype)
     eb = x.element_size()
-    lc_load, lc_store = _col_layouts(eb, cfg.num_warps)
     sig = {
-        "x_desc": mangle_type(x_desc), "rq_desc": mangle_type(rq_desc), "cq_desc": mangle_type(cq_desc),
+        "x_desc": mangle_type(x_desc),
+        "rq_desc": mangle_type(rq_desc) if rowwise else "constexpr",
+        "cq_desc": mangle_type(cq_desc) if columnwise else "constexpr",
         "row_s_ptr": "*fp32", "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32",
         "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32",
         "ROWWISE": "constexpr", "COLWISE": "constexpr", "POW2": "constexpr", "NUM_STAGES": "constexpr",
-        "OUT_BUFS": "constexpr", "LR": "constexpr", "LC_LOAD": "constexpr", "LC_STORE": "constexpr",
+        "OUT_BUFS": "constexpr", "LR": "constexpr", "LC": "constexpr",
     }  # fmt: skip
     cons = {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "NUM_STAGES": _default_stages(eb, cfg),
-            "OUT_BUFS": cfg.out_bufs, "LR": _row_layout(eb, cfg.num_warps), "LC_LOAD": lc_load,
-            "LC_STORE": lc_store}  # fmt: skip
+            "OUT_BUFS": cfg.out_bufs, "LR": _row_layout(eb, cfg.num_warps), "LC": _col_layout(eb, cfg.num_warps)}  # fmt: skip
+    if not rowwise:
+        cons["rq_desc"] = None
+    if not columnwise:
+        cons["cq_desc"] = None
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("row_s_ptr", "col_s_ptr", "M", "K", "M_PAD", "K_PAD")}
     src = GluonASTSource(fn=_quantize_1x128_dual_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    opts = {"num_warps": cfg.num_warps}
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+EXPECT_SM90 = {
+    "tma_load": r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
+    "tma_store": r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta",
+    "mbarrier_wait": r"mbarrier\.try_wait",
+    "ld_shared_vec": r"ld\.shared\.v[24]\.b(16|32)",
+    "st_shared_vec": r"st\.shared(\.v[24])?\.b(16|32)|stmatrix\.sync",
+}
+
+
+def aot_variants(cfg: GluonQuantConfig = DEFAULT_CONFIG) -> list[tuple]:
+    """Every (in dtype, fp8 dtype, pow2, rowwise, columnwise) the wrapper can launch."""
+    out = []
+    for in_dt in (torch.bfloat16, torch.float16, torch.float32):
+        for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for pow2 in (True, False):
+                for row, col in ((True, True), (True, False), (False, True)):
+                    out.append((in_dt, f8, pow2, row, col))
+    return out
+
+
+def _cuda_tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def inspect_compiled(kernel, fp8_dtype) -> dict:
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([_cuda_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    res = dict(re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage))
+    cvt = "e4m3x2" if fp8_dtype == torch.float8_e4m3fn else "e5m2x2"
+    expect = {**EXPECT_SM90, "cvt": rf"cvt\.rn\.satfinite\.{cvt}\.f32"}
+    text = ptx + "\n" + sass
+    found = {key: len(re.findall(pat, text)) for key, pat in expect.items()}
+    byte_st = len(re.findall(r"st\.shared(\.v[248])?\.[bu]8", ptx))  # the transpose must not go byte by byte
+    return {
+        "regs": int(res.get("REG", -1)), "stack": int(res.get("STACK", -1)), "local": int(res.get("LOCAL", -1)),
+        "smem": int(getattr(kernel.metadata, "shared", 0)), "found": found, "ptx": ptx, "sass": sass,
+        "byte_st": byte_st,
+        "sass_lines": sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)),
+    }  # fmt: skip
+
+
+def aot_check(dump_dir: Path | None = None, verbose: bool = True, cfg: GluonQuantConfig = DEFAULT_CONFIG) -> bool:
+    """Compile every variant the wrapper launches (for ``cfg``) for sm_90 and check it: TMA loads and
+    stores, the saturating FP8 conversion, vectorised shared-memory accesses, no spills, smem fits."""
+    ok_all = True
+    for in_dt, f8, pow2, row, col in aot_variants(cfg):
+        name = f"{_GL_NAME[in_dt]}->{_GL_NAME[f8]}:pow2={int(pow2)}:row={int(row)}:col={int(col)}"
+        try:
+            info = inspect_compiled(compile_variant(in_dt, f8, pow2, row, col, cfg), f8)
+        except Exception as e:  # noqa: BLE001
+            ok_all = False
+            print(f"{name:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+            continue
+        f = info["found"]
+        need = ["tma_load", "mbarrier_wait", "cvt", "ld_shared_vec"] + (["tma_store", "st_shared_vec"] if row or col else [])
+        ok = (all(f[key] for key in need) and info["stack"] == 0 and info["local"] == 0
+              and info["smem"] <= SMEM_LIMIT and info["byte_st"] == 0)  # fmt: skip
+        ok_all &= ok
+        if verbose:
+            print(f"{name:40} {'OK ' if ok else 'BAD'} regs={info['regs']:3} stack={info['stack']} "
+                  f"local={info['local']} smem={info['smem']} byte_st={info['byte_st']} sass={info['sass_lines']} "
+                  f"found={f}")  # fmt: skip
+        if dump_dir is not None:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            stem = re.sub(r"[^\w.-]+", "_", name)
+            (dump_dir / f"{stem}.ptx").write_text(info["ptx"])
+            (dump_dir / f"{stem}.sass").write_text(info["sass"])
+    return ok_all
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="AOT-compile the Gluon 1x128 dual quantization kernel for sm_90 and check it")
+    ap.add_argument("--dump", type=Path, help="write PTX and SASS of each variant into this folder")
+    ap.add_argument("--num-warps", type=int, default=DEFAULT_CONFIG.num_warps)
+    ap.add_argument("--num-stages", type=int, default=DEFAULT_CONFIG.num_stages)
+    ap.add_argument("--out-bufs", type=int, default=DEFAULT_CONFIG.out_bufs)
+    ap.add_argument("--maxnreg", type=int, default=DEFAULT_CONFIG.maxnreg)
+    args = ap.parse_args()
+    c = GluonQuantConfig(num_warps=args.num_warps, num_stages=args.num_stages, out_bufs=args.out_bufs, maxnreg=args.maxnreg)
+    sys.exit(0 if aot_check(args.dump, cfg=c) else 1)
