@@ -80,6 +80,12 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
             if main_grad is not None and getattr(weight, "fuse_wgrad_accumulation", True):
                 # Megatron's gradient-accumulation fusion: accumulate in fp32 into main_grad and
                 # hand autograd a dummy gradient so that the parameter's backward hooks still run.
+                if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape or not main_grad.is_contiguous():
+                    raise ValueError(
+                        f"weight.main_grad must be a contiguous float32 tensor of the weight's shape {tuple(weight.shape)}, "
+                        f"got {main_grad.dtype} {tuple(main_grad.shape)} (contiguous={main_grad.is_contiguous()}); "
+                        "set weight.fuse_wgrad_accumulation = False to get the gradient in weight.grad instead"
+                    )
                 backend.gemm_wgrad(dyq, xq, torch.float32, main_grad)
                 if hasattr(weight, "grad_added_to_main_grad"):
                     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty

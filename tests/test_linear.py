@@ -114,6 +114,21 @@ def test_weight_gradient_accumulates_into_main_grad(backend):
     assert w.grad is not None  # a dummy gradient lets Megatron's parameter hooks run
 
 
+@pytest.mark.parametrize("bad", ["bf16", "shape", "strided"])
+def test_a_wrong_main_grad_is_refused_not_written(bad):
+    layer = Fp8BlockwiseLinear(256, 128, bias=False, dtype=torch.bfloat16, backend="reference")
+    main_grad = {
+        "bf16": torch.zeros(128, 256, dtype=torch.bfloat16),
+        "shape": torch.zeros(256, 128, dtype=torch.float32),
+        "strided": torch.zeros(256, 128, dtype=torch.float32).t(),
+    }[bad]
+    layer.weight.main_grad = main_grad
+    before = main_grad.clone()
+    with pytest.raises(ValueError, match="main_grad must be a contiguous float32"):
+        layer(make_input((32, 256), seed=4)).backward(make_input((32, 128), seed=5))
+    assert torch.equal(main_grad, before)
+
+
 def test_drop_in_for_nn_linear():
     torch.manual_seed(3)
     ref = nn.Linear(64, 32)

@@ -87,7 +87,8 @@ class TrainConfig:
     eval_steps: int = 4
     # Megatron-core's per-layer CUDA graphs (TransformerConfig.cuda_graph_impl="local"): each
     # transformer layer's forward and backward replay as graphs after cuda_graph_warmup_steps, which
-    # removes the per-kernel host cost (docs/PERFORMANCE.md). GPU only.
+    # removes the per-kernel host cost (docs/PERFORMANCE.md). GPU only; run so far in training without
+    # evaluation, checkpoints or TP > 1 (docs/INTEGRATION.md).
     cuda_graph: bool = False
     cuda_graph_warmup_steps: int = 3
 

@@ -25,12 +25,6 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 REF = ReferenceBackend()
 
 
-def _fast():
-    from primus_fp8_plugin.backends.triton import quantize_act_fast
-
-    return quantize_act_fast
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
@@ -55,7 +49,19 @@ def random_x(m: int, k: int, dtype: torch.dtype, seed: int, bad: str | None = No
     g = torch.Generator().manual_seed(seed + 1)
     if m > 2:
         x[m // 2] = 0  # all-zero rows: scale 1
-        x[1, : min(k, 128)] *= 1e-30 if dtype is not torch.float16 else 1.0  # tiny amax (scale -> in_max)
+    if dtype is not torch.float16:
+        # amax ~1e-38: fp8_max / amax overflows fp32, so the scale becomes the input dtype's max (with
+        # pow2 scales 2^127, whose inverse is the subnormal 2^-127): a 1x128 row tile, and a whole
+        # 128x128 block (so also 128x1 column tiles) where the shape has one past the first
+        tiny = torch.finfo(torch.float32).tiny
+
+        def tiny_like(t):
+            return tiny * (1 + torch.rand(t.shape, generator=g)) * torch.sign(torch.randn(t.shape, generator=g))
+
+        if m > 2:
+            x[1, : min(k, 128)] = tiny_like(x[1, : min(k, 128)])
+        if m > 128 and k > 128:
+            x[128:256, 128:256] = tiny_like(x[128:256, 128:256])
     if bad is not None and m * k > 1:
         n = max(1, (m * k) // 1000)
         idx = torch.randint(0, m * k, (n,), generator=g)
@@ -64,8 +70,8 @@ def random_x(m: int, k: int, dtype: torch.dtype, seed: int, bad: str | None = No
     return x.to(dtype)
 
 
-# (M, K, dtype, fp8, pow2, amax_eps, bad): ragged M (TMA needs M % 16 for the columnwise copy, so
-# M = 1, 17, 130 take the fallback there), K multiples of 16 with partial 128-column tiles.
+# (M, K, dtype, fp8, pow2, amax_eps, bad): ragged M (1, 17, 130: partial row tiles and scale padding),
+# K multiples of 16 with partial 128-column tiles, interior tiles (M, K >= 256) next to edge tiles.
 CASES = [
     (1, 16, torch.bfloat16, E4M3, True, 0.0, None),
     (17, 144, torch.float16, E5M2, False, 0.0, None),
@@ -132,3 +138,14 @@ def test_empty_input():
     x = torch.empty(0, 32, dtype=torch.bfloat16)
     ref = REF.quantize_act(x, params, rowwise=True, columnwise=True)
     assert_same(_act()(x, params, rowwise=True, columnwise=True), ref, True, True, "M=0")
+
+
+def test_dims_past_32_bit_offsets_are_refused():
+    """In-tile offsets are int32: a dim of 2**31 / 128 or more must be refused, not wrap around."""
+    from primus_fp8_plugin.backends.triton import quantize_act, quantize_weight
+
+    big = torch.empty(quantize_act.MAX_DIM, 16, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="32-bit"):
+        _act()(big, QuantParams(E4M3, 1), rowwise=True, columnwise=True)
+    with pytest.raises(ValueError, match="32-bit"):
+        _weight()(torch.empty(16, quantize_weight.MAX_DIM, dtype=torch.bfloat16, device="meta"), QuantParams(E4M3, 2))

@@ -1,7 +1,7 @@
 """The fast Triton launch path (backends/triton/launch.py) on a GPU: every call gives the same bits as
-the ordinary ``kernel[grid]`` launch, and a change in any specialisation Triton makes (pointer
-alignment, int divisibility by 16, a dim equal to 1, constexprs) picks another binary. Skipped
-without a GPU (CI)."""
+the ordinary ``kernel[grid]`` launch, a repeated call reuses its binary, and a change in pointer
+alignment, in an int's divisibility by 16 or a dim equal to 1 picks another binary. Skipped without
+a GPU (CI)."""
 
 from __future__ import annotations
 
@@ -69,3 +69,17 @@ def test_alignment_change_takes_another_binary(triton_backend):
     assert launcher.misses == before + 1
     triton_backend.quantize_act(buf[:-1].view(64, 256), p, rowwise=True, columnwise=True)
     assert launcher.misses == before + 1
+
+
+def test_int_specialisations_take_other_binaries(triton_backend):
+    """M divisible by 16, M not divisible by 16, M == 1: three specialisations of the same kernel
+    (float32 input, which no other test here launches, so that all start uncompiled)."""
+    p = BlockwiseRecipe().params(TensorRole.INPUT)
+    launcher = quantize_act._launch
+    quant = triton_backend.quantize_act
+    start = launcher.misses
+    for m, new in ((16, True), (17, True), (1, True), (16, False), (33, False)):  # 33: same as 17's
+        before = launcher.misses
+        quant(torch.randn(m, 256, device="cuda"), p, rowwise=True, columnwise=True)
+        assert launcher.misses == before + int(new), f"M={m}: misses {before} -> {launcher.misses}"
+    assert launcher.misses == start + 3

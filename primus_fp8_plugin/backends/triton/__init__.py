@@ -16,7 +16,7 @@ import torch
 
 from ..base import Availability, Backend
 from .gemm import blockwise_gemm
-from .gemm_gluon import blockwise_gemm_gluon
+from .gemm_gluon import GluonUnsupported, blockwise_gemm_gluon
 from .quantize_act import quantize_1x128_dual
 from .quantize_weight import quantize_128x128
 
@@ -60,11 +60,12 @@ def _is_hopper(device: torch.device) -> bool:
 
 def hopper_or_portable_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs) -> torch.Tensor:
     """``blockwise_gemm``'s contract: the Gluon kernel on Hopper where it applies (it raises
-    NotImplementedError, before launching anything, for what it does not take), else the portable one."""
+    GluonUnsupported, before launching anything, for valid inputs it does not take: TMA alignment,
+    K % 16, N % 8), else the portable one. Wrong inputs raise from the Gluon wrapper's checks."""
     if _is_hopper(a.device):
         try:
             return blockwise_gemm_gluon(a, a_scale_inv, b, b_scale_inv, **kwargs)
-        except NotImplementedError:
+        except GluonUnsupported:
             pass
     return blockwise_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs)
 

@@ -71,8 +71,9 @@ def _quant_act_spec(in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool) ->
         sig,
         {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": True, "BLOCK": 128, "SUB_M": quantize_act.SUB_M},
         quantize_act.NUM_WARPS,
-        1,
-        {"sm90": [rf"cvt\.rn\.satfinite\.{cvt}\.f32"], "gfx950": [amd]},
+        quantize_act.NUM_STAGES,
+        # the FP8 conversion, and the NaN-propagating amax (a plain max would hide NaN tiles)
+        {"sm90": [rf"cvt\.rn\.satfinite\.{cvt}\.f32", r"max\.NaN\.f32"], "gfx950": [amd, r"v_maximum3?_f32"]},
     )
 
 
@@ -86,8 +87,11 @@ def _quant_weight_spec() -> KernelSpec:
         sig,
         {"POW2": True, "BLOCK": 128, "SUB_M": quantize_weight.SUB_M},
         quantize_weight.NUM_WARPS,
-        1,
-        {"sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32"], "gfx950": ["v_cvt_scalef32_pk_fp8_f32"]},
+        quantize_weight.NUM_STAGES,
+        {
+            "sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"max\.NaN\.f32"],
+            "gfx950": ["v_cvt_scalef32_pk_fp8_f32", r"v_maximum3?_f32"],
+        },
     )
 
 

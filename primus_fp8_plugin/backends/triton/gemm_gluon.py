@@ -65,6 +65,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
+
+
+class GluonUnsupported(NotImplementedError):
+    """Inputs this kernel does not take (hardware, TMA layout rules) although they are valid:
+    the caller may run another kernel. Wrong inputs raise ValueError / TypeError instead."""
+
+
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA on H100/H200 (227 KiB)
 
 
@@ -96,21 +103,21 @@ def default_config() -> GluonGemmConfig:
 # the H200 (docs/PERFORMANCE.md): 0.91-1.01x cuBLAS in the fwd/dgrad form against 0.68-0.88x for
 # 128x128. Both B scale layouts; bf16/fp16 output or accumulate_into (a plain fp32 output spills
 # registers). 1x128-scaled B (wgrad): the 128-column B-scale vector of each half (32 registers per
-# thread) is loaded from global memory just in time, spill-free at 237 of 240 registers; the wgrad
-# form with 128x256 tiles is not yet measured on a GPU.
+# thread) is loaded from global memory just in time, spill-free at 237 of 240 registers; measured
+# 0.75-0.79x cuBLAS in that form, no better than 128x128.
 WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
 # The same with the A/B scale row slices TMA-loaded into the smem stage with the tiles (1x128 B
 # scales only; 1.5 KiB more per stage: 3 stages with a bf16 output instead of 4, 3 either way with
-# accumulate_into). Chosen for the wgrad GEMM that accumulates into fp32 main_grad (no stage lost).
+# accumulate_into). Measured 0.81-0.92x cuBLAS in the wgrad form; not selected yet (module docstring).
 WIDE_SCALE_TMA_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True)
 
 
 def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool) -> GluonGemmConfig:
     """The 128x256 tile for 128x128-scaled B (fwd, dgrad) where the kernel supports it, else 128x128.
 
-    The 128x256 variants for 1x128-scaled B (wgrad: ``WIDE_CONFIG``, ``WIDE_SCALE_TMA_CONFIG``)
-    compile without spills but have not run on a GPU yet: they are reachable through ``config=`` and
-    ``scripts/check_gluon_gemm.py --configs n256,n256_stma`` only, until that check passes."""
+    For 1x128-scaled B (wgrad) ``WIDE_CONFIG`` is no faster than 128x128 and ``WIDE_SCALE_TMA_CONFIG``
+    (faster) missed the error bound on one small case on the H200: both are reachable through
+    ``config=`` and ``scripts/check_gluon_gemm.py --configs n256,n256_stma`` only."""
     if b_block_dim == 2 and supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
         return WIDE_CONFIG
     return default_config()
@@ -595,20 +602,20 @@ def _num_sms(index: int) -> int:
 
 def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
     if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise NotImplementedError(f"FP8 operands (e4m3fn/e5m2) required, got {a.dtype} and {b.dtype}")
+        raise TypeError(f"FP8 operands (e4m3fn/e5m2) required, got {a.dtype} and {b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"expected a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
     if not (a.is_contiguous() and b.is_contiguous()):
-        raise NotImplementedError("a and b must be contiguous (row-major, K-contiguous)")
+        raise GluonUnsupported("a and b must be contiguous (row-major, K-contiguous)")
     m, k = a.shape
     n = b.shape[0]
     if k % 16 != 0:
-        raise NotImplementedError(f"K={k} must be a multiple of 16 (TMA needs 16-byte row strides)")
+        raise GluonUnsupported(f"K={k} must be a multiple of 16 (TMA needs 16-byte row strides)")
     if n % 8 != 0:
-        raise NotImplementedError(f"N={n} must be a multiple of 8 (TMA store of the output)")
+        raise GluonUnsupported(f"N={n} must be a multiple of 8 (TMA store of the output)")
     for t in (a, b):
         if t.data_ptr() % 16 != 0:
-            raise NotImplementedError("a and b must be 16-byte aligned")
+            raise GluonUnsupported("a and b must be 16-byte aligned")
     kb = triton.cdiv(k, BLOCK_K)
     if a_scale_inv.dtype != torch.float32 or a_scale_inv.dim() != 2 or a_scale_inv.stride(1) != 1:
         raise ValueError("a_scale_inv must be a float32 [ceil(K/128), >=M] tensor with unit column stride")
@@ -628,13 +635,13 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
         raise ValueError(f"bias must be a contiguous [N={n}] tensor")
     if accumulate_into is not None:
         c = accumulate_into
-        if c.dtype != torch.float32 or tuple(c.shape) != (m, n) or c.stride(1) != 1 or (c.stride(0) * 4) % 16:
-            raise NotImplementedError("accumulate_into must be a float32 [M, N] tensor with unit column stride "
-                                      "and 16-byte aligned rows")  # fmt: skip
-        if c.data_ptr() % 16:
-            raise NotImplementedError("accumulate_into must be 16-byte aligned")
+        if c.dtype != torch.float32 or tuple(c.shape) != (m, n) or c.stride(1) != 1:
+            raise ValueError(f"accumulate_into must be a float32 [{m}, {n}] tensor with unit column stride, got "
+                             f"{c.dtype} {tuple(c.shape)} strides {c.stride()}")  # fmt: skip
+        if (c.stride(0) * 4) % 16 or c.data_ptr() % 16:
+            raise GluonUnsupported("accumulate_into must be 16-byte aligned, with 16-byte aligned rows")
     elif out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise NotImplementedError(f"out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
+        raise TypeError(f"out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
     for t in (a_scale_inv, b_scale_inv) + ((bias,) if bias is not None else ()):
         if t.device != a.device or b.device != a.device:
             raise ValueError("all tensors must be on the same device")
@@ -687,9 +694,9 @@ def blockwise_gemm_gluon(
     ``[M, N]`` tensor of ``out_dtype``.
     """
     if a.device.type != "cuda" or torch.version.hip:
-        raise NotImplementedError("the Gluon blockwise GEMM runs on NVIDIA GPUs only")
+        raise GluonUnsupported("the Gluon blockwise GEMM runs on NVIDIA GPUs only")
     if torch.cuda.get_device_capability(a.device)[0] != 9:
-        raise NotImplementedError("the Gluon blockwise GEMM is written for Hopper (sm_90) wgmma")
+        raise GluonUnsupported("the Gluon blockwise GEMM is written for Hopper (sm_90) wgmma")
     _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
     m, k = a.shape
     n = b.shape[0]

@@ -4,7 +4,13 @@ As shipped (triton 3.6), the interpreter converts floats bit by bit and gets RNE
 -> fp8 rounds ties away from zero and loses carries (124.3 -> 64), subnormals come out wrong, and
 fp32 -> bf16 truncates (triton issue #8322). Routing conversions between the dtypes torch knows
 through torch's round-to-nearest-even casts makes the interpreter match the GPU bit for bit
-(the kernels clamp to the FP8 range before casting, so saturation never matters).
+(the kernels' products never exceed the FP8 maximum by more than one fp32 ulp, which RNE rounds to
+the maximum — scales.py — so saturation never matters).
+
+It also gives ``tl.maximum``/``tl.minimum`` the GPU's NaN semantics: as shipped, the interpreter
+maps both the NaN-ignoring (``max.f32``, the default) and the NaN-propagating (``max.NaN.f32``,
+``propagate_nan=ALL``) forms to ``np.maximum``, so a kernel that lost its NaN propagation would still
+pass on the CPU.
 """
 
 from __future__ import annotations
@@ -46,4 +52,7 @@ def apply() -> None:
         return out.view(_NP_OF_WIDTH[output_dtype.primitive_bitwidth]).reshape(np.shape(input))
 
     interpreter._convert_float = convert_float
+    builder = interpreter.InterpreterBuilder
+    builder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+    builder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
     _applied = True

@@ -62,9 +62,11 @@ class FastLauncher:
     def _key(self, device: int, args: Sequence, num_warps: int, num_stages: int) -> tuple:
         backend = self._backend[device]
         spec = tuple(native_specialize_impl(backend, args[i], c, s, a) for i, c, s, a in self._runtime)
-        return (device, num_warps, num_stages, spec, tuple(args[i] for i in self._constexpr))
+        # the compile options JITFunction.run adds from Triton's knobs belong to its key as well
+        knob_opts = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+        return (device, num_warps, num_stages, knob_opts, spec, tuple(args[i] for i in self._constexpr))
 
-    def __call__(self, grid: tuple[int, ...], *args, num_warps: int, num_stages: int = 3) -> None:
+    def __call__(self, grid: tuple[int, ...], *args, num_warps: int, num_stages: int) -> None:
         if not (self._jit and FastLauncher.enabled):
             self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
             return

@@ -30,6 +30,8 @@ from .scales import amax_nan, max_nan, scale_and_inverse
 
 SUB_M = 32  # rows per chunk, with NUM_WARPS: the fastest of a sweep on the H200 (docs/PERFORMANCE.md)
 NUM_WARPS = 2
+MAX_DIM = 2**31 // BLOCK  # in-tile offsets (row * K, col * M within a 128-tile) are int32
+NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
 
 
 @triton.jit
@@ -101,6 +103,9 @@ def quantize_1x128_dual(
     """Rowwise and/or columnwise 1x128 quantization of a contiguous 2-D ``x [M, K]`` in one pass."""
     assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1
     m, k = x.shape
+    if max(m, k) >= MAX_DIM:
+        raise ValueError(f"x is [{m}, {k}]: this kernel's in-tile offsets are 32-bit, so M and K must stay below "
+                         f"{MAX_DIM}; quantize it in row blocks")  # fmt: skip
     dev, f8 = x.device, params.fp8_dtype
     parts = {}
     row_q = row_s = col_q = col_s = None
@@ -122,7 +127,7 @@ def quantize_1x128_dual(
             col_s if columnwise else s_any, m, k, pad4(m), pad4(k), x.stride(0),
             params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
             rowwise, columnwise, params.pow2_scales, BLOCK, sub_m,  # ROWWISE, COLWISE, POW2, BLOCK, SUB_M
-            num_warps=num_warps,
+            num_warps=num_warps, num_stages=NUM_STAGES,
         )  # fmt: skip
     elif columnwise:
         col_s.fill_(1.0)

@@ -20,6 +20,8 @@ from .scales import max_nan, scale_and_inverse
 
 SUB_M = 128  # the whole block per pass, with NUM_WARPS: fastest of a sweep on the H200 (docs/PERFORMANCE.md)
 NUM_WARPS = 8
+MAX_DIM = 2**31 // BLOCK  # in-block offsets (row * K, col * N within a 128-block) are int32
+NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
 
 
 @triton.jit
@@ -88,6 +90,9 @@ def quantize_128x128(
     """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, in one pass."""
     assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
     n, k = w.shape
+    if max(n, k) >= MAX_DIM:
+        raise ValueError(f"weight is [{n}, {k}]: this kernel's in-block offsets are 32-bit, so N and K must stay "
+                         f"below {MAX_DIM}")  # fmt: skip
     dev, f8 = w.device, params.fp8_dtype
     q = torch.empty(n, k, dtype=f8, device=dev)
     qt = torch.empty(k, n, dtype=f8, device=dev)
@@ -99,7 +104,7 @@ def quantize_128x128(
         grid, w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
         params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
         params.pow2_scales, BLOCK, sub_m,  # POW2, BLOCK, SUB_M
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=NUM_STAGES,
     )  # fmt: skip
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st
