@@ -58,7 +58,7 @@ def test_gluon_gemm_compiles_for_sm90_without_spills():
     )  # fmt: skip
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count(" OK ") >= 18, proc.stdout
+    assert proc.stdout.count(" OK ") >= 19, proc.stdout
 
 
 def test_gluon_quantizer_compiles_for_sm90_without_spills():

@@ -786,6 +786,9 @@ def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotV
         if supports(cfg, 1) is None:
             out.append(AotVariant(f"{cfg_name}:b1d:e5m2xe4m3:bf16", 1, torch.bfloat16, False, False,
                                   a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
+            # HYBRID wgrad into Megatron's fp32 main_grad: E5M2 dY with accumulate_into
+            out.append(AotVariant(f"{cfg_name}:b1d:e5m2xe4m3:accumulate", 1, torch.float32, False, True,
+                                  a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
         if supports(cfg, 2) is None:
             out.append(AotVariant(f"{cfg_name}:b2d:e5m2xe4m3:bf16", 2, torch.bfloat16, False, False,
                                   a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
