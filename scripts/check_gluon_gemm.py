@@ -103,6 +103,24 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+def check_case(tag: str, case) -> int:
+    """Run one correctness case (``case()`` returns the output, the float64 reference and a problem
+    message or None); print PASS / FAIL / ERROR; return the number of failures (0 or 1)."""
+    try:
+        out, ref, problem = case()
+        torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        ok = err <= TOL and torch.isfinite(out).all().item() and problem is None
+        if problem is not None:
+            print(f"    {problem}")
+        print(f"  {'PASS' if ok else 'FAIL'} {tag} rel_err={err:.2e}")
+        return int(not ok)
+    except Exception as e:  # noqa: BLE001
+        print(f"  ERROR {tag}: {type(e).__name__}: {e}")
+        traceback.print_exc(limit=3)
+        return 1
+
+
 def correctness(cfg_name: str, cfg: GluonGemmConfig, shapes) -> int:
     fails = 0
     print(f"\n=== correctness [{cfg_name}] {cfg}")
@@ -127,48 +145,36 @@ def correctness(cfg_name: str, cfg: GluonGemmConfig, shapes) -> int:
                 print(f"  SKIP (b{bdim}d out={str(od).split('.')[-1]} acc={int(accumulate)} and alike): {why}")
                 skipped.add(why)
             continue
-        try:
+
+        def case(m=m, n=n, k=k, bdim=bdim, od=od, has_bias=has_bias, accumulate=accumulate, a_dtype=a_dtype):
             a, a_s, b, b_s = make_inputs(m, n, k, bdim, a_dtype=a_dtype, seed=m * 7 + n * 3 + k + bdim)
             bias = torch.randn(n, device="cuda", dtype=od) * 10 if has_bias else None
             acc0 = torch.randn(m, n, device="cuda", dtype=torch.float32) * 10 if accumulate else None
             acc_in = acc0.clone() if accumulate else None
             out = blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od, bias=bias,
                                        accumulate_into=acc_in, config=cfg)  # fmt: skip
-            torch.cuda.synchronize()
-            ref = reference(a, a_s, b, b_s, bdim, bias, acc0)
-            err = rel_err(out, ref)
-            ok = err <= TOL and torch.isfinite(out).all().item()
-            if accumulate and out.data_ptr() != acc_in.data_ptr():
-                ok = False
-                print("    accumulate_into was not updated in place")
-            fails += not ok
-            print(f"  {'PASS' if ok else 'FAIL'} {tag} rel_err={err:.2e}")
-        except Exception as e:  # noqa: BLE001
-            fails += 1
-            print(f"  ERROR {tag}: {type(e).__name__}: {e}")
-            traceback.print_exc(limit=3)
+            in_place = not accumulate or out.data_ptr() == acc_in.data_ptr()
+            problem = None if in_place else "accumulate_into was not updated in place"
+            return out, reference(a, a_s, b, b_s, bdim, bias, acc0), problem
+
+        fails += check_case(tag, case)
     # scale tensors TMA cannot read in place (rows not padded to 4, base not 16-byte aligned)
     for od, accumulate in ((torch.bfloat16, False), (torch.float32, True)):
         if gemm_gluon.supports(cfg, 1, od, accumulate) is not None:
             continue
         m, n, k = 130, 136, 400
         tag = f"M={m:5} N={n:5} K={k:5} b1d out={str(od).split('.')[-1]:8} acc={int(accumulate)} unpadded/unaligned scales"
-        try:
+
+        def case(m=m, n=n, k=k, od=od, accumulate=accumulate):
             a, a_s, b, b_s = make_inputs(m, n, k, 1, seed=11)
             a_s = a_s[:, :m].contiguous()  # row stride 130 * 4 bytes
             b_s = torch.cat([torch.ones(b_s.shape[0], 1, device="cuda"), b_s[:, :n]], 1)[:, 1:]  # base + 4 bytes
             acc0 = torch.randn(m, n, device="cuda") if accumulate else None
             acc_in = acc0.clone() if accumulate else None
             out = blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=1, out_dtype=od, accumulate_into=acc_in, config=cfg)
-            torch.cuda.synchronize()
-            err = rel_err(out, reference(a, a_s, b, b_s, 1, None, acc0))
-            ok = err <= TOL and torch.isfinite(out).all().item()
-            fails += not ok
-            print(f"  {'PASS' if ok else 'FAIL'} {tag} rel_err={err:.2e}")
-        except Exception as e:  # noqa: BLE001
-            fails += 1
-            print(f"  ERROR {tag}: {type(e).__name__}: {e}")
-            traceback.print_exc(limit=3)
+            return out, reference(a, a_s, b, b_s, 1, None, acc0), None
+
+        fails += check_case(tag, case)
     # unsupported inputs must raise cleanly
     try:
         a, a_s, b, b_s = make_inputs(64, 128, 136, 1)

@@ -17,6 +17,7 @@ import torch
 from ..base import Availability, Backend
 from .gemm import blockwise_gemm
 from .gemm_gluon import GluonUnsupported, blockwise_gemm_gluon
+from .gemm_gluon import runs_on as runs_on_hopper
 from .quantize_act import quantize_1x128_dual
 from .quantize_weight import quantize_128x128
 
@@ -46,23 +47,11 @@ def device_availability(device: torch.device) -> Availability:
     return Availability(True)
 
 
-_HOPPER: dict[int, bool] = {}  # device index -> NVIDIA sm_90
-
-
-def _is_hopper(device: torch.device) -> bool:
-    if INTERPRET or device.type != "cuda" or torch.version.hip:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _HOPPER:
-        _HOPPER[index] = torch.cuda.get_device_capability(index)[0] == 9
-    return _HOPPER[index]
-
-
 def hopper_or_portable_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs) -> torch.Tensor:
     """``blockwise_gemm``'s contract: the Gluon kernel on Hopper where it applies (it raises
     GluonUnsupported, before launching anything, for valid inputs it does not take: TMA alignment,
     K % 16, N % 8), else the portable one. Wrong inputs raise from the Gluon wrapper's checks."""
-    if _is_hopper(a.device):
+    if runs_on_hopper(a.device):
         try:
             return blockwise_gemm_gluon(a, a_scale_inv, b, b_scale_inv, **kwargs)
         except GluonUnsupported:

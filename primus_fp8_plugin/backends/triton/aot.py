@@ -131,8 +131,20 @@ def kernel_specs() -> list[KernelSpec]:
     ]
 
 
-def _cuda_tool(name: str) -> str:
+def cuda_tool(name: str) -> str:
+    """Path of a CUDA tool (ptxas, cuobjdump) bundled with Triton's wheel."""
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def sm90_resources(cubin: bytes) -> tuple[dict[str, int], str]:
+    """Resource usage (``REG``, ``STACK``, ``LOCAL``, ``SHARED``; from ``cuobjdump -res-usage``) and the
+    SASS of an sm_90 cubin. Shared by this module and the Gluon kernels' AOT checks."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([cuda_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    return {key: int(v) for key, v in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage)}, sass
 
 
 def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, str]]:
@@ -143,14 +155,9 @@ def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, st
     k = triton.compile(src, target=TARGETS[target], options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     shared = int(getattr(k.metadata, "shared", 0))
     if target == "sm90":
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([_cuda_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-        res = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage))
+        res, sass = sm90_resources(k.asm["cubin"])
         text = k.asm["ptx"] + "\n" + sass
-        report = AotReport(spec.name, target, int(res["REG"]), int(res["STACK"]) + int(res["LOCAL"]), 0, 0, shared, {})
+        report = AotReport(spec.name, target, res["REG"], res["STACK"] + res["LOCAL"], 0, 0, shared, {})
         asm = {"ptx": k.asm["ptx"], "sass": sass}
     else:
         text = k.asm["amdgcn"]

@@ -15,8 +15,8 @@ Design (DeepGEMM-like, warp specialised, persistent):
   ``acc += part * a_scale[m] * b_scale[n]`` on the CUDA cores. The promotion of one warpgroup
   overlaps the other warpgroup's wgmma through the warp scheduler (DeepGEMM's scheme). Registers
   are rebalanced with ``setmaxnreg`` (consumers 232, producer 40 under ``maxnreg=168``).
-  ``pipe_mma=True`` (experimental, off by default) double-buffers the fresh accumulator inside a
-  warpgroup; triton 3.6 + ptxas serialise its wgmmas (C7515), so it is slower as written;
+  (Double-buffering the fresh accumulator inside a warpgroup was tried: ptxas serialised its
+  wgmmas, warning C7515, and spilled; removed, see docs/PERFORMANCE.md);
 * ``block_n=256`` (config ``n256``, 128x256 tiles: 25% less L2->SM operand traffic per FLOP than
   128x128): each K block runs two m64n128k32 wgmma chains (B rows 0-127, 128-255) one after the
   other into one fresh accumulator, promoted into two running accumulators (``_consumer_wide``);
@@ -30,7 +30,8 @@ Design (DeepGEMM-like, warp specialised, persistent):
   [KB, pad4(M)] scale rows are 16-byte aligned; other layouts are copied; out-of-range columns are
   zero-filled). On the H200 the smem-staged variant reached 0.81-0.92x cuBLAS in the wgrad form
   (128x128: ~0.75x) but missed the 2e-3 bound on one small case (M=1, N=128, bias, bf16 output:
-  2.07e-3; the other configs' runs of that case, on their own random inputs, gave 1.4-1.8e-3), so
+  2.07e-3; the other configs' runs of that case, same operands and a fresh random bias, gave
+  1.38-1.70e-3), so
   ``select_config`` takes 128x256 tiles for 128x128-scaled B only until that is understood
   (docs/PERFORMANCE.md);
 * otherwise the scales are prefetched into registers one K block ahead (plain global loads, L2 hot);
@@ -82,7 +83,6 @@ class GluonGemmConfig:
     block_n: int = 128
     num_stages: int = 0  # 0: as many as fit in shared memory (at most 6)
     group_m: int = 8
-    pipe_mma: bool = False  # experimental: double-buffered fresh accumulator (ptxas serialises it, C7515)
     consumer_regs: int = 232
     producer_regs: int = 40
     # block_n=256 with 1x128 B scales only: the producer TMA-loads each K block's A-scale [128] and
@@ -229,7 +229,7 @@ def _promote(acc, part, sa, sb, B_2D: gl.constexpr):
 def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
               M, N, K, stride_as, stride_bs, stride_cm,
               WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
-              PIPE_MMA: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+              GROUP_M: gl.constexpr):  # fmt: skip
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -260,82 +260,21 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bi
         sa, sb = _load_scales(a_s_ptr, b_s_ptr, 0, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr, stride_as,
                               stride_bs, B_2D)  # fmt: skip
         acc = zero
-        if PIPE_MMA:
-            # K block 0 goes in flight into buffer X; the loop then handles two K blocks per trip so
-            # that buffers X and Y keep fixed roles (no register copies of an in-flight wgmma).
+        # DeepGEMM order: wgmma of the block, wait, release the stage, promote (the other
+        # warpgroup's wgmma fills the tensor cores meanwhile).
+        for kb in range(nk):
             s = it % NUM_STAGES
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-            x = warpgroup_mma(a_bufs.index(s).slice(WG * HALF_M, HALF_M), b_bufs.index(s).permute((1, 0)),
-                              zero, use_acc=False, is_async=True)  # fmt: skip
-            s_x = s
-            sa_x = sa
-            sb_x = sb
+            part = warpgroup_mma(a_bufs.index(s).slice(WG * HALF_M, HALF_M), b_bufs.index(s).permute((1, 0)),
+                                 zero, use_acc=False, is_async=True)  # fmt: skip
             it += 1
-            y = zero
-            for kb in range(1, nk - 1, 2):
-                # --- K block kb into Y; promote X (block kb - 1)
-                sa_y, sb_y = _load_scales(a_s_ptr, b_s_ptr, kb, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
-                                          stride_as, stride_bs, B_2D)  # fmt: skip
-                s_y = it % NUM_STAGES
-                mbarrier.wait(ready.index(s_y), (it // NUM_STAGES) & 1)
-                y = warpgroup_mma(a_bufs.index(s_y).slice(WG * HALF_M, HALF_M), b_bufs.index(s_y).permute((1, 0)),
-                                  y, use_acc=False, is_async=True)  # fmt: skip
-                it += 1
-                xd = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
-                mbarrier.arrive(empty.index(s_x))
-                acc = _promote(acc, xd, sa_x, sb_x, B_2D)
-                # --- K block kb + 1 into X; promote Y (block kb)
-                sa_x, sb_x = _load_scales(a_s_ptr, b_s_ptr, kb + 1, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
-                                          stride_as, stride_bs, B_2D)  # fmt: skip
-                s_x = it % NUM_STAGES
-                mbarrier.wait(ready.index(s_x), (it // NUM_STAGES) & 1)
-                x = warpgroup_mma(a_bufs.index(s_x).slice(WG * HALF_M, HALF_M), b_bufs.index(s_x).permute((1, 0)),
-                                  xd, use_acc=False, is_async=True)  # fmt: skip
-                it += 1
-                yd = warpgroup_mma_wait(num_outstanding=1, deps=(y,))
-                mbarrier.arrive(empty.index(s_y))
-                acc = _promote(acc, yd, sa_y, sb_y, B_2D)
-                y = yd
-            if nk % 2 == 0:
-                # One K block left (nk - 1, odd): into Y, then drain both.
-                sa_y, sb_y = _load_scales(a_s_ptr, b_s_ptr, nk - 1, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
-                                          stride_as, stride_bs, B_2D)  # fmt: skip
-                s_y = it % NUM_STAGES
-                mbarrier.wait(ready.index(s_y), (it // NUM_STAGES) & 1)
-                y_last = warpgroup_mma(
-                    a_bufs.index(s_y).slice(WG * HALF_M, HALF_M),
-                    b_bufs.index(s_y).permute((1, 0)),
-                    y,
-                    use_acc=False,
-                    is_async=True,
-                )
-                it += 1
-                xd = warpgroup_mma_wait(num_outstanding=1, deps=(x,))
-                mbarrier.arrive(empty.index(s_x))
-                acc = _promote(acc, xd, sa_x, sb_x, B_2D)
-                yd = warpgroup_mma_wait(num_outstanding=0, deps=(y_last,))
-                mbarrier.arrive(empty.index(s_y))
-                acc = _promote(acc, yd, sa_y, sb_y, B_2D)
-            else:
-                xd = warpgroup_mma_wait(num_outstanding=0, deps=(x,))
-                mbarrier.arrive(empty.index(s_x))
-                acc = _promote(acc, xd, sa_x, sb_x, B_2D)
-        else:
-            # DeepGEMM order: wgmma of the block, wait, release the stage, promote (the other
-            # warpgroup's wgmma fills the tensor cores meanwhile).
-            for kb in range(nk):
-                s = it % NUM_STAGES
-                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                part = warpgroup_mma(a_bufs.index(s).slice(WG * HALF_M, HALF_M), b_bufs.index(s).permute((1, 0)),
-                                     zero, use_acc=False, is_async=True)  # fmt: skip
-                it += 1
-                sa_n, sb_n = _load_scales(a_s_ptr, b_s_ptr, kb + 1, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
-                                          stride_as, stride_bs, B_2D)  # fmt: skip
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                mbarrier.arrive(empty.index(s))
-                acc = _promote(acc, part, sa, sb, B_2D)
-                sa = sa_n
-                sb = sb_n
+            sa_n, sb_n = _load_scales(a_s_ptr, b_s_ptr, kb + 1, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
+                                      stride_as, stride_bs, B_2D)  # fmt: skip
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            mbarrier.arrive(empty.index(s))
+            acc = _promote(acc, part, sa, sb, B_2D)
+            sa = sa_n
+            sb = sb_n
 
         # ---- epilogue: bias, accumulate, one rounding, TMA store of this warpgroup's 64 rows
         if HAS_BIAS:
@@ -496,7 +435,7 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
 def _blockwise_gemm_gluon_kernel(
     a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
     M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
-    B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr, PIPE_MMA: gl.constexpr,
+    B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
     NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     SCALE_TMA: gl.constexpr,
 ):  # fmt: skip
@@ -552,9 +491,9 @@ def _blockwise_gemm_gluon_kernel(
     else:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
-                         stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, PIPE_MMA, GROUP_M)),
+                         stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
-                         stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, PIPE_MMA, GROUP_M)),
+                         stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, a_desc, b_desc, a_bufs, b_bufs,
                          GROUP_M, False)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
@@ -598,6 +537,18 @@ def _maxnreg(cfg: GluonGemmConfig) -> int:
 @functools.lru_cache(maxsize=8)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether this kernel runs on ``device``: an NVIDIA Hopper (sm_90) GPU (not ROCm, not the CPU)."""
+    if device.type != "cuda" or torch.version.hip:
+        return False
+    return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
@@ -650,8 +601,6 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
 def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
     if cfg.block_n not in (64, 128, 256):
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
-    if cfg.pipe_mma and cfg.block_n > 128:
-        raise NotImplementedError("pipe_mma needs block_n <= 128 (three accumulators per thread)")
     if cfg.scale_tma and (cfg.block_n != 256 or b_block_dim != 1):
         raise NotImplementedError("scale_tma (scales staged through the smem ring) is implemented for block_n=256 "
                                   "with 1x128-scaled B (b_block_dim=1) only")  # fmt: skip
@@ -693,11 +642,9 @@ def blockwise_gemm_gluon(
     Returns ``accumulate_into`` (updated in place: ``C += A @ B^T``) when given, else a new
     ``[M, N]`` tensor of ``out_dtype``.
     """
-    if a.device.type != "cuda" or torch.version.hip:
-        raise GluonUnsupported("the Gluon blockwise GEMM runs on NVIDIA GPUs only")
-    if torch.cuda.get_device_capability(a.device)[0] != 9:
-        raise GluonUnsupported("the Gluon blockwise GEMM is written for Hopper (sm_90) wgmma")
     _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
+    if not runs_on(a.device):
+        raise GluonUnsupported(f"the Gluon blockwise GEMM runs on NVIDIA Hopper (sm_90) GPUs only, got {a.device}")
     m, k = a.shape
     n = b.shape[0]
     if accumulate_into is not None:
@@ -728,7 +675,7 @@ def blockwise_gemm_gluon(
         a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         B_2D=b_block_dim == 2, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
-        PIPE_MMA=cfg.pipe_mma, NUM_STAGES=stages, GROUP_M=cfg.group_m,
+        NUM_STAGES=stages, GROUP_M=cfg.group_m,
         CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SCALE_TMA=cfg.scale_tma,
         num_warps=4, maxnreg=_maxnreg(cfg),
     )  # fmt: skip
@@ -802,7 +749,6 @@ BENCH_CONFIGS = {
     "n128_s4": GluonGemmConfig(block_n=128, num_stages=4),
     "n128_g16": GluonGemmConfig(block_n=128, group_m=16),
     "n64": GluonGemmConfig(block_n=64),
-    "n128_pipe": GluonGemmConfig(block_n=128, pipe_mma=True),
     # 128x256 tile (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP
     "n256": WIDE_CONFIG,
     # 128x256 with the scales staged through the smem ring (1x128 B scales only)
@@ -835,12 +781,12 @@ def compile_variant(v: AotVariant):
         "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "bias_ptr": f"*{_GL_NAME[out_dtype]}", "c_ptr": f"*{_GL_NAME[out_dtype]}",
         "M": "i32", "N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", "stride_cm": "i32",
         "as_desc": "constexpr", "bs_desc": "constexpr",
-        "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr", "PIPE_MMA": "constexpr",
+        "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr",
         "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
         "SCALE_TMA": "constexpr",
     }  # fmt: skip
     cons = {"as_desc": None, "bs_desc": None, "B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias,
-            "ACCUMULATE": v.accumulate, "PIPE_MMA": cfg.pipe_mma, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
+            "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
             "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "SCALE_TMA": cfg.scale_tma}  # fmt: skip
     if cfg.scale_tma:
         kbs = triton.cdiv(k, BLOCK_K)
@@ -854,22 +800,16 @@ def compile_variant(v: AotVariant):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": _maxnreg(cfg)})
 
 
-def _cuda_tool(name: str) -> str:
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
-
-
 def inspect_compiled(kernel) -> dict:
+    from .aot import cuda_tool, sm90_resources
+
     ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        cubin = Path(d) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([_cuda_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-        sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    res, sass = sm90_resources(kernel.asm["cubin"])
+    with tempfile.TemporaryDirectory() as d:  # ptxas -v again: Triton does not surface its warnings
         ptx_file = Path(d) / "k.ptx"
         ptx_file.write_text(ptx)
-        ptxas = subprocess.run([_cuda_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx_file), "-o", str(Path(d) / "o.cubin")],
+        ptxas = subprocess.run([cuda_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx_file), "-o", str(Path(d) / "o.cubin")],
                                capture_output=True, text=True)  # fmt: skip
-    res = dict(re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage))
     text = ptx + "\n" + sass
     found = {key: len(re.findall(pat, text)) for key, pat in EXPECT_SM90.items()}
     setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))

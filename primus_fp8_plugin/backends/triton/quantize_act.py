@@ -91,6 +91,25 @@ def _quantize_1x128_dual_kernel(
 _launch = FastLauncher(_quantize_1x128_dual_kernel)
 
 
+def dual_outputs(x: torch.Tensor, params: QuantParams, rowwise: bool, columnwise: bool):
+    """Uninitialised outputs of a dual 1x128 quantization of ``x [M, K]``: ``(row_q [M, K], row_s,
+    col_q [K, M], col_s, parts)``, the copies not asked for None, scales in TE's layouts, and
+    ``parts`` the ``BlockwiseFp8Tensor`` keyword arguments of those that exist."""
+    m, k = x.shape
+    dev, f8 = x.device, params.fp8_dtype
+    parts = {}
+    row_q = row_s = col_q = col_s = None
+    if rowwise:
+        row_q = torch.empty(m, k, dtype=f8, device=dev)
+        row_s = torch.empty(scale_inv_shape(m, k, 1), dtype=torch.float32, device=dev)
+        parts.update(rowwise_data=row_q, rowwise_scale_inv=row_s)
+    if columnwise:
+        col_q = torch.empty(k, m, dtype=f8, device=dev)
+        col_s = torch.empty(scale_inv_shape(k, m, 1), dtype=torch.float32, device=dev)
+        parts.update(columnwise_data=col_q, columnwise_scale_inv=col_s)
+    return row_q, row_s, col_q, col_s, parts
+
+
 def quantize_1x128_dual(
     x: torch.Tensor,
     params: QuantParams,
@@ -106,17 +125,8 @@ def quantize_1x128_dual(
     if max(m, k) >= MAX_DIM:
         raise ValueError(f"x is [{m}, {k}]: this kernel's in-tile offsets are 32-bit, so M and K must stay below "
                          f"{MAX_DIM}; quantize it in row blocks")  # fmt: skip
-    dev, f8 = x.device, params.fp8_dtype
-    parts = {}
-    row_q = row_s = col_q = col_s = None
-    if rowwise:
-        row_q = torch.empty(m, k, dtype=f8, device=dev)
-        row_s = torch.empty(scale_inv_shape(m, k, 1), dtype=torch.float32, device=dev)
-        parts.update(rowwise_data=row_q, rowwise_scale_inv=row_s)
-    if columnwise:
-        col_q = torch.empty(k, m, dtype=f8, device=dev)
-        col_s = torch.empty(scale_inv_shape(k, m, 1), dtype=torch.float32, device=dev)
-        parts.update(columnwise_data=col_q, columnwise_scale_inv=col_s)
+    f8 = params.fp8_dtype
+    row_q, row_s, col_q, col_s, parts = dual_outputs(x, params, rowwise, columnwise)
     if m > 0:
         # pad4(n) never crosses a 128 boundary, so the last tile also writes the padding entries.
         grid = (ceil_div(m, BLOCK), ceil_div(k, BLOCK))

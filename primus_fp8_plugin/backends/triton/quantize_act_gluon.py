@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import functools
 import re
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +53,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...recipe import BLOCK, QuantParams
-from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
+from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
+from .quantize_act import dual_outputs
 
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA on H100/H200 (227 KiB)
 FP32_MAX = gl.constexpr(3.4028234663852886e38)
@@ -331,16 +330,7 @@ def quantize_1x128_dual_gluon(
         raise ValueError(f"{cfg} needs about {need} bytes of shared memory (limit {SMEM_LIMIT})")
     m, k = x.shape
     dev, f8 = x.device, params.fp8_dtype
-    parts = {}
-    row_q = row_s = col_q = col_s = None
-    if rowwise:
-        row_q = torch.empty(m, k, dtype=f8, device=dev)
-        row_s = torch.empty(scale_inv_shape(m, k, 1), dtype=torch.float32, device=dev)
-        parts.update(rowwise_data=row_q, rowwise_scale_inv=row_s)
-    if columnwise:
-        col_q = torch.empty(k, m, dtype=f8, device=dev)
-        col_s = torch.empty(scale_inv_shape(k, m, 1), dtype=torch.float32, device=dev)
-        parts.update(columnwise_data=col_q, columnwise_scale_inv=col_s)
+    row_q, row_s, col_q, col_s, parts = dual_outputs(x, params, rowwise, columnwise)
     if m > 0 and k > 0 and (rowwise or columnwise):
         x_desc, rq_desc, cq_desc = _descs(x, row_q, col_q, f8)
         num_tiles = ceil_div(m, BLOCK) * ceil_div(k, BLOCK)
@@ -432,18 +422,11 @@ def aot_variants(cfg: GluonQuantConfig = DEFAULT_CONFIG) -> list[tuple]:
     return out
 
 
-def _cuda_tool(name: str) -> str:
-    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
-
-
 def inspect_compiled(kernel, fp8_dtype) -> dict:
+    from .aot import sm90_resources
+
     ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as d:
-        cubin = Path(d) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([_cuda_tool("cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-        sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True).stdout
-    res = dict(re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage))
+    res, sass = sm90_resources(kernel.asm["cubin"])
     cvt = "e4m3x2" if fp8_dtype == torch.float8_e4m3fn else "e5m2x2"
     expect = {**EXPECT_SM90, "cvt": rf"cvt\.rn\.satfinite\.{cvt}\.f32"}
     text = ptx + "\n" + sass

@@ -1,0 +1,54 @@
+"""FastLauncher's host-side rules that need no GPU (its launches are checked in tests/gpu/test_gpu_launch.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from triton import knobs
+
+from primus_fp8_plugin.backends.triton.launch import _launch_hooks_set
+
+
+def test_launch_hooks_are_seen_inside_triton_hook_chains():
+    """triton 3.6 keeps (empty) HookChain objects as launch hooks: only a registered hook counts."""
+    assert not _launch_hooks_set()
+
+    def hook(metadata):
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert _launch_hooks_set()
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not _launch_hooks_set()
+
+
+def test_a_wrong_argument_count_is_refused_before_launching(tmp_path):
+    """Arguments are positional in signature order, constexprs included: a missing one must fail
+    with the kernel's argument names (compiled mode, so in a process without TRITON_INTERPRET)."""
+    script = tmp_path / "k.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import triton
+            import triton.language as tl
+            from primus_fp8_plugin.backends.triton.launch import FastLauncher
+
+            @triton.jit
+            def kernel(x_ptr, n, BLOCK: tl.constexpr):
+                pass
+
+            try:
+                FastLauncher(kernel)((1,), None, 4, num_warps=4, num_stages=3)  # BLOCK missing
+            except TypeError as e:
+                print("TypeError:", e)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "TypeError: kernel takes 3 arguments (x_ptr, n, BLOCK), got 2" in proc.stdout, proc.stdout + proc.stderr
