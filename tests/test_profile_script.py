@@ -13,3 +13,13 @@ def test_op_overhead_mode_runs_on_the_cpu_and_reports_each_measurement():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.rstrip().endswith(" us")]
     assert len(lines) == 3 and all(float(line.split()[-2]) > 0 for line in lines), proc.stdout
+
+
+def test_ncu_targets_refuses_without_a_gpu_and_rejects_unknown_targets():
+    """scripts/ncu_targets.py (run under Nsight Compute on the GPU machine): on a CPU-only machine it
+    says it needs a GPU (exit 2); an unknown target is an argparse error."""
+    script = str(ROOT / "scripts" / "ncu_targets.py")
+    proc = subprocess.run([sys.executable, script, "gemm-fwd", "--impl", "ours"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, script, "gemm-sideways"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

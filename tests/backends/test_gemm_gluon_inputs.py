@@ -68,3 +68,25 @@ def test_valid_inputs_off_hopper_are_gluon_unsupported():
     with pytest.raises(GluonUnsupported, match="sm_90"):
         call(*operands())
     assert issubclass(GluonUnsupported, NotImplementedError)
+
+
+def test_unchecked_descriptors_equal_the_checked_constructor():
+    """``_desc`` skips TensorDescriptor's ``__post_init__`` checks for speed: same fields, same type."""
+    import dataclasses
+
+    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+
+    def same(x, y):
+        fields = [f.name for f in dataclasses.fields(G.TensorDescriptor)]
+        return type(x) is type(y) and x.base is y.base and all(getattr(x, f) == getattr(y, f) for f in fields if f != "base")
+
+    a, a_s, b, _ = operands(m=256, n=384, k=512)
+    for t, block in ((a, [128, 128]), (b, [256, 128]), (torch.empty(256, 384, dtype=torch.bfloat16), [64, 128])):
+        layout = G._shared_layout(block, t.dtype)
+        assert layout is G._shared_layout(list(block), t.dtype)  # cached
+        fast = G._desc(t, list(t.shape), list(t.stride()), block, layout)
+        checked = G.TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+        assert same(fast, checked)
+    fast = G._scale_desc(a_s, 256, [1, 128])
+    checked = G.TensorDescriptor(a_s, [a_s.shape[0], 256], [a_s.stride(0), 1], [1, 128], G._SCALE_SMEM_LAYOUT)
+    assert same(fast, checked)

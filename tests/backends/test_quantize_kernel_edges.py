@@ -125,7 +125,7 @@ def test_launch_configs_bit_exact():
     x = random_x(144, 144, torch.bfloat16, seed=7, bad="nan")
     params = QuantParams(E4M3, 1)
     ref = REF.quantize_act(x, params, rowwise=True, columnwise=True)
-    for sub_m, warps in ((16, 4), (64, 4)):
+    for sub_m, warps in ((16, 4), (32, 2), (64, 4), (128, 8)):  # the chunked path, and the one-pass one at 8 warps
         ours = _act()(x, params, rowwise=True, columnwise=True, sub_m=sub_m, num_warps=warps)
         assert_same(ours, ref, True, True, f"act sub_m={sub_m}")
     wp = QuantParams(E4M3, 2)

@@ -58,11 +58,11 @@ def test_fast_launch_matches_plain_launch(triton_backend, m, k, offset):
 
 
 def test_alignment_change_takes_another_binary(triton_backend):
-    """The same shape from an aligned and from a misaligned base pointer: two specialisations (fp16,
-    which no other test here launches, so that both start uncompiled)."""
+    """The same shape from an aligned and from a misaligned base pointer: two specialisations."""
     p = BlockwiseRecipe().params(TensorRole.INPUT)
     buf = torch.randn(64 * 256 + 1, device="cuda", dtype=torch.float16)
     launcher = quantize_act._launch
+    launcher._compiled.clear()  # other test files may have launched these specialisations already
     triton_backend.quantize_act(buf[:-1].view(64, 256), p, rowwise=True, columnwise=True)
     before = launcher.misses
     triton_backend.quantize_act(buf[1:].view(64, 256), p, rowwise=True, columnwise=True)
@@ -72,10 +72,10 @@ def test_alignment_change_takes_another_binary(triton_backend):
 
 
 def test_int_specialisations_take_other_binaries(triton_backend):
-    """M divisible by 16, M not divisible by 16, M == 1: three specialisations of the same kernel
-    (float32 input, which no other test here launches, so that all start uncompiled)."""
+    """M divisible by 16, M not divisible by 16, M == 1: three specialisations of the same kernel."""
     p = BlockwiseRecipe().params(TensorRole.INPUT)
     launcher = quantize_act._launch
+    launcher._compiled.clear()  # other test files may have launched these specialisations already
     quant = triton_backend.quantize_act
     start = launcher.misses
     for m, new in ((16, True), (17, True), (1, True), (16, False), (33, False)):  # 33: same as 17's
@@ -83,3 +83,38 @@ def test_int_specialisations_take_other_binaries(triton_backend):
         quant(torch.randn(m, 256, device="cuda"), p, rowwise=True, columnwise=True)
         assert launcher.misses == before + int(new), f"M={m}: misses {before} -> {launcher.misses}"
     assert launcher.misses == start + 3
+
+
+@pytest.mark.parametrize("b_block_dim, out_dtype, accumulate", [(2, torch.bfloat16, False), (1, torch.bfloat16, False),
+                                                                (1, torch.float32, True), (2, torch.float32, False)])  # fmt: skip
+def test_gluon_gemm_fast_launch_matches_plain_launch(b_block_dim, out_dtype, accumulate):
+    """The Gluon GEMM (TensorDescriptor arguments, maxnreg) through FastLauncher: the same bits as
+    ``kernel[grid]``, and a repeated call reuses its binary."""
+    from primus_fp8_plugin.backends.triton import gemm_gluon
+
+    if not gemm_gluon.runs_on(torch.device("cuda")):
+        pytest.skip("the Gluon GEMM runs on sm_90 only")
+    m, n, k = 200, 384, 640
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    kb = k // 128
+    a_s = torch.rand(kb, m, device="cuda", generator=g) + 0.5
+    b_s_shape = (n // 128, 8) if b_block_dim == 2 else (kb, n)
+    b_s = torch.rand(b_s_shape, device="cuda", generator=g) + 0.5
+    start = torch.randn(m, n, device="cuda", generator=g)
+
+    def run():
+        acc = start.clone() if accumulate else None
+        return gemm_gluon.blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=b_block_dim, out_dtype=out_dtype, accumulate_into=acc)
+
+    fast1 = run()
+    misses = gemm_gluon._launch.misses
+    fast2 = run()
+    assert gemm_gluon._launch.misses == misses
+    launch_mod.FastLauncher.enabled = False
+    try:
+        plain = run()
+    finally:
+        launch_mod.FastLauncher.enabled = True
+    assert torch.equal(fast1, plain) and torch.equal(fast2, plain)

@@ -58,7 +58,12 @@ class AotReport:
         return all(self.found.values()) and self.spill_bytes == 0 and self.vgpr_spills == 0
 
 
-def _quant_act_spec(in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool) -> KernelSpec:
+def _quant_act_spec(
+    in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool, sub_m: int | None = None, num_warps: int | None = None
+) -> KernelSpec:
+    """The act quantizer as launched by default, or with another (sub_m, num_warps) launch config."""
+    sub_m = sub_m or quantize_act.SUB_M
+    num_warps = num_warps or quantize_act.NUM_WARPS
     sig = {"x_ptr": f"*{in_ty}", "row_q_ptr": f"*{fp8_ty}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{fp8_ty}",
            "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "stride_xm": "i32",
            "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr",
@@ -66,11 +71,11 @@ def _quant_act_spec(in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool) ->
     cvt = "e4m3x2" if fp8_ty == "fp8e4nv" else "e5m2x2"
     amd = "v_cvt_scalef32_pk_fp8_f32" if fp8_ty == "fp8e4nv" else "v_cvt_scalef32_pk_bf8_f32"
     return KernelSpec(
-        f"quantize_1x128_dual[{in_ty}->{fp8_ty},row={int(rowwise)},col={int(columnwise)}]",
+        f"quantize_1x128_dual[{in_ty}->{fp8_ty},row={int(rowwise)},col={int(columnwise)},sub_m={sub_m}]",
         quantize_act._quantize_1x128_dual_kernel,
         sig,
-        {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": True, "BLOCK": 128, "SUB_M": quantize_act.SUB_M},
-        quantize_act.NUM_WARPS,
+        {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": True, "BLOCK": 128, "SUB_M": sub_m},
+        num_warps,
         quantize_act.NUM_STAGES,
         # the FP8 conversion, and the NaN-propagating amax (a plain max would hide NaN tiles)
         {"sm90": [rf"cvt\.rn\.satfinite\.{cvt}\.f32", r"max\.NaN\.f32"], "gfx950": [amd, r"v_maximum3?_f32"]},
@@ -125,6 +130,7 @@ def kernel_specs() -> list[KernelSpec]:
         _quant_act_spec("bf16", "fp8e4nv", True, True),
         _quant_act_spec("bf16", "fp8e5", True, True),
         _quant_act_spec("fp32", "fp8e4nv", True, False),
+        _quant_act_spec("bf16", "fp8e4nv", True, True, sub_m=32, num_warps=2),  # the chunked path
         _quant_weight_spec(),
         _gemm_spec("fwd"),
         _gemm_spec("wgrad"),

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ...recipe import BLOCK
+from ...tensor import ceil_div
 from .launch import FastLauncher
 
 
@@ -153,11 +154,11 @@ def blockwise_gemm(
     m, k = a.shape
     n = b.shape[0]
     assert b.shape[1] == k and a.is_contiguous() and b.is_contiguous()
-    assert a_scale_inv.shape[0] == triton.cdiv(k, BLOCK) and a_scale_inv.shape[1] >= m
+    assert a_scale_inv.shape[0] == ceil_div(k, BLOCK) and a_scale_inv.shape[1] >= m
     if b_block_dim == 2:
-        assert b_scale_inv.shape[0] == triton.cdiv(n, BLOCK) and b_scale_inv.shape[1] >= triton.cdiv(k, BLOCK)
+        assert b_scale_inv.shape[0] == ceil_div(n, BLOCK) and b_scale_inv.shape[1] >= ceil_div(k, BLOCK)
     else:
-        assert b_scale_inv.shape[0] == triton.cdiv(k, BLOCK) and b_scale_inv.shape[1] >= n
+        assert b_scale_inv.shape[0] == ceil_div(k, BLOCK) and b_scale_inv.shape[1] >= n
     if accumulate_into is not None:
         c = accumulate_into
     else:
@@ -167,7 +168,7 @@ def blockwise_gemm(
     if m == 0 or n == 0:
         return c
     cfg = config or select_config(m, n, k, b_block_dim)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n),)
     _launch(
         grid, a, b, c, a_scale_inv, b_scale_inv, bias if bias is not None else c,
         m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale_inv.stride(0), b_scale_inv.stride(0),

@@ -23,18 +23,20 @@ Design (DeepGEMM-like, warp specialised, persistent):
   the epilogue stores the two 128-column halves through one [64, 128] buffer. Supported for both
   B scale layouts with bf16/fp16 output or ``accumulate_into`` (a plain fp32 output spills
   registers: the wrapper raises ``NotImplementedError``, see ``supports``). With 1x128 B scales
-  (wgrad) each half is promoted with its own 128-column B-scale vector (32 registers per thread),
-  read just in time between the wgmma issue and its wait: from global memory (``WIDE_CONFIG``), or
-  with ``scale_tma=True`` (``WIDE_SCALE_TMA_CONFIG``) from the smem stage, into which the producer
-  TMA-loads the K block's A-scale [128] and B-scale [256] row slices with the tiles (TE's
-  [KB, pad4(M)] scale rows are 16-byte aligned; other layouts are copied; out-of-range columns are
-  zero-filled). On the H200 the smem-staged variant reached 0.81-0.92x cuBLAS in the wgrad form
-  (128x128: ~0.75x) but missed the 2e-3 bound on one small case (M=1, N=128, bias, bf16 output:
-  2.07e-3; the other configs' runs of that case, same operands and a fresh random bias, gave
-  1.38-1.70e-3), so
-  ``select_config`` takes 128x256 tiles for 128x128-scaled B only until that is understood
-  (docs/PERFORMANCE.md);
-* otherwise the scales are prefetched into registers one K block ahead (plain global loads, L2 hot);
+  (wgrad) each half is promoted with its own 128-column B-scale vector (32 registers per thread).
+  The scales either come from global memory (``WIDE_CONFIG``: the next K block's prefetched into
+  registers, or for 1x128 B just in time between the wgmma issue and its wait), or, with
+  ``scale_tma=True`` (``WIDE_SCALE_TMA_CONFIG``, what ``select_config`` picks), from the smem stage:
+  the producer TMA-loads the K block's A-scale [128] row slice and its B scales (the [256] row slice
+  for 1x128 B; a [2, 16] box holding the two 128x128-block scales for 128x128 B) with the tiles, so
+  the consumers read them with ld.shared after the stage's ready barrier. Nsight Compute on the
+  H200 showed why: with global loads the consumer warps stalled on each K block's scale load
+  (ptxas moves the scalar B scales into uniform registers right after the load, before the wgmma
+  wait), 23% of their stall samples; staged, that stall is gone (docs/PERFORMANCE.md). TE's
+  [KB, pad4(M)] and [NB, pad4(KB)] scale rows are 16-byte aligned as TMA needs; other layouts are
+  copied; out-of-range entries are zero-filled;
+* 128x128 tiles (``_consumer``): the scales are prefetched into registers one K block ahead (plain
+  global loads, L2 hot);
 * epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
   dtype, registers -> swizzled smem -> TMA store (its completion overlaps the next tile's K loop).
 
@@ -64,6 +66,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ...tensor import ceil_div
+from .launch import FastLauncher
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
 
@@ -99,27 +104,23 @@ def default_config() -> GluonGemmConfig:
     return GluonGemmConfig()
 
 
-# 128x256 tiles (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP. Measured on
-# the H200 (docs/PERFORMANCE.md): 0.91-1.01x cuBLAS in the fwd/dgrad form against 0.68-0.88x for
-# 128x128. Both B scale layouts; bf16/fp16 output or accumulate_into (a plain fp32 output spills
-# registers). 1x128-scaled B (wgrad): the 128-column B-scale vector of each half (32 registers per
-# thread) is loaded from global memory just in time, spill-free at 237 of 240 registers; measured
-# 0.75-0.79x cuBLAS in that form, no better than 128x128.
+# 128x256 tiles (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP than 128x128.
+# Both B scale layouts; bf16/fp16 output or accumulate_into (a plain fp32 output spills registers).
+# Scales read from global memory. Measured on the H200 (docs/PERFORMANCE.md, 2026-12-01, interleaved
+# medians): 0.76-0.93x cuBLAS (fwd form), 0.68-0.78x (wgrad form).
 WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
-# The same with the A/B scale row slices TMA-loaded into the smem stage with the tiles (1x128 B
-# scales only; 1.5 KiB more per stage: 3 stages with a bf16 output instead of 4, 3 either way with
-# accumulate_into). Measured 0.81-0.92x cuBLAS in the wgrad form; not selected yet (module docstring).
+# The same with the scales TMA-loaded into the smem stage with the tiles (module docstring): 0.6 KiB
+# more per stage with 128x128 B scales (still 4 stages with a bf16 output), 1.5 KiB with 1x128 B
+# scales (3 stages). Same run: 0.89-0.95x cuBLAS (fwd form; 4096^3 is host-bound and noisy),
+# 0.85-0.90x (wgrad form). Bit-identical outputs to WIDE_CONFIG.
 WIDE_SCALE_TMA_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True)
 
 
 def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool) -> GluonGemmConfig:
-    """The 128x256 tile for 128x128-scaled B (fwd, dgrad) where the kernel supports it, else 128x128.
-
-    For 1x128-scaled B (wgrad) ``WIDE_CONFIG`` is no faster than 128x128 and ``WIDE_SCALE_TMA_CONFIG``
-    (faster) missed the error bound on one small case on the H200: both are reachable through
-    ``config=`` and ``scripts/check_gluon_gemm.py --configs n256,n256_stma`` only."""
-    if b_block_dim == 2 and supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
-        return WIDE_CONFIG
+    """128x256 tiles with smem-staged scales (``WIDE_SCALE_TMA_CONFIG``) where the kernel supports the
+    output (bf16/fp16, or accumulate_into), else 128x128 (a plain fp32 output)."""
+    if supports(WIDE_SCALE_TMA_CONFIG, b_block_dim, out_dtype, accumulate) is None:
+        return WIDE_SCALE_TMA_CONFIG
     return default_config()
 
 
@@ -137,12 +138,14 @@ def _c_block_n(block_n: int) -> int:
     return 128 if block_n == 256 else block_n
 
 
-def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0, scale_tma: bool = False) -> int:
+def stages_that_fit(
+    block_n: int, out_dtype: torch.dtype, requested: int = 0, scale_tma: bool = False, b_block_dim: int = 1
+) -> int:
     stage_bytes = (128 + block_n) * BLOCK_K  # fp8 A and B tiles
-    if scale_tma:
-        stage_bytes += (128 + block_n) * 4  # fp32 A-scale and B-scale row slices of the K block
-    c_bytes = 128 * _c_block_n(block_n) * torch.empty((), dtype=out_dtype).element_size()
-    fit = (SMEM_LIMIT - c_bytes - 1024) // stage_bytes
+    if scale_tma:  # fp32 A-scale row slice and the B scales of the K block
+        stage_bytes += (128 + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
+    c_bytes = 128 * _c_block_n(block_n) * out_dtype.itemsize
+    fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (measured: 320)
     stages = min(fit, 6) if requested <= 0 else requested
     if stages < 2 or stages > fit:
         raise ValueError(f"{stages} stages of BLOCK_N={block_n} do not fit in shared memory (max {fit})")
@@ -168,7 +171,7 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs_desc, as_bufs, bs_bufs,
-              GROUP_M: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
+              GROUP_M: gl.constexpr, SCALE_TMA: gl.constexpr, B_2D: gl.constexpr):  # fmt: skip
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -199,7 +202,11 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs
             tma.async_copy_global_to_shared(b_desc, [off_n, kb * BK], ready.index(s), b_bufs.index(s))
             if SCALE_TMA:
                 tma.async_copy_global_to_shared(as_desc, [kb, off_m], ready.index(s), as_bufs.index(s))
-                tma.async_copy_global_to_shared(bs_desc, [kb, off_n], ready.index(s), bs_bufs.index(s))
+                if B_2D:  # b_s[n // 128 + (0, 1), kb] in a [2, 16] box starting at column kb & ~3 (TMA
+                    # faults on box starts that are not 16-byte aligned)
+                    tma.async_copy_global_to_shared(bs_desc, [off_n // BK, kb & ~3], ready.index(s), bs_bufs.index(s))
+                else:
+                    tma.async_copy_global_to_shared(bs_desc, [kb, off_n], ready.index(s), bs_bufs.index(s))
             it += 1
 
 
@@ -329,7 +336,16 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
         # the [1, n] TMA boxes (unswizzled) seen as plain [NUM_STAGES, n] fp32 rows for ld.shared
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: per stage
         as_rows = as_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_M], flat)
-        bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
+        if B_2D:
+            # the [2, 16] box b_s[n // 128 + (0, 1), (kb & ~3) + (0..15)] (_B2D_SCALE_BOX): every thread
+            # keeps words kb & 3 and 16 + (kb & 3), the two halves' scales of this kb
+            SB_W: gl.constexpr = bs_bufs.type.shape[2]
+            SB_N: gl.constexpr = bs_bufs.type.shape[1] * SB_W
+            bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, SB_N], flat)
+            box_layout: gl.constexpr = gl.BlockedLayout([SB_N], [32], [4], [0])
+            box_idx = gl.arange(0, SB_N, layout=box_layout)
+        else:
+            bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
 
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
@@ -346,7 +362,7 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
         n_left0 = N - off_n0
         n_left1 = N - off_n1
 
-        if B_2D:  # (1x128 B scales: sa and the B scale vectors are read per K block in the loop)
+        if B_2D and not SCALE_TMA:  # (otherwise the scales are read per K block in the loop)
             sa = gl.load(a_s_ptr + offs_m, mask=m_mask, other=0.0)
             sb0 = gl.load(sb_row0)
             sb1 = gl.load(sb_row1)
@@ -362,7 +378,15 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
             # ---- columns 0-127 of the tile
             part = warpgroup_mma(a_op, b_bufs.index(s).slice(0, SUB_N).permute((1, 0)), part, use_acc=False,
                                  is_async=True)  # fmt: skip
-            if B_2D:
+            if B_2D and SCALE_TMA:
+                sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
+                box = bs_rows.index(s).load(box_layout)
+                j = kb & 3
+                sab0 = sa * gl.sum(gl.where(box_idx == j, box, 0.0), axis=0)
+                sab1 = sa * gl.sum(gl.where(box_idx == SB_W + j, box, 0.0), axis=0)
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                acc0 = acc0 + part * gl.expand_dims(sab0, 1)
+            elif B_2D:
                 has_next = kb + 1 < nk
                 sa_n = gl.load(a_s_ptr + (kb + 1) * stride_as + offs_m, mask=m_mask & has_next, other=0.0)
                 sb0_n = gl.load(sb_row0 + kb + 1, mask=has_next, other=0.0)
@@ -384,7 +408,11 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
             # ---- columns 128-255 of the tile
             part = warpgroup_mma(a_op, b_bufs.index(s).slice(SUB_N, SUB_N).permute((1, 0)), part, use_acc=False,
                                  is_async=True)  # fmt: skip
-            if B_2D:
+            if B_2D and SCALE_TMA:
+                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                mbarrier.arrive(empty.index(s))  # (the stage's scales were read before the first wait)
+                acc1 = acc1 + part * gl.expand_dims(sab1, 1)
+            elif B_2D:
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(s))
                 acc1 = acc1 + part * gl.expand_dims(sa * sb1, 1)
@@ -400,7 +428,7 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
                 part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
                 mbarrier.arrive(empty.index(s))
                 acc1 = acc1 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
-            if B_2D:
+            if B_2D and not SCALE_TMA:
                 sa = sa_n
             it += 1
 
@@ -449,7 +477,7 @@ def _blockwise_gemm_gluon_kernel(
     C_N: gl.constexpr = c_desc.block_type.shape[1]
     WIDE: gl.constexpr = BLOCK_N == 2 * C_N  # BLOCK_N=256: two 128-column halves (_consumer_wide)
     gl.static_assert(BLOCK_N == C_N or WIDE)
-    gl.static_assert(not SCALE_TMA or (WIDE and not B_2D))
+    gl.static_assert(not SCALE_TMA or WIDE)
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BK], b_desc.layout)
@@ -465,7 +493,7 @@ def _blockwise_gemm_gluon_kernel(
     # constexprs into tensors.
     if SCALE_TMA:
         as_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], as_desc.layout)
-        bs_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_N], bs_desc.layout)
+        bs_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + bs_desc.block_type.shape, bs_desc.layout)
         gl.warp_specialize([
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
                               K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE,
@@ -474,7 +502,7 @@ def _blockwise_gemm_gluon_kernel(
                               K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE,
                               GROUP_M, True)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs_desc, as_bufs, bs_bufs,
-                         GROUP_M, True)),
+                         GROUP_M, True, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
     elif WIDE:
         # (a_desc, b_desc, a_bufs, b_bufs stand in for the unused scale descriptors / buffers)
@@ -486,7 +514,7 @@ def _blockwise_gemm_gluon_kernel(
                               K, stride_as, stride_bs, stride_cm, a_bufs, b_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE,
                               GROUP_M, False)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, a_desc, b_desc, a_bufs, b_bufs,
-                         GROUP_M, False)),
+                         GROUP_M, False, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
@@ -495,7 +523,7 @@ def _blockwise_gemm_gluon_kernel(
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
                          stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, a_desc, b_desc, a_bufs, b_bufs,
-                         GROUP_M, False)),
+                         GROUP_M, False, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
@@ -503,19 +531,45 @@ def _blockwise_gemm_gluon_kernel(
 # Host side
 # --------------------------------------------------------------------------------------------------
 
+# The compiled kernel per specialisation, launched without JITFunction.run's per-call Python (launch.py)
+_launch = FastLauncher(_blockwise_gemm_gluon_kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_layout_cached(block_shape: tuple[int, ...], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _TORCH_TO_GL[dtype])
+
 
 def _shared_layout(block_shape, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block_shape, _TORCH_TO_GL[dtype])
+    # cached: Gluon's get_default_for costs ~12 us of Python per call, three times per GEMM
+    return _shared_layout_cached(tuple(block_shape), dtype)
+
+
+def _desc(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int], layout) -> TensorDescriptor:
+    """``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its ``__post_init__``
+    checks (~6 us of Python each, five descriptors per GEMM): ``_check_inputs`` and the allocations
+    here already guarantee what they check (16-byte aligned base and strides, unit last stride,
+    positive shape); tests/gpu compare the fields with the checked constructor's."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout, padding="zero")
+    return desc
 
 
 # [1, width] fp32 boxes of the scale rows (scale_tma): unswizzled, read back with plain ld.shared
 _SCALE_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
-def _scale_desc(scale: torch.Tensor, cols: int, width: int) -> TensorDescriptor:
-    """TMA descriptor over ``scale[:, :cols]`` (fp32 [KB, >=cols], unit column stride) in [1, width]
-    boxes; TMA zero-fills the columns past ``cols``."""
-    return TensorDescriptor(scale, [scale.shape[0], cols], [scale.stride(0), 1], [1, width], _SCALE_SMEM_LAYOUT)
+# 128x128-scaled B (b_s [ceil(N/128), >=KB]): one [2, 16] box per K block holds b_s[n0 // 128 + (0, 1),
+# kb] of a 128x256 tile: the box starts at column kb & ~3 (a box must start 16-byte aligned), so the
+# scales are words kb & 3 and 16 + (kb & 3); 16 columns wide so that each stage's box spans 128 bytes
+# (TMA writes to 128-byte aligned shared memory).
+_B2D_SCALE_BOX = (2, 16)
+
+
+def _scale_desc(scale: torch.Tensor, cols: int, box: list[int]) -> TensorDescriptor:
+    """TMA descriptor over ``scale[:, :cols]`` (fp32 [rows, >=cols], unit column stride) in ``box``
+    boxes; TMA zero-fills what lies past the rows or ``cols``."""
+    return _desc(scale, [scale.shape[0], cols], [scale.stride(0), 1], box, _SCALE_SMEM_LAYOUT)
 
 
 def _tma_ready_scale(scale: torch.Tensor, cols: int) -> torch.Tensor:
@@ -523,7 +577,7 @@ def _tma_ready_scale(scale: torch.Tensor, cols: int) -> torch.Tensor:
     layout), else a copy of ``scale[:, :cols]`` with rows padded to a multiple of 4."""
     if scale.data_ptr() % 16 == 0 and (scale.stride(0) * 4) % 16 == 0:
         return scale
-    padded = torch.zeros(scale.shape[0], triton.cdiv(cols, 4) * 4, dtype=torch.float32, device=scale.device)
+    padded = torch.zeros(scale.shape[0], ceil_div(cols, 4) * 4, dtype=torch.float32, device=scale.device)
     padded[:, :cols] = scale[:, :cols]
     return padded
 
@@ -567,7 +621,7 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
     for t in (a, b):
         if t.data_ptr() % 16 != 0:
             raise GluonUnsupported("a and b must be 16-byte aligned")
-    kb = triton.cdiv(k, BLOCK_K)
+    kb = ceil_div(k, BLOCK_K)
     if a_scale_inv.dtype != torch.float32 or a_scale_inv.dim() != 2 or a_scale_inv.stride(1) != 1:
         raise ValueError("a_scale_inv must be a float32 [ceil(K/128), >=M] tensor with unit column stride")
     if a_scale_inv.shape[0] != kb or a_scale_inv.shape[1] < m:
@@ -575,8 +629,8 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
     if b_scale_inv.dtype != torch.float32 or b_scale_inv.dim() != 2 or b_scale_inv.stride(1) != 1:
         raise ValueError("b_scale_inv must be a float32 2-D tensor with unit column stride")
     if b_block_dim == 2:
-        if b_scale_inv.shape[0] != triton.cdiv(n, BLOCK_K) or b_scale_inv.shape[1] < kb:
-            raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{triton.cdiv(n, 128)}, >={kb}]")
+        if b_scale_inv.shape[0] != ceil_div(n, BLOCK_K) or b_scale_inv.shape[1] < kb:
+            raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{ceil_div(n, 128)}, >={kb}]")
     elif b_block_dim == 1:
         if b_scale_inv.shape[0] != kb or b_scale_inv.shape[1] < n:
             raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{kb}, >={n}]")
@@ -601,9 +655,9 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
 def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
     if cfg.block_n not in (64, 128, 256):
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
-    if cfg.scale_tma and (cfg.block_n != 256 or b_block_dim != 1):
+    if cfg.scale_tma and cfg.block_n != 256:
         raise NotImplementedError("scale_tma (scales staged through the smem ring) is implemented for block_n=256 "
-                                  "with 1x128-scaled B (b_block_dim=1) only")  # fmt: skip
+                                  "only")  # fmt: skip
     if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
         raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
                                   "(ptxas, either B scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
@@ -657,26 +711,30 @@ def blockwise_gemm_gluon(
         return c
     cfg = config or select_config(b_block_dim, c.dtype, accumulate_into is not None)
     _check_config(cfg, b_block_dim, c.dtype, accumulate_into is not None)
-    stages = stages_that_fit(cfg.block_n, c.dtype, cfg.num_stages, cfg.scale_tma)
+    stages = stages_that_fit(cfg.block_n, c.dtype, cfg.num_stages, cfg.scale_tma, b_block_dim)
     bm, bn = cfg.block_m, cfg.block_n
     cn = _c_block_n(bn)
-    a_desc = TensorDescriptor.from_tensor(a, [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
-    b_desc = TensorDescriptor.from_tensor(b, [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
-    c_desc = TensorDescriptor(c, [m, n], [c.stride(0), 1], [bm // 2, cn], _shared_layout([bm // 2, cn], c.dtype))
+    a_desc = _desc(a, [m, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
+    b_desc = _desc(b, [n, k], [k, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
+    c_desc = _desc(c, [m, n], [c.stride(0), 1], [bm // 2, cn], _shared_layout([bm // 2, cn], c.dtype))
     as_desc = bs_desc = None
-    if cfg.scale_tma:  # (1x128 B scales: _check_config)
+    if cfg.scale_tma:
         a_scale_inv = _tma_ready_scale(a_scale_inv, m)
-        b_scale_inv = _tma_ready_scale(b_scale_inv, n)
-        as_desc = _scale_desc(a_scale_inv, m, bm)
-        bs_desc = _scale_desc(b_scale_inv, n, bn)
-    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        as_desc = _scale_desc(a_scale_inv, m, [1, bm])
+        if b_block_dim == 2:
+            kb = ceil_div(k, BLOCK_K)
+            b_scale_inv = _tma_ready_scale(b_scale_inv, kb)
+            bs_desc = _scale_desc(b_scale_inv, kb, list(_B2D_SCALE_BOX))
+        else:
+            b_scale_inv = _tma_ready_scale(b_scale_inv, n)
+            bs_desc = _scale_desc(b_scale_inv, n, [1, bn])
+    num_tiles = ceil_div(m, bm) * ceil_div(n, bn)
     grid = (min(num_tiles, _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())),)
-    _blockwise_gemm_gluon_kernel[grid](
-        a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
+    _launch(
+        grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
-        B_2D=b_block_dim == 2, HAS_BIAS=bias is not None, ACCUMULATE=accumulate_into is not None,
-        NUM_STAGES=stages, GROUP_M=cfg.group_m,
-        CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SCALE_TMA=cfg.scale_tma,
+        b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
+        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs, cfg.scale_tma,
         num_warps=4, maxnreg=_maxnreg(cfg),
     )  # fmt: skip
     return c
@@ -716,7 +774,7 @@ def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotV
     """Every kernel variant the wrapper launches for the given configs; by default, every variant
     that ``select_config`` picks (what the backend runs)."""
     selected_only = configs is None
-    configs = configs or {"n128": GluonGemmConfig(), "n256": WIDE_CONFIG}
+    configs = configs or {"n128": GluonGemmConfig(), "n256_stma": WIDE_SCALE_TMA_CONFIG}
     out = []
     for cfg_name, cfg in configs.items():
         for bdim in (2, 1):
@@ -751,7 +809,7 @@ BENCH_CONFIGS = {
     "n64": GluonGemmConfig(block_n=64),
     # 128x256 tile (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP
     "n256": WIDE_CONFIG,
-    # 128x256 with the scales staged through the smem ring (1x128 B scales only)
+    # 128x256 with the scales staged through the smem ring (what select_config picks)
     "n256_stma": WIDE_SCALE_TMA_CONFIG,
     "n128": GluonGemmConfig(),
 }
@@ -766,7 +824,7 @@ def compile_variant(v: AotVariant):
     cfg = v.config
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, cfg.scale_tma)
+    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, cfg.scale_tma, v.b_block_dim)
     m = n = k = 1024  # only the descriptors' types matter
     a = torch.empty(m, k, dtype=v.a_dtype)
     b = torch.empty(n, k, dtype=v.b_dtype)
@@ -789,9 +847,10 @@ def compile_variant(v: AotVariant):
             "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
             "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "SCALE_TMA": cfg.scale_tma}  # fmt: skip
     if cfg.scale_tma:
-        kbs = triton.cdiv(k, BLOCK_K)
-        for name, rows, width in (("as_desc", kbs, bm), ("bs_desc", kbs, bn)):
-            sig[name] = mangle_type(_scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, width))
+        kbs = ceil_div(k, BLOCK_K)
+        b_box = list(_B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
+        for name, rows, box in (("as_desc", kbs, [1, bm]), ("bs_desc", kbs, b_box)):
+            sig[name] = mangle_type(_scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box))
             del cons[name]
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("a_s_ptr", "b_s_ptr", "bias_ptr", "c_ptr")}

@@ -38,7 +38,9 @@ def _launch_hooks_set() -> bool:
 
 
 class FastLauncher:
-    """``launcher(grid, *args, num_warps=..., num_stages=...)`` == ``fn[grid](*args, num_warps=..., num_stages=...)``."""
+    """``launcher(grid, *args, **options)`` == ``fn[grid](*args, **options)``; ``options`` are launch
+    options (``num_warps``, ``num_stages``, ``maxnreg``, ...). Works for Triton and Gluon kernels (Gluon's
+    host-side ``TensorDescriptor`` arguments are specialised by Triton like any other argument)."""
 
     enabled = os.environ.get("PRIMUS_FP8_FAST_LAUNCH", "1") != "0"
 
@@ -59,16 +61,16 @@ class FastLauncher:
         self._backend: dict[int, object] = {}  # device -> Triton backend (its specialisation rules)
         self.misses = 0  # compiled-kernel lookups that went through JITFunction.run
 
-    def _key(self, device: int, args: Sequence, num_warps: int, num_stages: int) -> tuple:
+    def _key(self, device: int, args: Sequence, options: dict) -> tuple:
         backend = self._backend[device]
         spec = tuple(native_specialize_impl(backend, args[i], c, s, a) for i, c, s, a in self._runtime)
         # the compile options JITFunction.run adds from Triton's knobs belong to its key as well
         knob_opts = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
-        return (device, num_warps, num_stages, knob_opts, spec, tuple(args[i] for i in self._constexpr))
+        return (device, tuple(sorted(options.items())), knob_opts, spec, tuple(args[i] for i in self._constexpr))
 
-    def __call__(self, grid: tuple[int, ...], *args, num_warps: int, num_stages: int) -> None:
+    def __call__(self, grid: tuple[int, ...], *args, **options) -> None:
         if not (self._jit and FastLauncher.enabled):
-            self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            self.fn[grid](*args, **options)
             return
         if len(args) != len(self._names):
             raise TypeError(f"{self.fn.__name__} takes {len(self._names)} arguments ({', '.join(self._names)}), got {len(args)}")
@@ -76,16 +78,16 @@ class FastLauncher:
         hooks = _launch_hooks_set()
         kernel = None
         if device in self._backend and not hooks:
-            key = self._key(device, args, num_warps, num_stages)
+            key = self._key(device, args, options)
             kernel = self._compiled.get(key)
         if kernel is None:
-            kernel = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            kernel = self.fn[grid](*args, **options)
             if hooks:
                 return
             self.misses += 1
             if device not in self._backend:
                 self._backend[device] = self.fn.device_caches[device][3]
-            self._compiled[self._key(device, args, num_warps, num_stages)] = kernel
+            self._compiled[self._key(device, args, options)] = kernel
             return
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1

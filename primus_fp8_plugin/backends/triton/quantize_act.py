@@ -1,20 +1,22 @@
 """Dual 1x128 quantization of activations and gradients: one HBM read of X, both copies written.
 
-Each program owns one 128x128 tile of X [M, K] and walks it in chunks of SUB_M rows (a rolled
-loop: unrolling it let the compiler hoist every chunk's load and tripled the registers):
+Each program owns one 128x128 tile of X [M, K]. By default (``SUB_M == BLOCK``) it loads the whole
+tile at once (all loads in flight together: the kernel is bound by the bytes it keeps in flight per
+SM, docs/PERFORMANCE.md) and makes both copies from registers:
 
-1. per chunk: the rowwise copy [M, K] (1x128 tiles: an amax per row) is quantized and stored at
-   once, with its scale_inv entries ``[kb, m]`` of the TE layout ``[ceil(K/128), pad4(M)]``;
-   meanwhile a running per-column amax over the tile's 128 rows is kept;
-2. per chunk again (re-read from L2, not HBM): the columnwise copy X^T [K, M] (128x1 tiles) is
-   quantized with the column scales, transposed and stored, with its scale_inv entries ``[mb, k]``
-   of ``[ceil(M/128), pad4(K)]``.
+* the rowwise copy [M, K] (1x128 tiles: an amax per row), with its scale_inv entries ``[kb, m]`` of
+  the TE layout ``[ceil(K/128), pad4(M)]``;
+* the columnwise copy X^T [K, M] (128x1 tiles: an amax per column of the tile), quantized, then
+  transposed as FP8 bytes through shared memory, with its scale_inv entries ``[mb, k]`` of
+  ``[ceil(M/128), pad4(K)]``.
 
-The kernel is bound by how many loads it keeps in flight per SM and by instructions per element
-(docs/PERFORMANCE.md): per element it does one NaN-propagating max per copy, one multiply and one
-saturating conversion (scales.py says why no clamp or NaN select is needed); interior tiles take
-unmasked loads and stores; the transpose moves FP8 bytes, not fp32 values. Programs on the last tile
-row/column also write the layout's padding entries (1.0).
+With ``SUB_M < BLOCK`` (fewer registers; ``scripts/bench_quant.py --variants`` sweeps it) the program
+walks the tile in chunks of SUB_M rows in a rolled loop: rowwise copy and a running column amax per
+chunk, then a second pass over the chunks (from L2) for the columnwise copy.
+
+Per element: one NaN-propagating max per copy, one multiply and one saturating conversion
+(scales.py says why no clamp or NaN select is needed); interior tiles take unmasked loads and
+stores. Programs on the last tile row/column also write the layout's padding entries (1.0).
 """
 
 from __future__ import annotations
@@ -28,10 +30,46 @@ from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
 from .launch import FastLauncher
 from .scales import amax_nan, max_nan, scale_and_inverse
 
-SUB_M = 32  # rows per chunk, with NUM_WARPS: the fastest of a sweep on the H200 (docs/PERFORMANCE.md)
-NUM_WARPS = 2
+SUB_M = BLOCK  # rows per pass: the whole tile, with NUM_WARPS the fastest on the H200 (docs/PERFORMANCE.md)
+NUM_WARPS = 4
 MAX_DIM = 2**31 // BLOCK  # in-tile offsets (row * K, col * M within a 128-tile) are int32
 NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
+
+
+@triton.jit
+def _quantize_tile_one_pass(x_tile, rq_tile, cq_tile, row_s_ptr, col_s_ptr, pid_m, pid_k, m0, k0, M, K, M_PAD, K_PAD,
+                            stride_xm, fp8_max, amax_eps, in_max, full, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
+                            POW2: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # SUB_M == BLOCK: the whole tile is loaded once (all loads issued together) and both copies are
+    # made from registers (4 warps: 229 registers, two programs per SM; 8 warps: 126 registers but
+    # slower, 56% against 65% of copy on the H200).
+    r = tl.arange(0, BLOCK)
+    c = tl.arange(0, BLOCK)
+    mask = (m0 + r < M)[:, None] & (k0 + c < K)[None, :]
+    if full:
+        x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :]).to(tl.float32)
+    else:
+        x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ROWWISE:
+        scale, s_inv = scale_and_inverse(amax_nan(x, 1), fp8_max, amax_eps, in_max, POW2)
+        q = (scale[:, None] * x).to(rq_tile.dtype.element_ty)
+        if full:
+            tl.store(rq_tile + r[:, None] * K + c[None, :], q)
+        else:
+            tl.store(rq_tile + r[:, None] * K + c[None, :], q, mask=mask)
+        rows = m0 + r
+        s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
+        tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
+    if COLWISE:
+        scale, s_inv = scale_and_inverse(amax_nan(x, 0), fp8_max, amax_eps, in_max, POW2)
+        q = tl.trans((scale[None, :] * x).to(cq_tile.dtype.element_ty))
+        if full:
+            tl.store(cq_tile + c[:, None] * M + r[None, :], q)
+        else:
+            tl.store(cq_tile + c[:, None] * M + r[None, :], q, mask=tl.trans(mask))
+        cols = k0 + c
+        s_inv = tl.where(cols < K, s_inv, 1.0)
+        tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
 
 
 @triton.jit
@@ -50,6 +88,10 @@ def _quantize_1x128_dual_kernel(
     x_tile = x_ptr + m0.to(tl.int64) * stride_xm + k0
     rq_tile = row_q_ptr + m0.to(tl.int64) * K + k0
     cq_tile = col_q_ptr + k0.to(tl.int64) * M + m0
+    if SUB_M == BLOCK:
+        _quantize_tile_one_pass(x_tile, rq_tile, cq_tile, row_s_ptr, col_s_ptr, pid_m, pid_k, m0, k0, M, K, M_PAD, K_PAD,
+                                stride_xm, fp8_max, amax_eps, in_max, full, ROWWISE, COLWISE, POW2, BLOCK)  # fmt: skip
+        return
     col_amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)  # reduced once after the chunks
     for c in tl.range(0, BLOCK // SUB_M):
         r = c * SUB_M + sub
