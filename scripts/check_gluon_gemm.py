@@ -6,16 +6,17 @@
     python scripts/check_gluon_gemm.py --aot                # only the sm_90 compile check (no GPU needed)
     python scripts/check_gluon_gemm.py --no-bench           # correctness only
     timeout -k 10 300 python scripts/check_gluon_gemm.py --configs default,n256   # a hung kernel ends as rc 124
-    python scripts/check_gluon_gemm.py --configs n256,n256_stma,n128   # 128x256 tiles, both wgrad scale paths
+    python scripts/check_gluon_gemm.py --configs n256_stma,n256,n128   # 128x256 tiles, both scale paths, 128x128
 
 Configs that do not handle a B scale layout (``gemm_gluon.supports``) print SKIP / n/a for it.
 
 (a) correctness against a float64 emulation of the blockwise math (pass: relative Frobenius error
     <= 2e-3 against the emulation rounded to the output dtype: a bf16 output's own rounding is up to
     2^-9 = 1.95e-3 per element, so on a 128-element output the unrounded error is a coin toss around
-    the bound; both errors are printed) on ragged shapes (M = 1, 130, 200, 300; N = 136, 384), b_block_dim 1 and 2, bias,
-    accumulate_into, bf16 / fp16 / fp32 outputs, e5m2 A, and scale tensors TMA cannot read as they
-    are (unpadded rows, unaligned base: the scale_tma path copies them);
+    the bound; both errors are printed) on ragged shapes (M = 1, 130, 200, 300; N = 136, 384),
+    b_block_dim 1 and 2, bias, accumulate_into, bf16 / fp16 / fp32 outputs, e5m2 A, and scale
+    tensors TMA cannot read as they are (unpadded rows, unaligned base: the scale_tma path copies
+    them); configs after the first must also give bit-identical outputs;
 (b) TFLOPS of the Gluon kernel vs cuBLAS blockwise (torch.nn.functional.scaled_mm) and the plain
     Triton ``blockwise_gemm``: fwd form (128x128 B scales, bf16 out), wgrad form (1x128 B scales,
     bf16 out) and wgrad+acc (1x128 B scales, accumulate_into an fp32 main_grad; cuBLAS column: fp32
@@ -111,8 +112,8 @@ def check_case(tag: str, case, first_outputs: dict | None = None) -> int:
 
     Pass: relative Frobenius error <= TOL against the reference rounded to the output's dtype (the
     rounding the caller asked for is not the kernel's error); the unrounded error is printed too.
-    ``first_outputs``: outputs of the first config by tag; later configs report whether they are
-    bit-identical to it (same per-element operation order, so they should be)."""
+    ``first_outputs``: outputs of the first config by tag; a later config whose output is not
+    bit-identical to it fails (every config promotes in the same per-element order)."""
     try:
         out, ref, problem = case()
         torch.cuda.synchronize()
@@ -124,8 +125,9 @@ def check_case(tag: str, case, first_outputs: dict | None = None) -> int:
         same = ""
         if first_outputs is not None:
             if tag in first_outputs:
-                same = "identical to" if torch.equal(first_outputs[tag], out) else "DIFFERS from"
-                same = f"  {same} the first config"
+                identical = torch.equal(first_outputs[tag], out)
+                ok = ok and identical  # every config promotes in the same per-element order
+                same = f"  {'identical to' if identical else 'DIFFERS from'} the first config"
             else:
                 first_outputs[tag] = out.clone()
         print(f"  {'PASS' if ok else 'FAIL'} {tag} rel_err={err:.2e} (unrounded {raw:.2e}){same}")

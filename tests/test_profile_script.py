@@ -16,10 +16,14 @@ def test_op_overhead_mode_runs_on_the_cpu_and_reports_each_measurement():
 
 
 def test_ncu_targets_refuses_without_a_gpu_and_rejects_unknown_targets():
-    """scripts/ncu_targets.py (run under Nsight Compute on the GPU machine): on a CPU-only machine it
-    says it needs a GPU (exit 2); an unknown target is an argparse error."""
+    """scripts/ncu_targets.py (run under Nsight Compute on the GPU machine): without a visible GPU it
+    says it needs one (exit 2); an unknown target is an argparse error."""
+    import os
+
     script = str(ROOT / "scripts" / "ncu_targets.py")
-    proc = subprocess.run([sys.executable, script, "gemm-fwd", "--impl", "ours"], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # also on a GPU machine: no GPU visible
+    proc = subprocess.run([sys.executable, script, "gemm-fwd", "--impl", "ours"], capture_output=True, text=True,
+                          timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-    proc = subprocess.run([sys.executable, script, "gemm-sideways"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, script, "gemm-sideways"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

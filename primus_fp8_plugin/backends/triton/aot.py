@@ -40,6 +40,8 @@ class KernelSpec:
     num_stages: int
     # regexes that must occur in the PTX/SASS (sm90) or AMDGCN (gfx950)
     expect: dict[str, list[str]] = field(default_factory=dict)
+    # compile with the int arguments specialised as multiples of 16 (aligned shapes) or not (ragged)
+    ints_divisible: bool = True
 
 
 @dataclass
@@ -59,11 +61,14 @@ class AotReport:
 
 
 def _quant_act_spec(
-    in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool, sub_m: int | None = None, num_warps: int | None = None
-) -> KernelSpec:
-    """The act quantizer as launched by default, or with another (sub_m, num_warps) launch config."""
-    sub_m = sub_m or quantize_act.SUB_M
-    num_warps = num_warps or quantize_act.NUM_WARPS
+    in_ty: str, fp8_ty: str, rowwise: bool, columnwise: bool, sub_m: int | None = None, num_warps: int | None = None,
+    ragged: bool = False,
+) -> KernelSpec:  # fmt: skip
+    """The act quantizer as launched for aligned shapes (M, K multiples of 16) or, with ``ragged``,
+    for the others (``quantize_act.launch_config``), or with another (sub_m, num_warps)."""
+    default_sub_m, default_warps = quantize_act.launch_config(17 if ragged else 16, 16)
+    sub_m = sub_m or default_sub_m
+    num_warps = num_warps or default_warps
     sig = {"x_ptr": f"*{in_ty}", "row_q_ptr": f"*{fp8_ty}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{fp8_ty}",
            "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "stride_xm": "i32",
            "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr",
@@ -71,7 +76,8 @@ def _quant_act_spec(
     cvt = "e4m3x2" if fp8_ty == "fp8e4nv" else "e5m2x2"
     amd = "v_cvt_scalef32_pk_fp8_f32" if fp8_ty == "fp8e4nv" else "v_cvt_scalef32_pk_bf8_f32"
     return KernelSpec(
-        f"quantize_1x128_dual[{in_ty}->{fp8_ty},row={int(rowwise)},col={int(columnwise)},sub_m={sub_m}]",
+        f"quantize_1x128_dual[{in_ty}->{fp8_ty},row={int(rowwise)},col={int(columnwise)},sub_m={sub_m}"
+        f"{',ragged' if ragged else ''}]",
         quantize_act._quantize_1x128_dual_kernel,
         sig,
         {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": True, "BLOCK": 128, "SUB_M": sub_m},
@@ -79,6 +85,7 @@ def _quant_act_spec(
         quantize_act.NUM_STAGES,
         # the FP8 conversion, and the NaN-propagating amax (a plain max would hide NaN tiles)
         {"sm90": [rf"cvt\.rn\.satfinite\.{cvt}\.f32", r"max\.NaN\.f32"], "gfx950": [amd, r"v_maximum3?_f32"]},
+        ints_divisible=not ragged,
     )
 
 
@@ -130,7 +137,8 @@ def kernel_specs() -> list[KernelSpec]:
         _quant_act_spec("bf16", "fp8e4nv", True, True),
         _quant_act_spec("bf16", "fp8e5", True, True),
         _quant_act_spec("fp32", "fp8e4nv", True, False),
-        _quant_act_spec("bf16", "fp8e4nv", True, True, sub_m=32, num_warps=2),  # the chunked path
+        _quant_act_spec("bf16", "fp8e4nv", True, True, ragged=True),  # M, K not multiples of 16
+        _quant_act_spec("fp32", "fp8e4nv", True, True, ragged=True),
         _quant_weight_spec(),
         _gemm_spec("fwd"),
         _gemm_spec("wgrad"),
@@ -154,8 +162,10 @@ def sm90_resources(cubin: bytes) -> tuple[dict[str, int], str]:
 
 
 def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, str]]:
-    # Integer arguments are specialised as multiples of 16, as a launch with aligned shapes would be.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty in ("i32",)}
+    # Integer arguments are specialised as multiples of 16, as a launch with aligned shapes would be
+    # (ragged specs: not at all, the worst case for registers).
+    divisible_ints = [i for i, ty in enumerate(spec.signature.values()) if ty == "i32" and spec.ints_divisible]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible_ints}
     attrs.update({(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty[0] == "*"})
     src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
     k = triton.compile(src, target=TARGETS[target], options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})

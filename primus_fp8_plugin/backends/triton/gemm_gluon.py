@@ -90,9 +90,9 @@ class GluonGemmConfig:
     group_m: int = 8
     consumer_regs: int = 232
     producer_regs: int = 40
-    # block_n=256 with 1x128 B scales only: the producer TMA-loads each K block's A-scale [128] and
-    # B-scale [256] row slices into the smem stage with the A/B tiles (the consumers read them with
-    # ld.shared); False: the consumers load them from global memory just in time
+    # block_n=256 only: the producer TMA-loads each K block's A-scale row slice [128] and its B scales
+    # (1x128 B: the [256] row slice; 128x128 B: a [2, 16] box, _B2D_SCALE_BOX) into the smem stage with
+    # the A/B tiles, and the consumers read them with ld.shared; False: they load them from global memory
     scale_tma: bool = False
 
     @property
@@ -145,7 +145,7 @@ def stages_that_fit(
     if scale_tma:  # fp32 A-scale row slice and the B scales of the K block
         stage_bytes += (128 + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
     c_bytes = 128 * _c_block_n(block_n) * out_dtype.itemsize
-    fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (measured: 320)
+    fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (264-320 seen)
     stages = min(fit, 6) if requested <= 0 else requested
     if stages < 2 or stages > fit:
         raise ValueError(f"{stages} stages of BLOCK_N={block_n} do not fit in shared memory (max {fit})")
@@ -181,8 +181,9 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs
     num_tiles = num_pid_m * num_pid_n
     nk = gl.cdiv(K, BK)
     if SCALE_TMA:
-        # + the K block's A-scale [1, BLOCK_M] and B-scale [1, BLOCK_N] row slices (fp32; columns past
-        # M / N are zero-filled and, like the tiles' out-of-bounds bytes, count towards the bytes)
+        # + the K block's A-scale [1, BLOCK_M] row slice and B-scale box ([1, BLOCK_N], or [2, 16] for
+        # 128x128 B scales) (fp32; entries past the tensor are zero-filled and, like the tiles'
+        # out-of-bounds bytes, count towards the bytes)
         nbytes: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + as_desc.block_type.nbytes
                                 + bs_desc.block_type.nbytes)  # fmt: skip
     else:
@@ -202,8 +203,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs
             tma.async_copy_global_to_shared(b_desc, [off_n, kb * BK], ready.index(s), b_bufs.index(s))
             if SCALE_TMA:
                 tma.async_copy_global_to_shared(as_desc, [kb, off_m], ready.index(s), as_bufs.index(s))
-                if B_2D:  # b_s[n // 128 + (0, 1), kb] in a [2, 16] box starting at column kb & ~3 (TMA
-                    # faults on box starts that are not 16-byte aligned)
+                if B_2D:  # b_s[n // 128 + (0, 1), kb] in a [2, 16] box starting at column kb & ~3 (with
+                    # unaligned starts the kernel faulted on the H200: _B2D_SCALE_BOX)
                     tma.async_copy_global_to_shared(bs_desc, [off_n // BK, kb & ~3], ready.index(s), bs_bufs.index(s))
                 else:
                     tma.async_copy_global_to_shared(bs_desc, [kb, off_n], ready.index(s), bs_bufs.index(s))
@@ -307,12 +308,12 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
     one after the other into ONE fresh accumulator, promoted into two running accumulators (acc0,
     acc1). Per thread: 2 x 64 running + 64 fresh fp32 registers. Each 128-column half is exactly one
     128x128 B scale block, so the B_2D scales stay scalars. 1x128 B scales (wgrad): each half is
-    promoted with its own 128-column scale vector (32 registers per thread), read just in time
-    (between the wgmma issue and its wait) from global memory, or with ``SCALE_TMA`` from the smem
-    stage (``as_bufs``/``bs_bufs``, TMA-loaded by the producer with the tiles: one ld.shared base
-    address instead of global pointers). The stage is released after the second half's scales are
-    read. The epilogue stores the two halves one after the other through the same [64, 128] smem
-    buffer."""
+    promoted with its own 128-column scale vector (32 registers per thread). Without ``SCALE_TMA`` the
+    scales come from global memory (B_2D: prefetched one K block ahead; 1x128 B: just in time, between
+    the wgmma issue and its wait); with it, from the smem stage (``as_bufs``/``bs_bufs``, TMA-loaded by
+    the producer with the tiles), read after the stage's ready barrier. The stage is released after
+    its last ld.shared and the second half's wgmma. The epilogue stores the two halves one after the
+    other through the same [64, 128] smem buffer."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -333,7 +334,7 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
     zero = gl.zeros([HALF_M, SUB_N], gl.float32, mma_layout)
     cols = gl.arange(0, SUB_N, layout=col_layout)
     if SCALE_TMA:
-        # the [1, n] TMA boxes (unswizzled) seen as plain [NUM_STAGES, n] fp32 rows for ld.shared
+        # the TMA boxes (unswizzled) seen as plain [NUM_STAGES, n] fp32 rows for ld.shared
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: per stage
         as_rows = as_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_M], flat)
         if B_2D:
@@ -468,7 +469,7 @@ def _blockwise_gemm_gluon_kernel(
     SCALE_TMA: gl.constexpr,
 ):  # fmt: skip
     # as_desc / bs_desc: TMA descriptors of the A and B scales ([1, BLOCK_M] and [1, BLOCK_N] boxes)
-    # when SCALE_TMA (128x256 tiles with 1x128 B scales), else None
+    # when SCALE_TMA (128x256 tiles; [2, 16] B-scale boxes for 128x128 B scales), else None
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -549,20 +550,23 @@ def _desc(base: torch.Tensor, shape: list[int], strides: list[int], block_shape:
     """``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its ``__post_init__``
     checks (~6 us of Python each, five descriptors per GEMM): ``_check_inputs`` and the allocations
     here already guarantee what they check (16-byte aligned base and strides, unit last stride,
-    positive shape); tests/gpu compare the fields with the checked constructor's."""
+    positive shape); tests/backends/test_gemm_gluon_inputs.py rebuilds every descriptor the wrapper
+    makes through the checked constructor."""
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout, padding="zero")
     return desc
 
 
-# [1, width] fp32 boxes of the scale rows (scale_tma): unswizzled, read back with plain ld.shared
+# fp32 boxes of the scale tensors (scale_tma): unswizzled, read back with plain ld.shared
 _SCALE_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 # 128x128-scaled B (b_s [ceil(N/128), >=KB]): one [2, 16] box per K block holds b_s[n0 // 128 + (0, 1),
-# kb] of a 128x256 tile: the box starts at column kb & ~3 (a box must start 16-byte aligned), so the
-# scales are words kb & 3 and 16 + (kb & 3); 16 columns wide so that each stage's box spans 128 bytes
-# (TMA writes to 128-byte aligned shared memory).
+# kb] of a 128x256 tile. 16 columns wide so that each stage's box spans 128 bytes of shared memory
+# (TMA destinations are 128-byte aligned); starting at column kb & ~3, 16 bytes aligned, so the scales
+# are words kb & 3 and 16 + (kb & 3). On the H200, [2, 4] boxes at column kb and [2, 16] boxes at
+# column kb both faulted ("illegal instruction" at the producer's TMA, compute-sanitizer) once
+# kb > 0; [2, 16] at kb & ~3 runs (whether [2, 4] at kb & ~3 would was not tried).
 _B2D_SCALE_BOX = (2, 16)
 
 

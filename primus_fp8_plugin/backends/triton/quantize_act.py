@@ -32,6 +32,10 @@ from .scales import amax_nan, max_nan, scale_and_inverse
 
 SUB_M = BLOCK  # rows per pass: the whole tile, with NUM_WARPS the fastest on the H200 (docs/PERFORMANCE.md)
 NUM_WARPS = 4
+# Where M or K is not a multiple of 16, Triton cannot vectorise the stores and the one-pass kernel
+# spills (616-3648 bytes, ahead of time for sm_90): 16-row chunks with 4 warps compile spill-free.
+RAGGED_SUB_M = 16
+RAGGED_NUM_WARPS = 4
 MAX_DIM = 2**31 // BLOCK  # in-tile offsets (row * K, col * M within a 128-tile) are int32
 NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
 
@@ -152,18 +156,28 @@ def dual_outputs(x: torch.Tensor, params: QuantParams, rowwise: bool, columnwise
     return row_q, row_s, col_q, col_s, parts
 
 
+def launch_config(m: int, k: int) -> tuple[int, int]:
+    """(SUB_M, num_warps) for ``x [m, k]``: one pass over each tile where M and K are multiples of 16
+    (Triton then specialises the int arguments as such), 16-row chunks otherwise."""
+    return (SUB_M, NUM_WARPS) if m % 16 == 0 and k % 16 == 0 else (RAGGED_SUB_M, RAGGED_NUM_WARPS)
+
+
 def quantize_1x128_dual(
     x: torch.Tensor,
     params: QuantParams,
     *,
     rowwise: bool,
     columnwise: bool,
-    sub_m: int = SUB_M,
-    num_warps: int = NUM_WARPS,
+    sub_m: int | None = None,
+    num_warps: int | None = None,
 ) -> BlockwiseFp8Tensor:
-    """Rowwise and/or columnwise 1x128 quantization of a contiguous 2-D ``x [M, K]`` in one pass."""
+    """Rowwise and/or columnwise 1x128 quantization of a contiguous 2-D ``x [M, K]`` in one pass over
+    HBM. ``sub_m`` / ``num_warps``: the launch config (default: ``launch_config``)."""
     assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1
     m, k = x.shape
+    default_sub_m, default_warps = launch_config(m, k)
+    sub_m = sub_m or default_sub_m
+    num_warps = num_warps or default_warps
     if max(m, k) >= MAX_DIM:
         raise ValueError(f"x is [{m}, {k}]: this kernel's in-tile offsets are 32-bit, so M and K must stay below "
                          f"{MAX_DIM}; quantize it in row blocks")  # fmt: skip

@@ -1,10 +1,11 @@
 """128x128 weight quantization: one HBM read of W [N, K] writes W (fprop) and W^T (dgrad) with scales.
 
 Hopper FP8 tensor cores need the contraction dim contiguous, so dgrad needs W^T physically; both
-copies hold the same FP8 values and scales (transposed), produced by the same program. As in
-``quantize_act.py`` a program walks its 128x128 block in chunks of SUB_M rows: one pass for the
-block's amax, then (from L2) one to quantize and store W and one for W^T. The transposed copy is
-made by transposing fp32 values, never FP8 ones.
+copies hold the same FP8 values and scales (transposed), produced by the same program. A program
+walks its 128x128 block in chunks of SUB_M rows (by default the whole block at once): one pass for
+the block's amax, then (from L2) one to quantize and store W and one for W^T. The transposed copy
+is made by transposing fp32 values, never FP8 ones (loading the block once and transposing the FP8
+copy gave wrong W^T bytes on the H200, docs/PERFORMANCE.md 2026-12-01; see also the kernel's comment).
 """
 
 from __future__ import annotations
