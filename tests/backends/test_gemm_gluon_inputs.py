@@ -1,13 +1,15 @@
-"""The Hopper Gluon GEMM's wrapper on any machine: wrong inputs raise ValueError / TypeError (so the
-triton backend never hands them to another kernel), valid inputs it does not take raise
-GluonUnsupported (so the backend falls back), all before anything is allocated or launched. The
-kernel itself is checked on the GPU (tests/gpu) and compiled in CI (test_triton_aot.py)."""
+"""The Hopper Gluon GEMM's wrapper on any machine: wrong inputs raise ValueError / TypeError, as the
+portable wrapper's do (the contract both share, gemm.check_operands; so the triton backend never
+hands them to another kernel); valid inputs it does not take raise GluonUnsupported (so the backend
+falls back), all before anything is allocated or launched. The kernel itself is checked on the GPU
+(tests/gpu) and compiled in CI (test_triton_aot.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
 from primus_fp8_plugin.backends.triton.gemm_gluon import GluonUnsupported, blockwise_gemm_gluon, runs_on
 
 E4M3 = torch.float8_e4m3fn
@@ -22,8 +24,12 @@ def operands(m=64, n=128, k=256, b_block_dim=2):
     return a, a_s, b, b_s
 
 
-def call(a, a_s, b, b_s, b_block_dim=2, out_dtype=torch.bfloat16, **kw):
-    return blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=b_block_dim, out_dtype=out_dtype, **kw)
+def call(a, a_s, b, b_s, b_block_dim=2, out_dtype=torch.bfloat16, wrapper=blockwise_gemm_gluon, **kw):
+    return wrapper(a, a_s, b, b_s, b_block_dim=b_block_dim, out_dtype=out_dtype, **kw)
+
+
+# Both wrappers share the wrong-input contract (gemm.check_operands); the portable one would run.
+WRAPPERS = pytest.mark.parametrize("wrapper", [blockwise_gemm_gluon, blockwise_gemm], ids=["gluon", "portable"])
 
 
 @pytest.mark.parametrize(
@@ -34,19 +40,25 @@ def call(a, a_s, b, b_s, b_block_dim=2, out_dtype=torch.bfloat16, **kw):
         (torch.zeros(128, 64).t(), r"unit column stride"),  # not row-contiguous
     ],
 )
-def test_a_wrong_accumulate_into_is_a_value_error(accumulate_into, match):
+@WRAPPERS
+def test_a_wrong_accumulate_into_is_a_value_error(accumulate_into, match, wrapper):
     with pytest.raises(ValueError, match=match):
-        call(*operands(b_block_dim=1), b_block_dim=1, accumulate_into=accumulate_into)
+        call(*operands(b_block_dim=1), b_block_dim=1, accumulate_into=accumulate_into, wrapper=wrapper)
 
 
-def test_wrong_dtypes_and_scales_are_errors_not_fallbacks():
+@WRAPPERS
+def test_wrong_dtypes_and_scales_are_errors_not_fallbacks(wrapper):
     a, a_s, b, b_s = operands()
     with pytest.raises(TypeError, match="FP8 operands"):
-        call(a.to(torch.bfloat16), a_s, b, b_s)
+        call(a.to(torch.bfloat16), a_s, b, b_s, wrapper=wrapper)
     with pytest.raises(TypeError, match="out_dtype"):
-        call(a, a_s, b, b_s, out_dtype=torch.int32)
+        call(a, a_s, b, b_s, out_dtype=torch.int32, wrapper=wrapper)
     with pytest.raises(ValueError, match="a_scale_inv has shape"):
-        call(a, a_s[:, :8], b, b_s)
+        call(a, a_s[:, :8], b, b_s, wrapper=wrapper)
+    with pytest.raises(ValueError, match="b_scale_inv has shape"):
+        call(a, a_s, b, b_s[:, :1], wrapper=wrapper)
+    with pytest.raises(ValueError, match="bias"):
+        call(a, a_s, b, b_s, bias=torch.zeros(7), wrapper=wrapper)
     for err in (TypeError, ValueError):
         assert not issubclass(err, GluonUnsupported)
 

@@ -200,11 +200,16 @@ def run_all(dump_dir: Path | None = None) -> list[AotReport]:
             report, asm = compile_spec(spec, target)
             reports.append(report)
             if dump_dir:
-                dump_dir.mkdir(parents=True, exist_ok=True)
-                stem = re.sub(r"[^\w.-]+", "_", f"{spec.name}.{target}")
-                for ext, body in asm.items():
-                    (dump_dir / f"{stem}.{ext}").write_text(body)
+                dump_asm(dump_dir, f"{spec.name}.{target}", asm)
     return reports
+
+
+def dump_asm(dump_dir: Path, name: str, asm: dict[str, str]) -> None:
+    """Write ``asm`` ({extension: text}, e.g. ptx / sass / amdgcn) as ``dump_dir/<name>.<extension>``."""
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^\w.-]+", "_", name)
+    for ext, body in asm.items():
+        (dump_dir / f"{stem}.{ext}").write_text(body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,6 +138,44 @@ def _blockwise_gemm_kernel(
 _launch = FastLauncher(_blockwise_gemm_kernel)
 
 
+def check_operands(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into) -> None:
+    """The GEMM wrappers' contract (this kernel's and the Hopper Gluon one's): wrong inputs raise
+    ``TypeError`` / ``ValueError`` before anything is allocated or launched."""
+    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"FP8 operands (e4m3fn/e5m2) required, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"expected a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    m, k = a.shape
+    n = b.shape[0]
+    kb = ceil_div(k, BLOCK)
+    if a_scale_inv.dtype != torch.float32 or a_scale_inv.dim() != 2 or a_scale_inv.stride(1) != 1:
+        raise ValueError("a_scale_inv must be a float32 [ceil(K/128), >=M] tensor with unit column stride")
+    if a_scale_inv.shape[0] != kb or a_scale_inv.shape[1] < m:
+        raise ValueError(f"a_scale_inv has shape {tuple(a_scale_inv.shape)}, expected [{kb}, >={m}]")
+    if b_scale_inv.dtype != torch.float32 or b_scale_inv.dim() != 2 or b_scale_inv.stride(1) != 1:
+        raise ValueError("b_scale_inv must be a float32 2-D tensor with unit column stride")
+    if b_block_dim == 2:
+        if b_scale_inv.shape[0] != ceil_div(n, BLOCK) or b_scale_inv.shape[1] < kb:
+            raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{ceil_div(n, 128)}, >={kb}]")
+    elif b_block_dim == 1:
+        if b_scale_inv.shape[0] != kb or b_scale_inv.shape[1] < n:
+            raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{kb}, >={n}]")
+    else:
+        raise ValueError(f"b_block_dim must be 1 or 2, got {b_block_dim}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [N={n}] tensor")
+    if accumulate_into is not None:
+        c = accumulate_into
+        if c.dtype != torch.float32 or tuple(c.shape) != (m, n) or c.stride(1) != 1:
+            raise ValueError(f"accumulate_into must be a float32 [{m}, {n}] tensor with unit column stride, got "
+                             f"{c.dtype} {tuple(c.shape)} strides {c.stride()}")  # fmt: skip
+    elif out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
+    for t in (a_scale_inv, b_scale_inv) + ((bias,) if bias is not None else ()):
+        if t.device != a.device or b.device != a.device:
+            raise ValueError("all tensors must be on the same device")
+
+
 def blockwise_gemm(
     a: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -151,14 +189,10 @@ def blockwise_gemm(
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """``a [M, K] @ b [N, K]^T``; scale tensors in TE's layouts (see module docstring)."""
+    check_operands(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
+    assert a.is_contiguous() and b.is_contiguous()
     m, k = a.shape
     n = b.shape[0]
-    assert b.shape[1] == k and a.is_contiguous() and b.is_contiguous()
-    assert a_scale_inv.shape[0] == ceil_div(k, BLOCK) and a_scale_inv.shape[1] >= m
-    if b_block_dim == 2:
-        assert b_scale_inv.shape[0] == ceil_div(n, BLOCK) and b_scale_inv.shape[1] >= ceil_div(k, BLOCK)
-    else:
-        assert b_scale_inv.shape[0] == ceil_div(k, BLOCK) and b_scale_inv.shape[1] >= n
     if accumulate_into is not None:
         c = accumulate_into
     else:

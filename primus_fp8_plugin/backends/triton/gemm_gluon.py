@@ -68,6 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...tensor import ceil_div
+from .gemm import check_operands
 from .launch import FastLauncher
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
@@ -490,32 +491,28 @@ def _blockwise_gemm_gluon_kernel(
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
 
-    # The argument tuples must be written inline: a tuple assigned to a variable turns its
-    # constexprs into tensors.
     if SCALE_TMA:
         as_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], as_desc.layout)
         bs_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES] + bs_desc.block_type.shape, bs_desc.layout)
+        as_src = as_desc
+        bs_src = bs_desc
+    else:  # stand-ins for the unused scale descriptors and buffers
+        as_bufs = a_bufs
+        bs_bufs = b_bufs
+        as_src = a_desc
+        bs_src = b_desc
+    # The argument tuples must be written inline: a tuple assigned to a variable turns its
+    # constexprs into tensors.
+    if WIDE:
         gl.warp_specialize([
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
                               K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE,
-                              GROUP_M, True)),
+                              GROUP_M, SCALE_TMA)),
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
                               K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE,
-                              GROUP_M, True)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs_desc, as_bufs, bs_bufs,
-                         GROUP_M, True, B_2D)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
-    elif WIDE:
-        # (a_desc, b_desc, a_bufs, b_bufs stand in for the unused scale descriptors / buffers)
-        gl.warp_specialize([
-            (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
-                              K, stride_as, stride_bs, stride_cm, a_bufs, b_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE,
-                              GROUP_M, False)),
-            (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
-                              K, stride_as, stride_bs, stride_cm, a_bufs, b_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE,
-                              GROUP_M, False)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, a_desc, b_desc, a_bufs, b_bufs,
-                         GROUP_M, False, B_2D)),
+                              GROUP_M, SCALE_TMA)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
+                         GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
@@ -523,8 +520,8 @@ def _blockwise_gemm_gluon_kernel(
                          stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
                          stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, a_desc, b_desc, a_bufs, b_bufs,
-                         GROUP_M, False, B_2D)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
+                         GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
@@ -610,13 +607,12 @@ def runs_on(device: torch.device) -> bool:
 
 
 def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
-    if a.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or b.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise TypeError(f"FP8 operands (e4m3fn/e5m2) required, got {a.dtype} and {b.dtype}")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"expected a [M, K] and b [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    # wrong inputs: ValueError / TypeError (the contract shared with the portable kernel) ...
+    check_operands(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
+    # ... valid inputs TMA cannot take: GluonUnsupported (the caller may run the portable kernel)
     if not (a.is_contiguous() and b.is_contiguous()):
         raise GluonUnsupported("a and b must be contiguous (row-major, K-contiguous)")
-    m, k = a.shape
+    k = a.shape[1]
     n = b.shape[0]
     if k % 16 != 0:
         raise GluonUnsupported(f"K={k} must be a multiple of 16 (TMA needs 16-byte row strides)")
@@ -625,35 +621,9 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
     for t in (a, b):
         if t.data_ptr() % 16 != 0:
             raise GluonUnsupported("a and b must be 16-byte aligned")
-    kb = ceil_div(k, BLOCK_K)
-    if a_scale_inv.dtype != torch.float32 or a_scale_inv.dim() != 2 or a_scale_inv.stride(1) != 1:
-        raise ValueError("a_scale_inv must be a float32 [ceil(K/128), >=M] tensor with unit column stride")
-    if a_scale_inv.shape[0] != kb or a_scale_inv.shape[1] < m:
-        raise ValueError(f"a_scale_inv has shape {tuple(a_scale_inv.shape)}, expected [{kb}, >={m}]")
-    if b_scale_inv.dtype != torch.float32 or b_scale_inv.dim() != 2 or b_scale_inv.stride(1) != 1:
-        raise ValueError("b_scale_inv must be a float32 2-D tensor with unit column stride")
-    if b_block_dim == 2:
-        if b_scale_inv.shape[0] != ceil_div(n, BLOCK_K) or b_scale_inv.shape[1] < kb:
-            raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{ceil_div(n, 128)}, >={kb}]")
-    elif b_block_dim == 1:
-        if b_scale_inv.shape[0] != kb or b_scale_inv.shape[1] < n:
-            raise ValueError(f"b_scale_inv has shape {tuple(b_scale_inv.shape)}, expected [{kb}, >={n}]")
-    else:
-        raise ValueError(f"b_block_dim must be 1 or 2, got {b_block_dim}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous [N={n}] tensor")
-    if accumulate_into is not None:
-        c = accumulate_into
-        if c.dtype != torch.float32 or tuple(c.shape) != (m, n) or c.stride(1) != 1:
-            raise ValueError(f"accumulate_into must be a float32 [{m}, {n}] tensor with unit column stride, got "
-                             f"{c.dtype} {tuple(c.shape)} strides {c.stride()}")  # fmt: skip
-        if (c.stride(0) * 4) % 16 or c.data_ptr() % 16:
-            raise GluonUnsupported("accumulate_into must be 16-byte aligned, with 16-byte aligned rows")
-    elif out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"out_dtype {out_dtype} not supported (bf16, fp16, fp32)")
-    for t in (a_scale_inv, b_scale_inv) + ((bias,) if bias is not None else ()):
-        if t.device != a.device or b.device != a.device:
-            raise ValueError("all tensors must be on the same device")
+    c = accumulate_into
+    if c is not None and ((c.stride(0) * 4) % 16 or c.data_ptr() % 16):
+        raise GluonUnsupported("accumulate_into must be 16-byte aligned, with 16-byte aligned rows")
 
 
 def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
@@ -681,6 +651,17 @@ def supports(
     except (NotImplementedError, ValueError) as e:
         return str(e)
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_plan(
+    config: GluonGemmConfig | None, b_block_dim: int, out_dtype: torch.dtype, accumulate: bool
+) -> tuple[GluonGemmConfig, int]:
+    """(config, pipeline stages) of a call: ``config`` or ``select_config``'s pick, checked. Cached, as
+    the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
+    cfg = config or select_config(b_block_dim, out_dtype, accumulate)
+    _check_config(cfg, b_block_dim, out_dtype, accumulate)
+    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, cfg.scale_tma, b_block_dim)
 
 
 def blockwise_gemm_gluon(
@@ -713,9 +694,7 @@ def blockwise_gemm_gluon(
             return c.zero_()
     if m == 0 or n == 0 or k == 0:
         return c
-    cfg = config or select_config(b_block_dim, c.dtype, accumulate_into is not None)
-    _check_config(cfg, b_block_dim, c.dtype, accumulate_into is not None)
-    stages = stages_that_fit(cfg.block_n, c.dtype, cfg.num_stages, cfg.scale_tma, b_block_dim)
+    cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None)
     bm, bn = cfg.block_m, cfg.block_n
     cn = _c_block_n(bn)
     a_desc = _desc(a, [m, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
@@ -910,10 +889,9 @@ def aot_check(dump_dir: Path | None = None, verbose: bool = True, configs: dict[
             for w in info["ptxas_warnings"]:
                 print(f"    ptxas: {w}")
         if dump_dir is not None:
-            dump_dir.mkdir(parents=True, exist_ok=True)
-            stem = re.sub(r"[^\w.-]+", "_", v.name)
-            (dump_dir / f"{stem}.ptx").write_text(info["ptx"])
-            (dump_dir / f"{stem}.sass").write_text(info["sass"])
+            from .aot import dump_asm
+
+            dump_asm(dump_dir, v.name, {"ptx": info["ptx"], "sass": info["sass"]})
     return ok_all
 
 

@@ -41,39 +41,45 @@ NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the 
 
 
 @triton.jit
-def _quantize_tile_one_pass(x_tile, rq_tile, cq_tile, row_s_ptr, col_s_ptr, pid_m, pid_k, m0, k0, M, K, M_PAD, K_PAD,
-                            stride_xm, fp8_max, amax_eps, in_max, full, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
-                            POW2: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    # SUB_M == BLOCK: the whole tile is loaded once (all loads issued together) and both copies are
-    # made from registers (4 warps: 229 registers, two programs per SM; 8 warps: 126 registers but
-    # slower, 56% against 65% of copy on the H200).
-    r = tl.arange(0, BLOCK)
-    c = tl.arange(0, BLOCK)
-    mask = (m0 + r < M)[:, None] & (k0 + c < K)[None, :]
+def _load_rows(x_tile, r, c, stride_xm, mask, full):
+    """Rows ``r`` x columns ``c`` of the tile, in fp32 (unmasked on interior tiles)."""
     if full:
         x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :]).to(tl.float32)
     else:
         x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    if ROWWISE:
-        scale, s_inv = scale_and_inverse(amax_nan(x, 1), fp8_max, amax_eps, in_max, POW2)
-        q = (scale[:, None] * x).to(rq_tile.dtype.element_ty)
-        if full:
-            tl.store(rq_tile + r[:, None] * K + c[None, :], q)
-        else:
-            tl.store(rq_tile + r[:, None] * K + c[None, :], q, mask=mask)
-        rows = m0 + r
-        s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
-        tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
-    if COLWISE:
-        scale, s_inv = scale_and_inverse(amax_nan(x, 0), fp8_max, amax_eps, in_max, POW2)
-        q = tl.trans((scale[None, :] * x).to(cq_tile.dtype.element_ty))
-        if full:
-            tl.store(cq_tile + c[:, None] * M + r[None, :], q)
-        else:
-            tl.store(cq_tile + c[:, None] * M + r[None, :], q, mask=tl.trans(mask))
-        cols = k0 + c
-        s_inv = tl.where(cols < K, s_inv, 1.0)
-        tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
+    return x
+
+
+@triton.jit
+def _rowwise_copy(x, r, c, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps, in_max,
+                  POW2: tl.constexpr):  # fmt: skip
+    """Quantize and store rows ``r`` of the rowwise copy (an amax per row) and their scale_inv entries."""
+    scale, s_inv = scale_and_inverse(amax_nan(x, 1), fp8_max, amax_eps, in_max, POW2)
+    q = (scale[:, None] * x).to(rq_tile.dtype.element_ty)
+    if full:
+        tl.store(rq_tile + r[:, None] * K + c[None, :], q)
+    else:
+        tl.store(rq_tile + r[:, None] * K + c[None, :], q, mask=mask)
+    rows = m0 + r
+    s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
+    tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
+
+
+@triton.jit
+def _columnwise_copy(x, scale, r, c, cq_tile, M, mask, full):
+    """Quantize rows ``r`` of the tile with the column scales and store them transposed (FP8 bytes)."""
+    q = tl.trans((scale[None, :] * x).to(cq_tile.dtype.element_ty))
+    if full:
+        tl.store(cq_tile + c[:, None] * M + r[None, :], q)
+    else:
+        tl.store(cq_tile + c[:, None] * M + r[None, :], q, mask=tl.trans(mask))
+
+
+@triton.jit
+def _column_scales(s_inv, c, col_s_ptr, pid_m, k0, K, K_PAD):
+    cols = k0 + c
+    s_inv = tl.where(cols < K, s_inv, 1.0)  # padding entries of the TE layout
+    tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
 
 
 @triton.jit
@@ -93,45 +99,38 @@ def _quantize_1x128_dual_kernel(
     rq_tile = row_q_ptr + m0.to(tl.int64) * K + k0
     cq_tile = col_q_ptr + k0.to(tl.int64) * M + m0
     if SUB_M == BLOCK:
-        _quantize_tile_one_pass(x_tile, rq_tile, cq_tile, row_s_ptr, col_s_ptr, pid_m, pid_k, m0, k0, M, K, M_PAD, K_PAD,
-                                stride_xm, fp8_max, amax_eps, in_max, full, ROWWISE, COLWISE, POW2, BLOCK)  # fmt: skip
-        return
-    col_amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)  # reduced once after the chunks
-    for c in tl.range(0, BLOCK // SUB_M):
-        r = c * SUB_M + sub
-        mask = (m0 + r < M)[:, None] & (k0 + blk < K)[None, :]
-        if full:
-            x = tl.load(x_tile + r[:, None] * stride_xm + blk[None, :]).to(tl.float32)
-        else:
-            x = tl.load(x_tile + r[:, None] * stride_xm + blk[None, :], mask=mask, other=0.0).to(tl.float32)
+        # The whole tile loaded once (all loads issued together), both copies made from registers
+        # (4 warps: 229 registers, two programs per SM; 8 warps: 126 registers but slower, 56%
+        # against 65% of copy on the H200).
+        mask = (m0 + blk < M)[:, None] & (k0 + blk < K)[None, :]
+        x = _load_rows(x_tile, blk, blk, stride_xm, mask, full)
         if ROWWISE:
-            scale, s_inv = scale_and_inverse(amax_nan(x, 1), fp8_max, amax_eps, in_max, POW2)
-            q = (scale[:, None] * x).to(row_q_ptr.dtype.element_ty)
-            if full:
-                tl.store(rq_tile + r[:, None] * K + blk[None, :], q)
-            else:
-                tl.store(rq_tile + r[:, None] * K + blk[None, :], q, mask=mask)
-            rows = m0 + r
-            s_inv = tl.where(rows < M, s_inv, 1.0)  # padding entries of the TE layout
-            tl.store(row_s_ptr + pid_k * M_PAD + rows, s_inv, mask=rows < M_PAD)
+            _rowwise_copy(x, blk, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
+                          in_max, POW2)  # fmt: skip
         if COLWISE:
-            col_amax2d = max_nan(col_amax2d, tl.abs(x))
-    if COLWISE:
-        scale, s_inv = scale_and_inverse(tl.reduce(col_amax2d, 0, max_nan), fp8_max, amax_eps, in_max, POW2)
+            scale, s_inv = scale_and_inverse(amax_nan(x, 0), fp8_max, amax_eps, in_max, POW2)
+            _columnwise_copy(x, scale, blk, blk, cq_tile, M, mask, full)
+            _column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
+    else:
+        # Chunks of SUB_M rows: rowwise copy and a running column amax, then the columnwise copy in a
+        # second pass over the chunks (from L2)
+        col_amax2d = tl.zeros([SUB_M, BLOCK], dtype=tl.float32)  # reduced once after the chunks
         for c in tl.range(0, BLOCK // SUB_M):
             r = c * SUB_M + sub
             mask = (m0 + r < M)[:, None] & (k0 + blk < K)[None, :]
-            if full:
-                x = tl.load(x_tile + r[:, None] * stride_xm + blk[None, :])
-                q = tl.trans((scale[None, :] * x.to(tl.float32)).to(col_q_ptr.dtype.element_ty))
-                tl.store(cq_tile + blk[:, None] * M + r[None, :], q)
-            else:
-                x = tl.load(x_tile + r[:, None] * stride_xm + blk[None, :], mask=mask, other=0.0)
-                q = tl.trans((scale[None, :] * x.to(tl.float32)).to(col_q_ptr.dtype.element_ty))
-                tl.store(cq_tile + blk[:, None] * M + r[None, :], q, mask=tl.trans(mask))
-        cols = k0 + blk
-        s_inv = tl.where(cols < K, s_inv, 1.0)
-        tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
+            x = _load_rows(x_tile, r, blk, stride_xm, mask, full)
+            if ROWWISE:
+                _rowwise_copy(x, r, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
+                              in_max, POW2)  # fmt: skip
+            if COLWISE:
+                col_amax2d = max_nan(col_amax2d, tl.abs(x))
+        if COLWISE:
+            scale, s_inv = scale_and_inverse(tl.reduce(col_amax2d, 0, max_nan), fp8_max, amax_eps, in_max, POW2)
+            for c in tl.range(0, BLOCK // SUB_M):
+                r = c * SUB_M + sub
+                mask = (m0 + r < M)[:, None] & (k0 + blk < K)[None, :]
+                _columnwise_copy(_load_rows(x_tile, r, blk, stride_xm, mask, full), scale, r, blk, cq_tile, M, mask, full)
+            _column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
 
 
 _launch = FastLauncher(_quantize_1x128_dual_kernel)

@@ -462,10 +462,9 @@ def aot_check(dump_dir: Path | None = None, verbose: bool = True, cfg: GluonQuan
                   f"local={info['local']} smem={info['smem']} byte_st={info['byte_st']} sass={info['sass_lines']} "
                   f"found={f}")  # fmt: skip
         if dump_dir is not None:
-            dump_dir.mkdir(parents=True, exist_ok=True)
-            stem = re.sub(r"[^\w.-]+", "_", name)
-            (dump_dir / f"{stem}.ptx").write_text(info["ptx"])
-            (dump_dir / f"{stem}.sass").write_text(info["sass"])
+            from .aot import dump_asm
+
+            dump_asm(dump_dir, name, {"ptx": info["ptx"], "sass": info["sass"]})
     return ok_all
 
 
