@@ -221,12 +221,17 @@ def cublas_fn(a, a_s, b, b_s, b_block_dim, out_dtype):
     return lambda: F.scaled_mm(a, b.t(), a_view, F.ScalingType.BlockWise1x128, b_view, recipe, output_dtype=out_dtype)
 
 
-def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool) -> None:
+def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool, rounds: int = 1) -> None:
+    """TFLOPS per form and shape; with ``rounds`` > 1 every contender is timed once per round, the
+    rounds interleaved (clock and power drift hit all alike), and the median is printed with the range."""
+    import statistics
+
     import triton
 
     from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
 
-    print("\n=== benchmark (TFLOPS; ratio = gluon / cuBLAS; wgrad+acc: cuBLAS writes fp32 without accumulating)")
+    print(f"\n=== benchmark (TFLOPS{f', median of {rounds} interleaved rounds (min-max)' if rounds > 1 else ''}; "
+          "ratio = gluon / cuBLAS; wgrad+acc: cuBLAS writes fp32 without accumulating)")  # fmt: skip
     header = f"{'form':6} {'M':>6} {'N':>6} {'K':>6} {'cuBLAS':>8} {'triton':>8}"
     for name in configs:
         header += f" {name:>10} {'ratio':>6}"
@@ -246,45 +251,64 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool) -> Non
                 ms = triton.testing.do_bench(fn, warmup=10, rep=60)
                 return flops / ms * 1e-9
 
+            # contenders: (label, fn or None when it failed / does not apply)
+            contenders = []
             ref_out = None
             try:
                 fn = cublas_fn(a, a_s, b, b_s, bdim, od)
                 ref_out = fn()
-                t_cublas = tflops(fn)
-                line += f" {t_cublas:8.1f}"
+                contenders.append(("cuBLAS", fn))
             except Exception as e:  # noqa: BLE001
-                t_cublas = float("nan")
-                line += f" {'err':>8}"
+                contenders.append(("cuBLAS", None))
                 print(f"    cuBLAS failed: {type(e).__name__}: {str(e)[:300]}")
             acc_buf = torch.zeros(m, n, device="cuda", dtype=torch.float32) if accumulate else None
             if with_triton:
-                try:
-                    portable = functools.partial(blockwise_gemm, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od,
-                                                 accumulate_into=acc_buf)  # fmt: skip
-                    line += f" {tflops(portable):8.1f}"
-                except Exception as e:  # noqa: BLE001
-                    line += f" {'err':>8}"
-                    print(f"    triton failed: {type(e).__name__}: {str(e)[:300]}")
-            else:
-                line += f" {'-':>8}"
+                contenders.append(("triton", functools.partial(blockwise_gemm, a, a_s, b, b_s, b_block_dim=bdim,
+                                                               out_dtype=od, accumulate_into=acc_buf)))  # fmt: skip
             checks = []
             for name, cfg in configs.items():
                 if gemm_gluon.supports(cfg, bdim, od, accumulate) is not None:
-                    line += f" {'n/a':>10} {'-':>6}"
+                    contenders.append((name, "n/a"))
                     continue
+                fn = functools.partial(blockwise_gemm_gluon, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od,
+                                       accumulate_into=acc_buf, config=cfg)  # fmt: skip
                 try:
-                    fn = functools.partial(blockwise_gemm_gluon, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od,
-                                           accumulate_into=acc_buf, config=cfg)  # fmt: skip
                     if acc_buf is not None:
                         acc_buf.zero_()  # the check compares one product (the timing then accumulates on)
                     out = fn()
                     if ref_out is not None:
                         checks.append(f"{name}:{rel_err(out.float(), ref_out.double()):.1e}")
-                    t = tflops(fn)
-                    line += f" {t:10.1f} {t / t_cublas:6.2f}"
+                    contenders.append((name, fn))
                 except Exception as e:  # noqa: BLE001
-                    line += f" {'err':>10} {'-':>6}"
+                    contenders.append((name, None))
                     print(f"    gluon[{name}] failed: {type(e).__name__}: {str(e)[:500]}")
+            times: dict[str, list[float]] = {label: [] for label, fn in contenders if callable(fn)}
+            for _ in range(rounds):
+                for label, fn in contenders:
+                    if not callable(fn):
+                        continue
+                    try:
+                        times[label].append(tflops(fn))
+                    except Exception as e:  # noqa: BLE001
+                        print(f"    {label} failed: {type(e).__name__}: {str(e)[:300]}")
+
+            def fmt(label):
+                ts = times.get(label) or []
+                if not ts:
+                    return float("nan"), f"{'err':>8}"
+                med = statistics.median(ts)
+                spread = f" ({min(ts):.0f}-{max(ts):.0f})" if rounds > 1 else ""
+                return med, f" {med:8.1f}{spread}"
+
+            t_cublas, text = fmt("cuBLAS")
+            line += text
+            line += fmt("triton")[1] if with_triton else f" {'-':>8}"
+            for label, fn in contenders[(2 if with_triton else 1) :]:
+                if fn == "n/a":
+                    line += f" {'n/a':>10} {'-':>6}"
+                    continue
+                t, text = fmt(label)
+                line += f"{text} {t / t_cublas:6.2f}"
             print(line + "  " + " ".join(checks), flush=True)
             del a, b, a_s, b_s, ref_out, acc_buf
             torch.cuda.empty_cache()
@@ -303,6 +327,7 @@ def main(argv=None) -> int:
                          "the others get the ragged shapes, without 4096^3)")  # fmt: skip
     ap.add_argument("--shapes", default="", help="benchmark only these shapes, e.g. 4096x4096x4096,8192x8192x8192")
     ap.add_argument("--aot", action="store_true", help="only run the sm_90 AOT compile check (no GPU needed)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per shape (median reported)")
     args = ap.parse_args(argv)
 
     names = list(CONFIGS) if args.configs == "all" else [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -334,7 +359,7 @@ def main(argv=None) -> int:
         shapes = BENCH_SHAPES
         if args.shapes:
             shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        bench(configs, shapes, not args.no_triton)
+        bench(configs, shapes, not args.no_triton, args.rounds)
     print(f"\ntotal {time.time() - t0:.0f} s")
     return 1 if fails else 0
 

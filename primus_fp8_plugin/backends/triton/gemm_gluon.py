@@ -15,8 +15,8 @@ Design (DeepGEMM-like, warp specialised, persistent):
   ``acc += part * a_scale[m] * b_scale[n]`` on the CUDA cores. The promotion of one warpgroup
   overlaps the other warpgroup's wgmma through the warp scheduler (DeepGEMM's scheme). Registers
   are rebalanced with ``setmaxnreg`` (consumers 232, producer 40 under ``maxnreg=168``).
-  (Double-buffering the fresh accumulator inside a warpgroup was tried: ptxas serialised its
-  wgmmas, warning C7515, and spilled; removed, see docs/PERFORMANCE.md);
+  (Double-buffering the fresh accumulator of a 128x128 tile's n128 chains was tried: ptxas
+  serialised its wgmmas, warning C7515, and spilled; removed, see docs/PERFORMANCE.md);
 * ``block_n=256`` (config ``n256``, 128x256 tiles: 25% less L2->SM operand traffic per FLOP than
   128x128): each K block runs two m64n128k32 wgmma chains (B rows 0-127, 128-255) one after the
   other into one fresh accumulator, promoted into two running accumulators (``_consumer_wide``);
@@ -26,7 +26,7 @@ Design (DeepGEMM-like, warp specialised, persistent):
   (wgrad) each half is promoted with its own 128-column B-scale vector (32 registers per thread).
   The scales either come from global memory (``WIDE_CONFIG``: the next K block's prefetched into
   registers, or for 1x128 B just in time between the wgmma issue and its wait), or, with
-  ``scale_tma=True`` (``WIDE_SCALE_TMA_CONFIG``, what ``select_config`` picks), from the smem stage:
+  ``scale_tma=True`` (``WIDE_SCALE_TMA_CONFIG``), from the smem stage:
   the producer TMA-loads the K block's A-scale [128] row slice and its B scales (the [256] row slice
   for 1x128 B; a [2, 16] box holding the two 128x128-block scales for 128x128 B) with the tiles, so
   the consumers read them with ld.shared after the stage's ready barrier. Nsight Compute on the
@@ -35,6 +35,14 @@ Design (DeepGEMM-like, warp specialised, persistent):
   wait), 23% of their stall samples; staged, that stall is gone (docs/PERFORMANCE.md). TE's
   [KB, pad4(M)] and [NB, pad4(KB)] scale rows are 16-byte aligned as TMA needs; other layouts are
   copied; out-of-range entries are zero-filled;
+* ``quarter_chains=True`` (``QUARTER_CONFIG``, what ``select_config`` picks; 128x256 tiles with
+  smem-staged scales, ``_consumer_quad``): each K block runs four m64n64k32 chains alternately
+  into two fresh accumulators, so that the warpgroup promotes chain j while chain j+1 runs, instead
+  of waiting for each n128 chain before promoting it. Same registers (4 x 32 running + 2 x 32
+  fresh), bit-identical outputs, 2-9% faster on the H200. Chain 3 of a K block is retired inside
+  the block: a wgmma left in flight across the K loop's back edge made ptxas serialise every wgmma
+  (C7514, caught by the AOT check). The epilogue stores four [64, 64] pieces through two buffers per
+  warpgroup, so a piece's store overlaps the next piece's conversion;
 * 128x128 tiles (``_consumer``): the scales are prefetched into registers one K block ahead (plain
   global loads, L2 hot);
 * epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
@@ -95,6 +103,9 @@ class GluonGemmConfig:
     # (1x128 B: the [256] row slice; 128x128 B: a [2, 16] box, _B2D_SCALE_BOX) into the smem stage with
     # the A/B tiles, and the consumers read them with ld.shared; False: they load them from global memory
     scale_tma: bool = False
+    # block_n=256 with scale_tma only: four m64n64 wgmma chains per K block with two fresh accumulators,
+    # so that one chain stays in flight while the previous one is promoted (_consumer_quad)
+    quarter_chains: bool = False
 
     @property
     def block_m(self) -> int:
@@ -115,13 +126,18 @@ WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
 # scales (3 stages). Same run: 0.89-0.95x cuBLAS (fwd form; 4096^3 is host-bound and noisy),
 # 0.85-0.90x (wgrad form). Bit-identical outputs to WIDE_CONFIG.
 WIDE_SCALE_TMA_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True)
+# The same tile and scales in four n64 wgmma chains per K block, one always in flight while the previous
+# one is promoted (_consumer_quad): same registers, bit-identical outputs. Same run on the H200
+# (docs/PERFORMANCE.md, 2026-12-01, 3 interleaved rounds): fwd 0.95-1.01x cuBLAS (WIDE_SCALE_TMA_CONFIG
+# 0.92-0.97), wgrad 0.85-0.89 (0.84-0.90), wgrad into fp32 main_grad +5-9%. What select_config picks.
+QUARTER_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True, quarter_chains=True)
 
 
 def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool) -> GluonGemmConfig:
-    """128x256 tiles with smem-staged scales (``WIDE_SCALE_TMA_CONFIG``) where the kernel supports the
-    output (bf16/fp16, or accumulate_into), else 128x128 (a plain fp32 output)."""
-    if supports(WIDE_SCALE_TMA_CONFIG, b_block_dim, out_dtype, accumulate) is None:
-        return WIDE_SCALE_TMA_CONFIG
+    """128x256 tiles with smem-staged scales in four n64 chains (``QUARTER_CONFIG``) where the kernel
+    supports the output (bf16/fp16, or accumulate_into), else 128x128 (a plain fp32 output)."""
+    if supports(QUARTER_CONFIG, b_block_dim, out_dtype, accumulate) is None:
+        return QUARTER_CONFIG
     return default_config()
 
 
@@ -134,18 +150,26 @@ _TORCH_TO_GL = {
 }
 
 
-def _c_block_n(block_n: int) -> int:
-    # BLOCK_N=256 tiles store their two 128-column halves one after the other through one buffer
+def _c_block_n(block_n: int, quarter_chains: bool = False) -> int:
+    # BLOCK_N=256 tiles store their two 128-column halves one after the other through one buffer per
+    # warpgroup; with quarter chains, four 64-column pieces through two buffers per warpgroup
+    if quarter_chains:
+        return 64
     return 128 if block_n == 256 else block_n
 
 
 def stages_that_fit(
-    block_n: int, out_dtype: torch.dtype, requested: int = 0, scale_tma: bool = False, b_block_dim: int = 1
+    block_n: int,
+    out_dtype: torch.dtype,
+    requested: int = 0,
+    scale_tma: bool = False,
+    b_block_dim: int = 1,
+    quarter_chains: bool = False,
 ) -> int:
     stage_bytes = (128 + block_n) * BLOCK_K  # fp8 A and B tiles
     if scale_tma:  # fp32 A-scale row slice and the B scales of the K block
         stage_bytes += (128 + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
-    c_bytes = 128 * _c_block_n(block_n) * out_dtype.itemsize
+    c_bytes = 128 * _c_block_n(block_n, quarter_chains) * out_dtype.itemsize * (2 if quarter_chains else 1)
     fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (264-320 seen)
     stages = min(fit, 6) if requested <= 0 else requested
     if stages < 2 or stages > fit:
@@ -462,6 +486,176 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
 
 
 @gluon.jit
+def _quad_scale(as_rows, bs_rows, s, box_idx, kb, WG: gl.constexpr, HALF_M: gl.constexpr, row_layout: gl.constexpr,
+                box_layout: gl.constexpr, B_2D: gl.constexpr):  # fmt: skip
+    """The K block's scales from smem stage ``s``: (a-scale rows [64], the two 128x128 B block scales
+    folded into them (B_2D), else the a-scale rows twice)."""
+    sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
+    if B_2D:
+        SB_W: gl.constexpr = bs_rows.type.shape[1] // 2
+        box = bs_rows.index(s).load(box_layout)
+        j = kb & 3
+        s_lo = sa * gl.sum(gl.where(box_idx == j, box, 0.0), axis=0)
+        s_hi = sa * gl.sum(gl.where(box_idx == SB_W + j, box, 0.0), axis=0)
+    else:
+        s_lo = sa
+        s_hi = sa
+    return s_lo, s_hi
+
+
+@gluon.jit
+def _quad_promote(acc, part, srow, bs_rows, s, J: gl.constexpr, Q: gl.constexpr, col_layout: gl.constexpr,
+                  B_2D: gl.constexpr):  # fmt: skip
+    """acc += part * scale for the 64-column piece J: ``srow`` is a-scale x B-block scale (B_2D) or the
+    a-scale rows, times the piece's 1x128 B-scale columns read from smem stage ``s``."""
+    if B_2D:
+        acc = acc + part * gl.expand_dims(srow, 1)
+    else:
+        sbv = bs_rows.index(s).slice(J * Q, Q).load(col_layout)
+        acc = acc + part * (gl.expand_dims(srow, 1) * gl.expand_dims(sbv, 0))
+    return acc
+
+
+@gluon.jit
+def _quad_rest(a_op, bt, pa, pb, acc0, acc1, acc2, s_lo, s_hi, bs_rows, s, Q: gl.constexpr, col_layout: gl.constexpr,
+               B_2D: gl.constexpr):  # fmt: skip
+    """With chain 0 of the K block in flight in ``pa``: issue chains 1-3, promoting 0-2 each while the
+    next runs. Returns with chain 3 in flight in ``pb``."""
+    pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
+    pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
+    acc0 = _quad_promote(acc0, pa, s_lo, bs_rows, s, 0, Q, col_layout, B_2D)
+    pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
+    pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
+    acc1 = _quad_promote(acc1, pb, s_lo, bs_rows, s, 1, Q, col_layout, B_2D)
+    pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
+    pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
+    acc2 = _quad_promote(acc2, pa, s_hi, bs_rows, s, 2, Q, col_layout, B_2D)
+    return pa, pb, acc0, acc1, acc2
+
+
+@gluon.jit
+def _quad_store(acc, piece, off_m, off_n, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm,
+                WG: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr):  # fmt: skip
+    """Epilogue of one [64, 64] piece: + bias, + accumulate_into, one rounding, TMA store through the
+    warpgroup's buffer ``piece & 1`` (the store that last used it, two pieces ago, is waited for)."""
+    offs_n = off_n + cols
+    n_mask = offs_n < N
+    if HAS_BIAS:
+        acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32), 0)
+    if ACCUMULATE:
+        c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
+        acc = acc + gl.load(c_ptrs, mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0), other=0.0)
+    c_smem = c_bufs.index(WG * 2 + (piece & 1))
+    tma.store_wait(pendings=1)
+    c_smem.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+
+
+@gluon.jit
+def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
+                   WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
+                   GROUP_M: gl.constexpr):  # fmt: skip
+    """BLOCK_N = 4 x 64 tile with smem-staged scales: each K block runs four m64n64k32 wgmma chains
+    (B rows 0-63, ..., 192-255) alternately into two fresh accumulators (``pa``, ``pb``), so that while
+    chain j is promoted into its running accumulator ``acc_j`` chain j+1 runs (chain 3 is promoted
+    while the next K block's chain 0 runs; its stage is released after that). The warpgroup waits
+    with no chain of its own in flight once per K block (for chain 3), against twice per K block,
+    for a whole n128 chain each, in _consumer_wide. Per thread: 4 x 32 running + 2 x 32 fresh fp32 registers,
+    as many as _consumer_wide's 2 x 64 + 64. Pieces 0-1 lie in the tile's first 128x128 B scale block,
+    2-3 in the second. Epilogue: four [64, 64] pieces through two buffers per warpgroup."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    HALF_M: gl.constexpr = c_bufs.type.shape[1]
+    Q: gl.constexpr = c_bufs.type.shape[2]
+    gl.static_assert(BLOCK_N == 4 * Q)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    nk = gl.cdiv(K, BK)
+    zero = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
+    cols = gl.arange(0, Q, layout=col_layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: per stage
+    as_rows = as_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_M], flat)
+    if B_2D:
+        SB_N: gl.constexpr = bs_bufs.type.shape[1] * bs_bufs.type.shape[2]
+        bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, SB_N], flat)
+        box_layout: gl.constexpr = gl.BlockedLayout([SB_N], [32], [4], [0])
+        box_idx = gl.arange(0, SB_N, layout=box_layout)
+    else:
+        bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
+        box_layout: gl.constexpr = row_layout  # unused
+        box_idx = 0
+
+    it = 0
+    # the fresh accumulators: own registers, never read by anything but the wgmma that overwrites them
+    pa = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
+    pb = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M + WG * HALF_M
+        off_n0 = pid_n * BLOCK_N
+        offs_m = off_m + gl.arange(0, HALF_M, layout=row_layout)
+        m_mask = offs_m < M
+
+        # ---- K block 0 (peeled: no chain 3 of an earlier K block to promote)
+        s = it % NUM_STAGES
+        mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+        a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
+        bt = b_bufs.index(s)
+        pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
+        s_lo, s_hi = _quad_scale(as_rows, bs_rows, s, box_idx, 0, WG, HALF_M, row_layout, box_layout, B_2D)
+        pa, pb, acc0, acc1, acc2 = _quad_rest(a_op, bt, pa, pb, zero, zero, zero, s_lo, s_hi, bs_rows, s, Q,
+                                              col_layout, B_2D)  # fmt: skip
+        # Chain 3 is retired inside its K block: a wgmma still in flight across the loop's back edge
+        # makes ptxas serialise every wgmma of the kernel (C7514, seen ahead of time).
+        pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+        acc3 = zero
+        s_prev = s
+        s_hi_prev = s_hi
+        it += 1
+        for kb in range(1, nk):
+            s = it % NUM_STAGES
+            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+            a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
+            bt = b_bufs.index(s)
+            pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
+            s_lo, s_hi = _quad_scale(as_rows, bs_rows, s, box_idx, kb, WG, HALF_M, row_layout, box_layout, B_2D)
+            # the previous K block's chain 3, promoted while this block's chain 0 runs; then its stage
+            # (whose 1x128 B scales it reads) is released
+            acc3 = _quad_promote(acc3, pb, s_hi_prev, bs_rows, s_prev, 3, Q, col_layout, B_2D)
+            mbarrier.arrive(empty.index(s_prev))
+            pa, pb, acc0, acc1, acc2 = _quad_rest(a_op, bt, pa, pb, acc0, acc1, acc2, s_lo, s_hi, bs_rows, s, Q,
+                                                  col_layout, B_2D)  # fmt: skip
+            pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+            s_prev = s
+            s_hi_prev = s_hi
+            it += 1
+        acc3 = _quad_promote(acc3, pb, s_hi_prev, bs_rows, s_prev, 3, Q, col_layout, B_2D)
+        mbarrier.arrive(empty.index(s_prev))
+
+        # ---- epilogue: four [64, 64] pieces (those that start inside N)
+        _quad_store(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm, WG,
+                    HAS_BIAS, ACCUMULATE)  # fmt: skip
+        if off_n0 + Q < N:
+            _quad_store(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                        stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+        if off_n0 + 2 * Q < N:
+            _quad_store(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                        stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+        if off_n0 + 3 * Q < N:
+            _quad_store(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                        stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _blockwise_gemm_gluon_kernel(
     a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
     M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
@@ -478,12 +672,15 @@ def _blockwise_gemm_gluon_kernel(
     gl.static_assert(BLOCK_M == 2 * HALF_M)
     C_N: gl.constexpr = c_desc.block_type.shape[1]
     WIDE: gl.constexpr = BLOCK_N == 2 * C_N  # BLOCK_N=256: two 128-column halves (_consumer_wide)
-    gl.static_assert(BLOCK_N == C_N or WIDE)
-    gl.static_assert(not SCALE_TMA or WIDE)
+    QUAD: gl.constexpr = BLOCK_N == 4 * C_N  # BLOCK_N=256 in four 64-column chains (_consumer_quad)
+    gl.static_assert(BLOCK_N == C_N or WIDE or QUAD)
+    gl.static_assert(not SCALE_TMA or WIDE or QUAD)
+    gl.static_assert(not QUAD or SCALE_TMA)
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BK], b_desc.layout)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, HALF_M, C_N], c_desc.layout)
+    # one output buffer per consumer warpgroup (two with QUAD)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [4 if QUAD else 2, HALF_M, C_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -503,7 +700,16 @@ def _blockwise_gemm_gluon_kernel(
         bs_src = b_desc
     # The argument tuples must be written inline: a tuple assigned to a variable turns its
     # constexprs into tensors.
-    if WIDE:
+    if QUAD:
+        gl.warp_specialize([
+            (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
+                              as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+            (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
+                              as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
+                         GROUP_M, SCALE_TMA, B_2D)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+    elif WIDE:
         gl.warp_specialize([
             (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
                               K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE,
@@ -629,6 +835,8 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
 def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
     if cfg.block_n not in (64, 128, 256):
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
+    if cfg.quarter_chains and not (cfg.block_n == 256 and cfg.scale_tma):
+        raise NotImplementedError("quarter_chains is implemented for block_n=256 with scale_tma only")
     if cfg.scale_tma and cfg.block_n != 256:
         raise NotImplementedError("scale_tma (scales staged through the smem ring) is implemented for block_n=256 "
                                   "only")  # fmt: skip
@@ -661,7 +869,7 @@ def _launch_plan(
     the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
     cfg = config or select_config(b_block_dim, out_dtype, accumulate)
     _check_config(cfg, b_block_dim, out_dtype, accumulate)
-    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, cfg.scale_tma, b_block_dim)
+    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, cfg.scale_tma, b_block_dim, cfg.quarter_chains)
 
 
 def blockwise_gemm_gluon(
@@ -696,7 +904,7 @@ def blockwise_gemm_gluon(
         return c
     cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None)
     bm, bn = cfg.block_m, cfg.block_n
-    cn = _c_block_n(bn)
+    cn = _c_block_n(bn, cfg.quarter_chains)
     a_desc = _desc(a, [m, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
     b_desc = _desc(b, [n, k], [k, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
     c_desc = _desc(c, [m, n], [c.stride(0), 1], [bm // 2, cn], _shared_layout([bm // 2, cn], c.dtype))
@@ -757,7 +965,7 @@ def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotV
     """Every kernel variant the wrapper launches for the given configs; by default, every variant
     that ``select_config`` picks (what the backend runs)."""
     selected_only = configs is None
-    configs = configs or {"n128": GluonGemmConfig(), "n256_stma": WIDE_SCALE_TMA_CONFIG}
+    configs = configs or {"n128": GluonGemmConfig(), "n256_q": QUARTER_CONFIG}
     out = []
     for cfg_name, cfg in configs.items():
         for bdim in (2, 1):
@@ -792,9 +1000,12 @@ BENCH_CONFIGS = {
     "n64": GluonGemmConfig(block_n=64),
     # 128x256 tile (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP
     "n256": WIDE_CONFIG,
-    # 128x256 with the scales staged through the smem ring (what select_config picks)
+    # 128x256 with the scales staged through the smem ring
     "n256_stma": WIDE_SCALE_TMA_CONFIG,
     "n128": GluonGemmConfig(),
+    # 128x256, smem scales, four n64 chains per K block, one in flight while another is promoted
+    # (what select_config picks)
+    "n256_q": QUARTER_CONFIG,
 }
 
 
@@ -807,7 +1018,8 @@ def compile_variant(v: AotVariant):
     cfg = v.config
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, cfg.scale_tma, v.b_block_dim)
+    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, cfg.scale_tma, v.b_block_dim, cfg.quarter_chains)
+    cn = _c_block_n(bn, cfg.quarter_chains)
     m = n = k = 1024  # only the descriptors' types matter
     a = torch.empty(m, k, dtype=v.a_dtype)
     b = torch.empty(n, k, dtype=v.b_dtype)
@@ -815,7 +1027,7 @@ def compile_variant(v: AotVariant):
     descs = [
         TensorDescriptor.from_tensor(a, [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype)),
         TensorDescriptor.from_tensor(b, [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype)),
-        TensorDescriptor.from_tensor(c, [bm // 2, _c_block_n(bn)], _shared_layout([bm // 2, _c_block_n(bn)], out_dtype)),
+        TensorDescriptor.from_tensor(c, [bm // 2, cn], _shared_layout([bm // 2, cn], out_dtype)),
     ]
     sig = {
         "a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
