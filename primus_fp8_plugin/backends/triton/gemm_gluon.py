@@ -39,7 +39,9 @@ Design (DeepGEMM-like, warp specialised, persistent):
   smem-staged scales, ``_consumer_quad``): each K block runs four m64n64k32 chains alternately
   into two fresh accumulators, so that the warpgroup promotes chain j while chain j+1 runs, instead
   of waiting for each n128 chain before promoting it. Same registers (4 x 32 running + 2 x 32
-  fresh), bit-identical outputs, 2-9% faster on the H200. Chain 3 of a K block is retired inside
+  fresh), bit-identical outputs, 6-9% faster (fwd) on the H200. Every ld.shared of a scale is issued
+  before a wait, and the 128x128 B scale is one broadcast word (reducing the [2, 16] box cost 10% of
+  the warp samples in short-scoreboard stalls, ncu). Chain 3 of a K block is retired inside
   the block: a wgmma left in flight across the K loop's back edge made ptxas serialise every wgmma
   (C7514, caught by the AOT check). The epilogue stores four [64, 64] pieces through two buffers per
   warpgroup, so a piece's store overlaps the next piece's conversion;
@@ -126,10 +128,10 @@ WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
 # scales (3 stages). Same run: 0.89-0.95x cuBLAS (fwd form; 4096^3 is host-bound and noisy),
 # 0.85-0.90x (wgrad form). Bit-identical outputs to WIDE_CONFIG.
 WIDE_SCALE_TMA_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True)
-# The same tile and scales in four n64 wgmma chains per K block, one always in flight while the previous
-# one is promoted (_consumer_quad): same registers, bit-identical outputs. Same run on the H200
-# (docs/PERFORMANCE.md, 2026-12-01, 3 interleaved rounds): fwd 0.95-1.01x cuBLAS (WIDE_SCALE_TMA_CONFIG
-# 0.92-0.97), wgrad 0.85-0.89 (0.84-0.90), wgrad into fp32 main_grad +5-9%. What select_config picks.
+# The same tile and scales in four n64 wgmma chains per K block, one in flight while the previous one
+# is promoted (_consumer_quad): same registers, bit-identical outputs. On the H200 (docs/PERFORMANCE.md,
+# 2026-12-01, 3 interleaved rounds, WIDE_SCALE_TMA_CONFIG in the same runs): fwd 1.00-1.03x cuBLAS
+# (0.93-0.95), wgrad 0.83-0.87 (0.83-0.86), wgrad into fp32 main_grad +6-10%. What select_config picks.
 QUARTER_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True, quarter_chains=True)
 
 
@@ -486,51 +488,77 @@ def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_pt
 
 
 @gluon.jit
-def _quad_scale(as_rows, bs_rows, s, box_idx, kb, WG: gl.constexpr, HALF_M: gl.constexpr, row_layout: gl.constexpr,
-                box_layout: gl.constexpr, B_2D: gl.constexpr):  # fmt: skip
-    """The K block's scales from smem stage ``s``: (a-scale rows [64], the two 128x128 B block scales
-    folded into them (B_2D), else the a-scale rows twice)."""
+def _quad_b2d_scale(bs_words, s, kb, half, word_layout: gl.constexpr, SB_W: gl.constexpr):
+    """The 128x128 B scale of tile half ``half`` for K block ``kb``: one word of stage ``s``'s [2, SB_W]
+    box (word ``half * SB_W + (kb & 3)``), loaded by every thread (a broadcast ld.shared)."""
+    SB_N: gl.constexpr = 2 * SB_W
+    word = bs_words.index(s * SB_N + half * SB_W + (kb & 3)).load(word_layout)
+    return gl.sum(word, axis=0)
+
+
+@gluon.jit
+def _quad_block(a_bufs, b_bufs, ready, s, phase, kb, pa, pb, acc0, acc1, acc2, as_rows, bs_rows, bs_words,
+                WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr, row_layout: gl.constexpr,
+                col_layout: gl.constexpr, word_layout: gl.constexpr, B_2D: gl.constexpr, FIRST: gl.constexpr,
+                acc3, s_prev, sa_prev, empty):  # fmt: skip
+    """One K block of _consumer_quad: chains 0-3 (B rows 0-63, ..., 192-255 of stage ``s``) into the
+    fresh accumulators pa, pb, pa, pb, each promoted while the next runs; unless FIRST, the previous
+    K block's chain 3 (retired, in ``pb``) is promoted while chain 0 runs and its stage released.
+    Every ld.shared of a scale is issued before a wait (a wgmma's or the stage's), whose latency hides
+    it. Returns with chain 3 retired, in ``pb``."""
+    if not FIRST and not B_2D:  # chain 3's 1x128 B scales, from its stage (not released yet)
+        sb3_prev = bs_rows.index(s_prev).slice(3 * Q, Q).load(col_layout)
+    mbarrier.wait(ready.index(s), phase)
+    a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
+    bt = b_bufs.index(s)
+    pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
+    if not FIRST:
+        if B_2D:
+            acc3 = acc3 + pb * gl.expand_dims(sa_prev, 1)
+        else:
+            acc3 = acc3 + pb * (gl.expand_dims(sa_prev, 1) * gl.expand_dims(sb3_prev, 0))
+        mbarrier.arrive(empty.index(s_prev))
+    pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
     if B_2D:
         SB_W: gl.constexpr = bs_rows.type.shape[1] // 2
-        box = bs_rows.index(s).load(box_layout)
-        j = kb & 3
-        s_lo = sa * gl.sum(gl.where(box_idx == j, box, 0.0), axis=0)
-        s_hi = sa * gl.sum(gl.where(box_idx == SB_W + j, box, 0.0), axis=0)
+        s_lo = sa * _quad_b2d_scale(bs_words, s, kb, 0, word_layout, SB_W)
+        s_hi = sa * _quad_b2d_scale(bs_words, s, kb, 1, word_layout, SB_W)
+        sb = s_lo  # (unused)
     else:
         s_lo = sa
         s_hi = sa
-    return s_lo, s_hi
-
-
-@gluon.jit
-def _quad_promote(acc, part, srow, bs_rows, s, J: gl.constexpr, Q: gl.constexpr, col_layout: gl.constexpr,
-                  B_2D: gl.constexpr):  # fmt: skip
-    """acc += part * scale for the 64-column piece J: ``srow`` is a-scale x B-block scale (B_2D) or the
-    a-scale rows, times the piece's 1x128 B-scale columns read from smem stage ``s``."""
+        sb = bs_rows.index(s).slice(0, Q).load(col_layout)
+    # chain 0
+    pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
     if B_2D:
-        acc = acc + part * gl.expand_dims(srow, 1)
+        acc0 = acc0 + pa * gl.expand_dims(s_lo, 1)
     else:
-        sbv = bs_rows.index(s).slice(J * Q, Q).load(col_layout)
-        acc = acc + part * (gl.expand_dims(srow, 1) * gl.expand_dims(sbv, 0))
-    return acc
-
-
-@gluon.jit
-def _quad_rest(a_op, bt, pa, pb, acc0, acc1, acc2, s_lo, s_hi, bs_rows, s, Q: gl.constexpr, col_layout: gl.constexpr,
-               B_2D: gl.constexpr):  # fmt: skip
-    """With chain 0 of the K block in flight in ``pa``: issue chains 1-3, promoting 0-2 each while the
-    next runs. Returns with chain 3 in flight in ``pb``."""
-    pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
-    pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc0 = _quad_promote(acc0, pa, s_lo, bs_rows, s, 0, Q, col_layout, B_2D)
+        acc0 = acc0 + pa * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
+        sb = bs_rows.index(s).slice(Q, Q).load(col_layout)
     pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
+    # chain 1
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-    acc1 = _quad_promote(acc1, pb, s_lo, bs_rows, s, 1, Q, col_layout, B_2D)
+    if B_2D:
+        acc1 = acc1 + pb * gl.expand_dims(s_lo, 1)
+    else:
+        acc1 = acc1 + pb * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
+        sb = bs_rows.index(s).slice(2 * Q, Q).load(col_layout)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
+    # chain 2
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc2 = _quad_promote(acc2, pa, s_hi, bs_rows, s, 2, Q, col_layout, B_2D)
-    return pa, pb, acc0, acc1, acc2
+    if B_2D:
+        acc2 = acc2 + pa * gl.expand_dims(s_hi, 1)
+    else:
+        acc2 = acc2 + pa * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
+    # chain 3 retires inside the block: a wgmma in flight across the K loop's back edge makes ptxas
+    # serialise every wgmma of the kernel (C7514)
+    pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+    if B_2D:
+        sa3 = s_hi
+    else:
+        sa3 = sa
+    return pa, pb, acc0, acc1, acc2, acc3, sa3
 
 
 @gluon.jit
@@ -561,9 +589,9 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     chain j is promoted into its running accumulator ``acc_j`` chain j+1 runs (chain 3 is promoted
     while the next K block's chain 0 runs; its stage is released after that). The warpgroup waits
     with no chain of its own in flight once per K block (for chain 3), against twice per K block,
-    for a whole n128 chain each, in _consumer_wide. Per thread: 4 x 32 running + 2 x 32 fresh fp32 registers,
-    as many as _consumer_wide's 2 x 64 + 64. Pieces 0-1 lie in the tile's first 128x128 B scale block,
-    2-3 in the second. Epilogue: four [64, 64] pieces through two buffers per warpgroup."""
+    for a whole n128 chain each, in _consumer_wide. Per thread: 4 x 32 running + 2 x 32 fresh fp32
+    registers, as many as _consumer_wide's 2 x 64 + 64. Pieces 0-1 lie in the tile's first 128x128 B
+    scale block, 2-3 in the second. Epilogue: four [64, 64] pieces through two buffers per warpgroup."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -574,6 +602,7 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    word_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one word, in every thread
 
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -581,17 +610,16 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     nk = gl.cdiv(K, BK)
     zero = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     cols = gl.arange(0, Q, layout=col_layout)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: per stage
+    # the TMA boxes (unswizzled) seen as plain fp32 rows per stage, and (B_2D) as single words
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     as_rows = as_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_M], flat)
     if B_2D:
         SB_N: gl.constexpr = bs_bufs.type.shape[1] * bs_bufs.type.shape[2]
         bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, SB_N], flat)
-        box_layout: gl.constexpr = gl.BlockedLayout([SB_N], [32], [4], [0])
-        box_idx = gl.arange(0, SB_N, layout=box_layout)
+        bs_words = bs_bufs._reinterpret(gl.float32, [NUM_STAGES * SB_N, 1], flat)
     else:
         bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
-        box_layout: gl.constexpr = row_layout  # unused
-        box_idx = 0
+        bs_words = bs_rows  # (unused)
 
     it = 0
     # the fresh accumulators: own registers, never read by anything but the wgmma that overwrites them
@@ -604,40 +632,28 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
         offs_m = off_m + gl.arange(0, HALF_M, layout=row_layout)
         m_mask = offs_m < M
 
-        # ---- K block 0 (peeled: no chain 3 of an earlier K block to promote)
         s = it % NUM_STAGES
-        mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-        a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
-        bt = b_bufs.index(s)
-        pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
-        s_lo, s_hi = _quad_scale(as_rows, bs_rows, s, box_idx, 0, WG, HALF_M, row_layout, box_layout, B_2D)
-        pa, pb, acc0, acc1, acc2 = _quad_rest(a_op, bt, pa, pb, zero, zero, zero, s_lo, s_hi, bs_rows, s, Q,
-                                              col_layout, B_2D)  # fmt: skip
-        # Chain 3 is retired inside its K block: a wgmma still in flight across the loop's back edge
-        # makes ptxas serialise every wgmma of the kernel (C7514, seen ahead of time).
-        pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
-        acc3 = zero
+        pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
+            a_bufs, b_bufs, ready, s, (it // NUM_STAGES) & 1, 0, pa, pb, zero, zero, zero, as_rows, bs_rows,
+            bs_words, WG, HALF_M, Q, row_layout, col_layout, word_layout, B_2D, True,
+            zero, s, gl.zeros([HALF_M], gl.float32, row_layout), empty,
+        )  # fmt: skip
         s_prev = s
-        s_hi_prev = s_hi
         it += 1
         for kb in range(1, nk):
             s = it % NUM_STAGES
-            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-            a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
-            bt = b_bufs.index(s)
-            pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
-            s_lo, s_hi = _quad_scale(as_rows, bs_rows, s, box_idx, kb, WG, HALF_M, row_layout, box_layout, B_2D)
-            # the previous K block's chain 3, promoted while this block's chain 0 runs; then its stage
-            # (whose 1x128 B scales it reads) is released
-            acc3 = _quad_promote(acc3, pb, s_hi_prev, bs_rows, s_prev, 3, Q, col_layout, B_2D)
-            mbarrier.arrive(empty.index(s_prev))
-            pa, pb, acc0, acc1, acc2 = _quad_rest(a_op, bt, pa, pb, acc0, acc1, acc2, s_lo, s_hi, bs_rows, s, Q,
-                                                  col_layout, B_2D)  # fmt: skip
-            pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+            pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
+                a_bufs, b_bufs, ready, s, (it // NUM_STAGES) & 1, kb, pa, pb, acc0, acc1, acc2, as_rows, bs_rows,
+                bs_words, WG, HALF_M, Q, row_layout, col_layout, word_layout, B_2D, False,
+                acc3, s_prev, sa3, empty,
+            )  # fmt: skip
             s_prev = s
-            s_hi_prev = s_hi
             it += 1
-        acc3 = _quad_promote(acc3, pb, s_hi_prev, bs_rows, s_prev, 3, Q, col_layout, B_2D)
+        if B_2D:
+            acc3 = acc3 + pb * gl.expand_dims(sa3, 1)
+        else:
+            sb3 = bs_rows.index(s_prev).slice(3 * Q, Q).load(col_layout)
+            acc3 = acc3 + pb * (gl.expand_dims(sa3, 1) * gl.expand_dims(sb3, 0))
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: four [64, 64] pieces (those that start inside N)
