@@ -43,7 +43,10 @@ from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, GluonGem
 TOL = 2e-3
 CONFIGS = {"default": GluonGemmConfig(), **BENCH_CONFIGS}
 
-CORRECTNESS_SHAPES = [(1, 128, 128), (130, 256, 384), (200, 384, 640), (4096, 4096, 4096), (300, 136, 400)]
+# (17920, 136 / 56, 256): 140 tiles of 128 rows, more than the H200's 132 SMs, so some CTAs store a second
+# tile after one whose N edge left 3 (N=136) or 1 (N=56) of the quarter-chain epilogue's four pieces
+CORRECTNESS_SHAPES = [(1, 128, 128), (130, 256, 384), (200, 384, 640), (4096, 4096, 4096), (300, 136, 400),
+                      (17920, 136, 256), (17920, 56, 256)]  # fmt: skip
 # for the configs after the first (without --check-all-configs): the ragged ones
 SMALL_SHAPES = [s for s in CORRECTNESS_SHAPES if s != (4096, 4096, 4096)]
 BENCH_SHAPES = [

@@ -562,10 +562,12 @@ def _quad_block(a_bufs, b_bufs, ready, s, phase, kb, pa, pb, acc0, acc1, acc2, a
 
 
 @gluon.jit
-def _quad_store(acc, piece, off_m, off_n, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm,
-                WG: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr):  # fmt: skip
+def _quad_store(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                stride_cm, WG: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr):  # fmt: skip
     """Epilogue of one [64, 64] piece: + bias, + accumulate_into, one rounding, TMA store through the
-    warpgroup's buffer ``piece & 1`` (the store that last used it, two pieces ago, is waited for)."""
+    warpgroup's buffer ``PIECE & 1``. Piece 0 waits for every earlier store (the previous tile's, long
+    done: a tile at the N edge may have stored 1 or 3 pieces, so its last store can use either
+    buffer); pieces 1-3 wait for the store two pieces back, the last user of their buffer."""
     offs_n = off_n + cols
     n_mask = offs_n < N
     if HAS_BIAS:
@@ -573,8 +575,8 @@ def _quad_store(acc, piece, off_m, off_n, offs_m, m_mask, cols, c_desc, c_bufs, 
     if ACCUMULATE:
         c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
         acc = acc + gl.load(c_ptrs, mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0), other=0.0)
-    c_smem = c_bufs.index(WG * 2 + (piece & 1))
-    tma.store_wait(pendings=1)
+    c_smem = c_bufs.index(WG * 2 + (PIECE & 1))
+    tma.store_wait(pendings=0 if PIECE == 0 else 1)
     c_smem.store(acc.to(c_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
