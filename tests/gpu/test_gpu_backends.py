@@ -59,9 +59,10 @@ def test_quantization_bit_exact_with_reference(gpu_backend, m, k, dtype):
                     assert torch.equal(bits(t), bits(ref.to_te()[name])), (name, fp8, pow2, block_dim)
 
 
-# (17920, 136, 256): more 128-row tiles (140) than the H200 has SMs, after N-edge tiles of 3 output pieces
+# (17920, 136 / 56, 256): more 128-row tiles (140) than the H200 has SMs, after N-edge tiles of 3 / 1
+# output pieces (the quarter-chain epilogue)
 GEMM_SHAPES = [(1, 256, 512), (200, 384, 272), (256, 640, 29568), (2048, 2048, 2048), (130, 144, 400), (4096, 1024, 1040),
-               (17920, 136, 256)]  # fmt: skip
+               (17920, 136, 256), (17920, 56, 256)]  # fmt: skip
 
 
 @pytest.mark.parametrize("m, n, k", GEMM_SHAPES)

@@ -10,11 +10,12 @@ Design (DeepGEMM-like, warp specialised, persistent):
 * a 1-warp producer partition TMA-loads the A [128, 128] and B [BLOCK_N, 128] FP8 tiles of each K
   block into NVMMA-swizzled shared memory, through a NUM_STAGES-deep ready/empty mbarrier ring;
 * two 4-warp consumer partitions (one warpgroup each, rows 0-63 and 64-127 of the tile) run async
-  ``wgmma`` (m64nBLOCK_Nk32, e4m3/e5m2) of each K block into a *fresh* fp32 accumulator, wait for it,
-  release the smem stage, and promote it into the running accumulator with
-  ``acc += part * a_scale[m] * b_scale[n]`` on the CUDA cores. The promotion of one warpgroup
-  overlaps the other warpgroup's wgmma through the warp scheduler (DeepGEMM's scheme). Registers
-  are rebalanced with ``setmaxnreg`` (consumers 232, producer 40 under ``maxnreg=168``).
+  ``wgmma`` (e4m3/e5m2) of each K block into a *fresh* fp32 accumulator and promote it into the
+  running accumulator with ``acc += part * a_scale[m] * b_scale[n]`` on the CUDA cores; with 128x128
+  tiles (``_consumer``) each K block's m64n128k32 chain is waited for, its smem stage released, then
+  promoted, and the promotion of one warpgroup overlaps the other warpgroup's wgmma through the warp
+  scheduler (DeepGEMM's scheme). Registers are rebalanced with ``setmaxnreg`` (consumers 232,
+  producer 40 for 128x128 tiles; 240 / 24 for 128x256; under ``maxnreg=168``).
   (Double-buffering the fresh accumulator of a 128x128 tile's n128 chains was tried: ptxas
   serialised its wgmmas, warning C7515, and spilled; removed, see docs/PERFORMANCE.md);
 * ``block_n=256`` (config ``n256``, 128x256 tiles: 25% less L2->SM operand traffic per FLOP than
@@ -497,17 +498,19 @@ def _quad_b2d_scale(bs_words, s, kb, half, word_layout: gl.constexpr, SB_W: gl.c
 
 
 @gluon.jit
-def _quad_block(a_bufs, b_bufs, ready, s, phase, kb, pa, pb, acc0, acc1, acc2, as_rows, bs_rows, bs_words,
-                WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr, row_layout: gl.constexpr,
-                col_layout: gl.constexpr, word_layout: gl.constexpr, B_2D: gl.constexpr, FIRST: gl.constexpr,
-                acc3, s_prev, sa_prev, empty):  # fmt: skip
+def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
+                as_rows, bs_scales, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
+                row_layout: gl.constexpr, col_layout: gl.constexpr, word_layout: gl.constexpr, SB_W: gl.constexpr,
+                B_2D: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
     """One K block of _consumer_quad: chains 0-3 (B rows 0-63, ..., 192-255 of stage ``s``) into the
     fresh accumulators pa, pb, pa, pb, each promoted while the next runs; unless FIRST, the previous
-    K block's chain 3 (retired, in ``pb``) is promoted while chain 0 runs and its stage released.
-    Every ld.shared of a scale is issued before a wait (a wgmma's or the stage's), whose latency hides
-    it. Returns with chain 3 retired, in ``pb``."""
+    K block's chain 3 (retired, in ``pb``, its row scales ``sa_prev``) is promoted while chain 0 runs
+    and its stage ``s_prev`` released. ``bs_scales``: the B-scale boxes as single words (B_2D: the
+    [2, SB_W] box of each stage) or as [NUM_STAGES, BLOCK_N] rows (1x128 B). Every ld.shared of a
+    scale is issued before a wait (a wgmma's or the stage's), whose latency hides it. Returns with
+    chain 3 retired, in ``pb``, and its row scales."""
     if not FIRST and not B_2D:  # chain 3's 1x128 B scales, from its stage (not released yet)
-        sb3_prev = bs_rows.index(s_prev).slice(3 * Q, Q).load(col_layout)
+        sb3_prev = bs_scales.index(s_prev).slice(3 * Q, Q).load(col_layout)
     mbarrier.wait(ready.index(s), phase)
     a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
     bt = b_bufs.index(s)
@@ -520,22 +523,18 @@ def _quad_block(a_bufs, b_bufs, ready, s, phase, kb, pa, pb, acc0, acc1, acc2, a
         mbarrier.arrive(empty.index(s_prev))
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
-    if B_2D:
-        SB_W: gl.constexpr = bs_rows.type.shape[1] // 2
-        s_lo = sa * _quad_b2d_scale(bs_words, s, kb, 0, word_layout, SB_W)
-        s_hi = sa * _quad_b2d_scale(bs_words, s, kb, 1, word_layout, SB_W)
-        sb = s_lo  # (unused)
-    else:
-        s_lo = sa
-        s_hi = sa
-        sb = bs_rows.index(s).slice(0, Q).load(col_layout)
+    if B_2D:  # row scales times each half's 128x128 B scale
+        s_lo = sa * _quad_b2d_scale(bs_scales, s, kb, 0, word_layout, SB_W)
+        s_hi = sa * _quad_b2d_scale(bs_scales, s, kb, 1, word_layout, SB_W)
+    else:  # the next piece's 64 column scales
+        sb = bs_scales.index(s).slice(0, Q).load(col_layout)
     # chain 0
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
     if B_2D:
         acc0 = acc0 + pa * gl.expand_dims(s_lo, 1)
     else:
         acc0 = acc0 + pa * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
-        sb = bs_rows.index(s).slice(Q, Q).load(col_layout)
+        sb = bs_scales.index(s).slice(Q, Q).load(col_layout)
     pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     # chain 1
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
@@ -543,7 +542,7 @@ def _quad_block(a_bufs, b_bufs, ready, s, phase, kb, pa, pb, acc0, acc1, acc2, a
         acc1 = acc1 + pb * gl.expand_dims(s_lo, 1)
     else:
         acc1 = acc1 + pb * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
-        sb = bs_rows.index(s).slice(2 * Q, Q).load(col_layout)
+        sb = bs_scales.index(s).slice(2 * Q, Q).load(col_layout)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     # chain 2
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
@@ -567,7 +566,9 @@ def _quad_store(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_
     """Epilogue of one [64, 64] piece: + bias, + accumulate_into, one rounding, TMA store through the
     warpgroup's buffer ``PIECE & 1``. Piece 0 waits for every earlier store (the previous tile's, long
     done: a tile at the N edge may have stored 1 or 3 pieces, so its last store can use either
-    buffer); pieces 1-3 wait for the store two pieces back, the last user of their buffer."""
+    buffer); pieces 1-3 wait for the store two pieces back, the last user of their buffer. (Bulk store
+    groups are counted per thread: this relies on Triton issuing every TMA store of the warpgroup from
+    the same elected lane, as its PTX shows, with a barrier after each wait.)"""
     offs_n = off_n + cols
     n_mask = offs_n < N
     if HAS_BIAS:
@@ -612,16 +613,15 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     nk = gl.cdiv(K, BK)
     zero = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     cols = gl.arange(0, Q, layout=col_layout)
-    # the TMA boxes (unswizzled) seen as plain fp32 rows per stage, and (B_2D) as single words
+    # the TMA boxes (unswizzled) seen as plain fp32 rows per stage (A scales, 1x128 B scales) or, for
+    # the [2, SB_W] boxes of 128x128 B scales, as single words
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     as_rows = as_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_M], flat)
+    SB_W: gl.constexpr = bs_bufs.type.shape[2]  # (B_2D only)
     if B_2D:
-        SB_N: gl.constexpr = bs_bufs.type.shape[1] * bs_bufs.type.shape[2]
-        bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, SB_N], flat)
-        bs_words = bs_bufs._reinterpret(gl.float32, [NUM_STAGES * SB_N, 1], flat)
+        bs_scales = bs_bufs._reinterpret(gl.float32, [NUM_STAGES * 2 * SB_W, 1], flat)
     else:
-        bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
-        bs_words = bs_rows  # (unused)
+        bs_scales = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
 
     it = 0
     # the fresh accumulators: own registers, never read by anything but the wgmma that overwrites them
@@ -636,25 +636,24 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
 
         s = it % NUM_STAGES
         pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
-            a_bufs, b_bufs, ready, s, (it // NUM_STAGES) & 1, 0, pa, pb, zero, zero, zero, as_rows, bs_rows,
-            bs_words, WG, HALF_M, Q, row_layout, col_layout, word_layout, B_2D, True,
-            zero, s, gl.zeros([HALF_M], gl.float32, row_layout), empty,
+            a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, 0, s, pa, pb, zero, zero, zero, zero,
+            gl.zeros([HALF_M], gl.float32, row_layout), as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout,
+            word_layout, SB_W, B_2D, True,
         )  # fmt: skip
         s_prev = s
         it += 1
         for kb in range(1, nk):
             s = it % NUM_STAGES
             pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
-                a_bufs, b_bufs, ready, s, (it // NUM_STAGES) & 1, kb, pa, pb, acc0, acc1, acc2, as_rows, bs_rows,
-                bs_words, WG, HALF_M, Q, row_layout, col_layout, word_layout, B_2D, False,
-                acc3, s_prev, sa3, empty,
+                a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, kb, s_prev, pa, pb, acc0, acc1, acc2,
+                acc3, sa3, as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout, word_layout, SB_W, B_2D, False,
             )  # fmt: skip
             s_prev = s
             it += 1
         if B_2D:
             acc3 = acc3 + pb * gl.expand_dims(sa3, 1)
         else:
-            sb3 = bs_rows.index(s_prev).slice(3 * Q, Q).load(col_layout)
+            sb3 = bs_scales.index(s_prev).slice(3 * Q, Q).load(col_layout)
             acc3 = acc3 + pb * (gl.expand_dims(sa3, 1) * gl.expand_dims(sb3, 0))
         mbarrier.arrive(empty.index(s_prev))
 
