@@ -6,16 +6,16 @@
     python scripts/check_gluon_gemm.py --aot                # only the sm_90 compile check (no GPU needed)
     python scripts/check_gluon_gemm.py --no-bench           # correctness only
     timeout -k 10 300 python scripts/check_gluon_gemm.py --configs default,n256   # a hung kernel ends as rc 124
-    python scripts/check_gluon_gemm.py --configs n256_stma,n256,n128   # 128x256 tiles, both scale paths, 128x128
+    python scripts/check_gluon_gemm.py --configs n256,n128 --rounds 3   # 128x256 vs 128x128 tiles, interleaved
 
 Configs that do not handle a B scale layout (``gemm_gluon.supports``) print SKIP / n/a for it.
 
 (a) correctness against a float64 emulation of the blockwise math (pass: relative Frobenius error
     <= 2e-3 against the emulation rounded to the output dtype: a bf16 output's own rounding is up to
     2^-9 = 1.95e-3 per element, so on a 128-element output the unrounded error is a coin toss around
-    the bound; both errors are printed) on ragged shapes (M = 1, 130, 200, 300; N = 136, 384),
+    the bound; both errors are printed) on ragged shapes (M = 1, 130, 200, 300, 17920; N = 56, 136, 384),
     b_block_dim 1 and 2, bias, accumulate_into, bf16 / fp16 / fp32 outputs, e5m2 A, and scale
-    tensors TMA cannot read as they are (unpadded rows, unaligned base: the scale_tma path copies
+    tensors TMA cannot read as they are (unpadded rows, unaligned base: the 128x256 kernel copies
     them); configs after the first must also give bit-identical outputs;
 (b) TFLOPS of the Gluon kernel vs cuBLAS blockwise (torch.nn.functional.scaled_mm) and the plain
     Triton ``blockwise_gemm``: fwd form (128x128 B scales, bf16 out), wgrad form (1x128 B scales,

@@ -125,18 +125,19 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
         G.TensorDescriptor(**fields)  # runs the skipped checks; raises AssertionError on a violation
 
 
-def test_quarter_chain_config_rules():
-    """The quarter-chain consumer exists for 128x256 tiles with smem-staged scales only; what
-    select_config picks for bf16 outputs and accumulate_into, and the 128x128 kernel for a plain
-    fp32 output. Its four [64, 64] output buffers take the shared memory of the two [64, 128] ones."""
+def test_config_selection_and_shared_memory():
+    """128x256 tiles (the quarter-chain consumer) for bf16 outputs and accumulate_into, the 128x128
+    kernel for a plain fp32 output (the 128x256 one spills there); only 128x256 tiles stage their
+    scales through shared memory, and their four [64, 64] output buffers take as much shared memory
+    as one [128, 128] tile's."""
     from primus_fp8_plugin.backends.triton import gemm_gluon as G
 
-    for bad in (G.GluonGemmConfig(block_n=128, quarter_chains=True),
-                G.GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, quarter_chains=True)):  # fmt: skip
-        assert "quarter_chains" in G.supports(bad, 2, torch.bfloat16)
     for bdim in (1, 2):
-        assert G.select_config(bdim, torch.bfloat16, False) is G.QUARTER_CONFIG
-        assert G.select_config(bdim, torch.float32, True) is G.QUARTER_CONFIG
-        assert not G.select_config(bdim, torch.float32, False).quarter_chains
-        for out in (torch.bfloat16, torch.float32):
-            assert G.stages_that_fit(256, out, 0, True, bdim, quarter_chains=True) == G.stages_that_fit(256, out, 0, True, bdim)
+        assert G.select_config(bdim, torch.bfloat16, False) is G.WIDE_CONFIG
+        assert G.select_config(bdim, torch.float32, True) is G.WIDE_CONFIG
+        assert G.select_config(bdim, torch.float32, False).block_n == 128
+        assert "spills" in G.supports(G.WIDE_CONFIG, bdim, torch.float32, False)
+    assert G.WIDE_CONFIG.scale_tma and not G.GluonGemmConfig().scale_tma
+    assert G._c_block_n(256) == 64 and G._c_block_n(128) == 128
+    # a bf16 output: 4 stages of 128x256 (48 KiB + 640 B of scales each) next to 32 KiB of output buffers
+    assert G.stages_that_fit(256, torch.bfloat16, 0, True, 2) == 4

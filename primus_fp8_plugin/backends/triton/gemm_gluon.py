@@ -18,34 +18,25 @@ Design (DeepGEMM-like, warp specialised, persistent):
   producer 40 for 128x128 tiles; 240 / 24 for 128x256; under ``maxnreg=168``).
   (Double-buffering the fresh accumulator of a 128x128 tile's n128 chains was tried: ptxas
   serialised its wgmmas, warning C7515, and spilled; removed, see docs/PERFORMANCE.md);
-* ``block_n=256`` (config ``n256``, 128x256 tiles: 25% less L2->SM operand traffic per FLOP than
-  128x128): each K block runs two m64n128k32 wgmma chains (B rows 0-127, 128-255) one after the
-  other into one fresh accumulator, promoted into two running accumulators (``_consumer_wide``);
-  the epilogue stores the two 128-column halves through one [64, 128] buffer. Supported for both
-  B scale layouts with bf16/fp16 output or ``accumulate_into`` (a plain fp32 output spills
-  registers: the wrapper raises ``NotImplementedError``, see ``supports``). With 1x128 B scales
-  (wgrad) each half is promoted with its own 128-column B-scale vector (32 registers per thread).
-  The scales either come from global memory (``WIDE_CONFIG``: the next K block's prefetched into
-  registers, or for 1x128 B just in time between the wgmma issue and its wait), or, with
-  ``scale_tma=True`` (``WIDE_SCALE_TMA_CONFIG``), from the smem stage:
-  the producer TMA-loads the K block's A-scale [128] row slice and its B scales (the [256] row slice
-  for 1x128 B; a [2, 16] box holding the two 128x128-block scales for 128x128 B) with the tiles, so
-  the consumers read them with ld.shared after the stage's ready barrier. Nsight Compute on the
-  H200 showed why: with global loads the consumer warps stalled on each K block's scale load
-  (ptxas moves the scalar B scales into uniform registers right after the load, before the wgmma
-  wait), 23% of their stall samples; staged, that stall is gone (docs/PERFORMANCE.md). TE's
-  [KB, pad4(M)] and [NB, pad4(KB)] scale rows are 16-byte aligned as TMA needs; other layouts are
-  copied; out-of-range entries are zero-filled;
-* ``quarter_chains=True`` (``QUARTER_CONFIG``, what ``select_config`` picks; 128x256 tiles with
-  smem-staged scales, ``_consumer_quad``): each K block runs four m64n64k32 chains alternately
-  into two fresh accumulators, so that the warpgroup promotes chain j while chain j+1 runs, instead
-  of waiting for each n128 chain before promoting it. Same registers (4 x 32 running + 2 x 32
-  fresh), bit-identical outputs, 6-9% faster (fwd) on the H200. Every ld.shared of a scale is issued
-  before a wait, and the 128x128 B scale is one broadcast word (reducing the [2, 16] box cost 10% of
-  the warp samples in short-scoreboard stalls, ncu). Chain 3 of a K block is retired inside
-  the block: a wgmma left in flight across the K loop's back edge made ptxas serialise every wgmma
-  (C7514, caught by the AOT check). The epilogue stores four [64, 64] pieces through two buffers per
-  warpgroup, so a piece's store overlaps the next piece's conversion;
+* ``block_n=256`` (``WIDE_CONFIG``, what ``select_config`` picks; 128x256 tiles: 25% less L2->SM
+  operand traffic per FLOP than 128x128; ``_consumer_quad``): each K block runs four m64n64k32
+  chains (B rows 0-63, ..., 192-255) alternately into two fresh accumulators, so that the warpgroup
+  promotes chain j while chain j+1 runs, into four running accumulators (4 x 32 + 2 x 32 fp32
+  registers per thread). Chain 3 of a K block is retired inside the block: a wgmma left in flight
+  across the K loop's back edge made ptxas serialise every wgmma (C7514, caught by the AOT check).
+  The producer TMA-loads each K block's scales into the smem stage with the tiles (the A-scale [128]
+  row slice; the [256] row slice of 1x128 B scales, or a [2, 16] box holding the tile's two
+  128x128-block scales), and the consumers read them with ld.shared, each issued before a wait (the
+  128x128 B scale as one broadcast word). Nsight Compute on the H200 showed why: with global loads
+  the consumer warps stalled on each K block's scale load, 23% of their stall samples; reducing the
+  [2, 16] box in registers cost another 10% (docs/PERFORMANCE.md). TE's [KB, pad4(M)] and
+  [NB, pad4(KB)] scale rows are 16-byte aligned as TMA needs; other layouts are copied; out-of-range
+  entries are zero-filled. The epilogue stores four [64, 64] pieces through two buffers per
+  warpgroup, so a piece's store overlaps the next piece's conversion. Both B scale layouts, with
+  bf16/fp16 output or ``accumulate_into`` (a plain fp32 output spills registers: the wrapper raises
+  ``NotImplementedError``, see ``supports``). Earlier 128x256 consumers (two n128 chains, each
+  waited for before its promotion; scales from global memory or smem) are in commit 94245c7: the
+  quarter chains gave bit-identical outputs 2-9% faster;
 * 128x128 tiles (``_consumer``): the scales are prefetched into registers one K block ahead (plain
   global loads, L2 hot);
 * epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
@@ -102,45 +93,37 @@ class GluonGemmConfig:
     group_m: int = 8
     consumer_regs: int = 232
     producer_regs: int = 40
-    # block_n=256 only: the producer TMA-loads each K block's A-scale row slice [128] and its B scales
-    # (1x128 B: the [256] row slice; 128x128 B: a [2, 16] box, _B2D_SCALE_BOX) into the smem stage with
-    # the A/B tiles, and the consumers read them with ld.shared; False: they load them from global memory
-    scale_tma: bool = False
-    # block_n=256 with scale_tma only: four m64n64 wgmma chains per K block with two fresh accumulators,
-    # so that one chain stays in flight while the previous one is promoted (_consumer_quad)
-    quarter_chains: bool = False
 
     @property
     def block_m(self) -> int:
         return 128
+
+    @property
+    def scale_tma(self) -> bool:
+        """128x256 tiles (_consumer_quad) have the producer TMA-load each K block's A-scale row slice
+        [128] and its B scales (1x128 B: the [256] row slice; 128x128 B: a [2, 16] box,
+        _B2D_SCALE_BOX) into the smem stage with the A/B tiles; 128x128 tiles (_consumer) read their
+        scales from global memory."""
+        return self.block_n == 256
 
 
 def default_config() -> GluonGemmConfig:
     return GluonGemmConfig()
 
 
-# 128x256 tiles (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP than 128x128.
+# 128x256 tiles (_consumer_quad: four n64 wgmma chains per K block, one in flight while the previous
+# one is promoted; scales staged through shared memory): 25% less L2->SM traffic per FLOP than 128x128.
 # Both B scale layouts; bf16/fp16 output or accumulate_into (a plain fp32 output spills registers).
-# Scales read from global memory. Measured on the H200 (docs/PERFORMANCE.md, 2026-12-01, interleaved
-# medians): 0.76-0.93x cuBLAS (fwd form), 0.68-0.78x (wgrad form).
+# On the H200 (docs/PERFORMANCE.md, 2026-12-01, second session): fwd 1.00-1.08x cuBLAS, dgrad
+# 0.92-1.06x, wgrad 0.85-0.94x. What select_config picks.
 WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
-# The same with the scales TMA-loaded into the smem stage with the tiles (module docstring): 0.6 KiB
-# more per stage with 128x128 B scales (still 4 stages with a bf16 output), 1.5 KiB with 1x128 B
-# scales (3 stages). Same run: 0.89-0.95x cuBLAS (fwd form; 4096^3 is host-bound and noisy),
-# 0.85-0.90x (wgrad form). Bit-identical outputs to WIDE_CONFIG.
-WIDE_SCALE_TMA_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True)
-# The same tile and scales in four n64 wgmma chains per K block, one in flight while the previous one
-# is promoted (_consumer_quad): same registers, bit-identical outputs. On the H200 (docs/PERFORMANCE.md,
-# 2026-12-01, 3 interleaved rounds, WIDE_SCALE_TMA_CONFIG in the same runs): fwd 1.00-1.03x cuBLAS
-# (0.93-0.95), wgrad 0.83-0.87 (0.83-0.86), wgrad into fp32 main_grad +6-10%. What select_config picks.
-QUARTER_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, scale_tma=True, quarter_chains=True)
 
 
 def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool) -> GluonGemmConfig:
-    """128x256 tiles with smem-staged scales in four n64 chains (``QUARTER_CONFIG``) where the kernel
-    supports the output (bf16/fp16, or accumulate_into), else 128x128 (a plain fp32 output)."""
-    if supports(QUARTER_CONFIG, b_block_dim, out_dtype, accumulate) is None:
-        return QUARTER_CONFIG
+    """128x256 tiles (``WIDE_CONFIG``) where the kernel supports the output (bf16/fp16, or
+    accumulate_into), else 128x128 (a plain fp32 output)."""
+    if supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
+        return WIDE_CONFIG
     return default_config()
 
 
@@ -153,12 +136,9 @@ _TORCH_TO_GL = {
 }
 
 
-def _c_block_n(block_n: int, quarter_chains: bool = False) -> int:
-    # BLOCK_N=256 tiles store their two 128-column halves one after the other through one buffer per
-    # warpgroup; with quarter chains, four 64-column pieces through two buffers per warpgroup
-    if quarter_chains:
-        return 64
-    return 128 if block_n == 256 else block_n
+def _c_block_n(block_n: int) -> int:
+    # BLOCK_N=256 tiles store four 64-column pieces through two buffers per warpgroup
+    return 64 if block_n == 256 else block_n
 
 
 def stages_that_fit(
@@ -167,12 +147,11 @@ def stages_that_fit(
     requested: int = 0,
     scale_tma: bool = False,
     b_block_dim: int = 1,
-    quarter_chains: bool = False,
 ) -> int:
     stage_bytes = (128 + block_n) * BLOCK_K  # fp8 A and B tiles
     if scale_tma:  # fp32 A-scale row slice and the B scales of the K block
         stage_bytes += (128 + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
-    c_bytes = 128 * _c_block_n(block_n, quarter_chains) * out_dtype.itemsize * (2 if quarter_chains else 1)
+    c_bytes = 128 * block_n * out_dtype.itemsize // (2 if block_n == 256 else 1)  # 256: four [64, 64] buffers
     fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (264-320 seen)
     stages = min(fit, 6) if requested <= 0 else requested
     if stages < 2 or stages > fit:
@@ -328,167 +307,6 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bi
 
 
 @gluon.jit
-def _consumer_wide(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
-                   M, N, K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs,
-                   WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
-                   GROUP_M: gl.constexpr, SCALE_TMA: gl.constexpr):  # fmt: skip
-    """BLOCK_N = 2 x 128 tile: each K block runs two m64n128k32 wgmma chains (B rows 0-127, 128-255)
-    one after the other into ONE fresh accumulator, promoted into two running accumulators (acc0,
-    acc1). Per thread: 2 x 64 running + 64 fresh fp32 registers. Each 128-column half is exactly one
-    128x128 B scale block, so the B_2D scales stay scalars. 1x128 B scales (wgrad): each half is
-    promoted with its own 128-column scale vector (32 registers per thread). Without ``SCALE_TMA`` the
-    scales come from global memory (B_2D: prefetched one K block ahead; 1x128 B: just in time, between
-    the wgmma issue and its wait); with it, from the smem stage (``as_bufs``/``bs_bufs``, TMA-loaded by
-    the producer with the tiles), read after the stage's ready barrier. The stage is released after
-    its last ld.shared and the second half's wgmma. The epilogue stores the two halves one after the
-    other through the same [64, 128] smem buffer."""
-    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BK: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    HALF_M: gl.constexpr = c_bufs.type.shape[1]
-    SUB_N: gl.constexpr = c_bufs.type.shape[2]
-    gl.static_assert(BLOCK_N == 2 * SUB_N)
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, SUB_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    nk = gl.cdiv(K, BK)
-    num_sb_rows = gl.cdiv(N, BK)  # rows of the 128x128 B scale tensor
-    c_smem = c_bufs.index(WG)
-    zero = gl.zeros([HALF_M, SUB_N], gl.float32, mma_layout)
-    cols = gl.arange(0, SUB_N, layout=col_layout)
-    if SCALE_TMA:
-        # the TMA boxes (unswizzled) seen as plain [NUM_STAGES, n] fp32 rows for ld.shared
-        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rank 1: per stage
-        as_rows = as_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_M], flat)
-        if B_2D:
-            # the [2, 16] box b_s[n // 128 + (0, 1), (kb & ~3) + (0..15)] (_B2D_SCALE_BOX): every thread
-            # keeps words kb & 3 and 16 + (kb & 3), the two halves' scales of this kb
-            SB_W: gl.constexpr = bs_bufs.type.shape[2]
-            SB_N: gl.constexpr = bs_bufs.type.shape[1] * SB_W
-            bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, SB_N], flat)
-            box_layout: gl.constexpr = gl.BlockedLayout([SB_N], [32], [4], [0])
-            box_idx = gl.arange(0, SB_N, layout=box_layout)
-        else:
-            bs_rows = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
-
-    it = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M + WG * HALF_M
-        off_n0 = pid_n * BLOCK_N
-        off_n1 = off_n0 + SUB_N
-        has_n1 = off_n1 < N
-        offs_m = off_m + gl.arange(0, HALF_M, layout=row_layout)
-        m_mask = offs_m < M
-        sb_row0 = b_s_ptr + (off_n0 // BK) * stride_bs
-        sb_row1 = b_s_ptr + gl.minimum(off_n1 // BK, num_sb_rows - 1) * stride_bs
-        sb_col_ptr = b_s_ptr + off_n0  # 1x128 B scales: b_s[kb, n]
-        n_left0 = N - off_n0
-        n_left1 = N - off_n1
-
-        if B_2D and not SCALE_TMA:  # (otherwise the scales are read per K block in the loop)
-            sa = gl.load(a_s_ptr + offs_m, mask=m_mask, other=0.0)
-            sb0 = gl.load(sb_row0)
-            sb1 = gl.load(sb_row1)
-        acc0 = zero
-        acc1 = zero
-        # The fresh accumulator is the (dead) previous product, overwritten with use_acc=False: a
-        # loop-invariant zero tensor would pin 64 more registers per thread.
-        part = zero
-        for kb in range(nk):
-            s = it % NUM_STAGES
-            mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-            a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
-            # ---- columns 0-127 of the tile
-            part = warpgroup_mma(a_op, b_bufs.index(s).slice(0, SUB_N).permute((1, 0)), part, use_acc=False,
-                                 is_async=True)  # fmt: skip
-            if B_2D and SCALE_TMA:
-                sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
-                box = bs_rows.index(s).load(box_layout)
-                j = kb & 3
-                sab0 = sa * gl.sum(gl.where(box_idx == j, box, 0.0), axis=0)
-                sab1 = sa * gl.sum(gl.where(box_idx == SB_W + j, box, 0.0), axis=0)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                acc0 = acc0 + part * gl.expand_dims(sab0, 1)
-            elif B_2D:
-                has_next = kb + 1 < nk
-                sa_n = gl.load(a_s_ptr + (kb + 1) * stride_as + offs_m, mask=m_mask & has_next, other=0.0)
-                sb0_n = gl.load(sb_row0 + kb + 1, mask=has_next, other=0.0)
-                sb1_n = gl.load(sb_row1 + kb + 1, mask=has_next, other=0.0)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                acc0 = acc0 + part * gl.expand_dims(sa * sb0, 1)
-            elif SCALE_TMA:
-                sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
-                sbv = bs_rows.index(s).slice(0, SUB_N).load(col_layout)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                acc0 = acc0 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
-            else:
-                # 1x128 B scales: loaded just in time (a prefetched [128]-column vector would cost 32
-                # more registers per thread)
-                sa = gl.load(a_s_ptr + kb * stride_as + offs_m, mask=m_mask, other=0.0)
-                sbv = gl.load(sb_col_ptr + kb * stride_bs + cols, mask=cols < n_left0, other=0.0)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                acc0 = acc0 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
-            # ---- columns 128-255 of the tile
-            part = warpgroup_mma(a_op, b_bufs.index(s).slice(SUB_N, SUB_N).permute((1, 0)), part, use_acc=False,
-                                 is_async=True)  # fmt: skip
-            if B_2D and SCALE_TMA:
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                mbarrier.arrive(empty.index(s))  # (the stage's scales were read before the first wait)
-                acc1 = acc1 + part * gl.expand_dims(sab1, 1)
-            elif B_2D:
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                mbarrier.arrive(empty.index(s))
-                acc1 = acc1 + part * gl.expand_dims(sa * sb1, 1)
-                sb0 = sb0_n
-                sb1 = sb1_n
-            elif SCALE_TMA:
-                sbv = bs_rows.index(s).slice(SUB_N, SUB_N).load(col_layout)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                mbarrier.arrive(empty.index(s))  # after the stage's last ld.shared (program order)
-                acc1 = acc1 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
-            else:
-                sbv = gl.load(sb_col_ptr + kb * stride_bs + SUB_N + cols, mask=cols < n_left1, other=0.0)
-                part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                mbarrier.arrive(empty.index(s))
-                acc1 = acc1 + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sbv, 0))
-            if B_2D and not SCALE_TMA:
-                sa = sa_n
-            it += 1
-
-        # ---- epilogue: the two 128-column halves through one [64, 128] smem buffer
-        offs_n = off_n0 + cols
-        n_mask = offs_n < N
-        if HAS_BIAS:
-            acc0 = acc0 + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32), 0)
-        if ACCUMULATE:
-            c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
-            acc0 = acc0 + gl.load(c_ptrs, mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0), other=0.0)
-        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-        c_smem.store(acc0.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n0], c_smem)
-        if has_n1:
-            offs_n = off_n1 + cols
-            n_mask = offs_n < N
-            if HAS_BIAS:
-                acc1 = acc1 + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32), 0)
-            if ACCUMULATE:
-                c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
-                acc1 = acc1 + gl.load(c_ptrs, mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0), other=0.0)
-            tma.store_wait(pendings=0)
-            c_smem.store(acc1.to(c_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [off_m, off_n1], c_smem)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
 def _quad_b2d_scale(bs_words, s, kb, half, word_layout: gl.constexpr, SB_W: gl.constexpr):
     """The 128x128 B scale of tile half ``half`` for K block ``kb``: one word of stage ``s``'s [2, SB_W]
     box (word ``half * SB_W + (kb & 3)``), loaded by every thread (a broadcast ld.shared)."""
@@ -591,9 +409,9 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     (B rows 0-63, ..., 192-255) alternately into two fresh accumulators (``pa``, ``pb``), so that while
     chain j is promoted into its running accumulator ``acc_j`` chain j+1 runs (chain 3 is promoted
     while the next K block's chain 0 runs; its stage is released after that). The warpgroup waits
-    with no chain of its own in flight once per K block (for chain 3), against twice per K block,
-    for a whole n128 chain each, in _consumer_wide. Per thread: 4 x 32 running + 2 x 32 fresh fp32
-    registers, as many as _consumer_wide's 2 x 64 + 64. Pieces 0-1 lie in the tile's first 128x128 B
+    with no chain of its own in flight once per K block (for chain 3), where n128 chains (the kernel
+    before 2026-12-01, commit 94245c7) waited twice per K block for a whole chain. Per thread: 4 x 32
+    running + 2 x 32 fresh fp32 registers. Pieces 0-1 lie in the tile's first 128x128 B
     scale block, 2-3 in the second. Epilogue: four [64, 64] pieces through two buffers per warpgroup."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -678,21 +496,18 @@ def _blockwise_gemm_gluon_kernel(
     M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
     B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
     NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    SCALE_TMA: gl.constexpr,
 ):  # fmt: skip
-    # as_desc / bs_desc: TMA descriptors of the A and B scales ([1, BLOCK_M] and [1, BLOCK_N] boxes)
-    # when SCALE_TMA (128x256 tiles; [2, 16] B-scale boxes for 128x128 B scales), else None
+    # as_desc / bs_desc: TMA descriptors of the A and B scales ([1, BLOCK_M] and [1, BLOCK_N] boxes;
+    # [2, 16] B-scale boxes for 128x128 B scales) for 128x256 tiles, else None
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]
     gl.static_assert(BLOCK_M == 2 * HALF_M)
     C_N: gl.constexpr = c_desc.block_type.shape[1]
-    WIDE: gl.constexpr = BLOCK_N == 2 * C_N  # BLOCK_N=256: two 128-column halves (_consumer_wide)
     QUAD: gl.constexpr = BLOCK_N == 4 * C_N  # BLOCK_N=256 in four 64-column chains (_consumer_quad)
-    gl.static_assert(BLOCK_N == C_N or WIDE or QUAD)
-    gl.static_assert(not SCALE_TMA or WIDE or QUAD)
-    gl.static_assert(not QUAD or SCALE_TMA)
+    gl.static_assert(BLOCK_N == C_N or QUAD)
+    SCALE_TMA: gl.constexpr = QUAD  # scales staged through the smem ring by the producer
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BK], b_desc.layout)
@@ -723,17 +538,6 @@ def _blockwise_gemm_gluon_kernel(
                               as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
                               as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
-                         GROUP_M, SCALE_TMA, B_2D)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
-    elif WIDE:
-        gl.warp_specialize([
-            (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
-                              K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE,
-                              GROUP_M, SCALE_TMA)),
-            (_consumer_wide, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N,
-                              K, stride_as, stride_bs, stride_cm, as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE,
-                              GROUP_M, SCALE_TMA)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
                          GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
@@ -852,11 +656,6 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
 def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
     if cfg.block_n not in (64, 128, 256):
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
-    if cfg.quarter_chains and not (cfg.block_n == 256 and cfg.scale_tma):
-        raise NotImplementedError("quarter_chains is implemented for block_n=256 with scale_tma only")
-    if cfg.scale_tma and cfg.block_n != 256:
-        raise NotImplementedError("scale_tma (scales staged through the smem ring) is implemented for block_n=256 "
-                                  "only")  # fmt: skip
     if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
         raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
                                   "(ptxas, either B scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
@@ -886,7 +685,7 @@ def _launch_plan(
     the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
     cfg = config or select_config(b_block_dim, out_dtype, accumulate)
     _check_config(cfg, b_block_dim, out_dtype, accumulate)
-    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, cfg.scale_tma, b_block_dim, cfg.quarter_chains)
+    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, cfg.scale_tma, b_block_dim)
 
 
 def blockwise_gemm_gluon(
@@ -921,7 +720,7 @@ def blockwise_gemm_gluon(
         return c
     cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None)
     bm, bn = cfg.block_m, cfg.block_n
-    cn = _c_block_n(bn, cfg.quarter_chains)
+    cn = _c_block_n(bn)
     a_desc = _desc(a, [m, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
     b_desc = _desc(b, [n, k], [k, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
     c_desc = _desc(c, [m, n], [c.stride(0), 1], [bm // 2, cn], _shared_layout([bm // 2, cn], c.dtype))
@@ -942,7 +741,7 @@ def blockwise_gemm_gluon(
         grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
-        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs, cfg.scale_tma,
+        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
         num_warps=4, maxnreg=_maxnreg(cfg),
     )  # fmt: skip
     return c
@@ -982,7 +781,7 @@ def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotV
     """Every kernel variant the wrapper launches for the given configs; by default, every variant
     that ``select_config`` picks (what the backend runs)."""
     selected_only = configs is None
-    configs = configs or {"n128": GluonGemmConfig(), "n256_q": QUARTER_CONFIG}
+    configs = configs or {"n128": GluonGemmConfig(), "n256": WIDE_CONFIG}
     out = []
     for cfg_name, cfg in configs.items():
         for bdim in (2, 1):
@@ -1015,14 +814,9 @@ BENCH_CONFIGS = {
     "n128_s4": GluonGemmConfig(block_n=128, num_stages=4),
     "n128_g16": GluonGemmConfig(block_n=128, group_m=16),
     "n64": GluonGemmConfig(block_n=64),
-    # 128x256 tile (two n128 wgmma chains per K block): 25% less L2->SM traffic per FLOP
-    "n256": WIDE_CONFIG,
-    # 128x256 with the scales staged through the smem ring
-    "n256_stma": WIDE_SCALE_TMA_CONFIG,
     "n128": GluonGemmConfig(),
-    # 128x256, smem scales, four n64 chains per K block, one in flight while another is promoted
-    # (what select_config picks)
-    "n256_q": QUARTER_CONFIG,
+    # 128x256 tiles, four n64 chains per K block (what select_config picks)
+    "n256": WIDE_CONFIG,
 }
 
 
@@ -1035,8 +829,8 @@ def compile_variant(v: AotVariant):
     cfg = v.config
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, cfg.scale_tma, v.b_block_dim, cfg.quarter_chains)
-    cn = _c_block_n(bn, cfg.quarter_chains)
+    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, cfg.scale_tma, v.b_block_dim)
+    cn = _c_block_n(bn)
     m = n = k = 1024  # only the descriptors' types matter
     a = torch.empty(m, k, dtype=v.a_dtype)
     b = torch.empty(n, k, dtype=v.b_dtype)
@@ -1053,11 +847,10 @@ def compile_variant(v: AotVariant):
         "as_desc": "constexpr", "bs_desc": "constexpr",
         "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr",
         "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
-        "SCALE_TMA": "constexpr",
     }  # fmt: skip
     cons = {"as_desc": None, "bs_desc": None, "B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias,
             "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
-            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "SCALE_TMA": cfg.scale_tma}  # fmt: skip
+            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
     if cfg.scale_tma:
         kbs = ceil_div(k, BLOCK_K)
         b_box = list(_B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
