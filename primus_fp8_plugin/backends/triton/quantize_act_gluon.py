@@ -30,7 +30,7 @@ Design (persistent, one partition of NUM_WARPS warps per CTA, CTAS_PER_SM CTAs p
 
 Per element: one smem read per pass, one convert to fp32 per pass, one ``max.NaN`` per copy, one
 multiply and half a ``cvt.rn.satfinite.e4m3x2`` per copy; no address arithmetic or masks (TMA). The
-scale rule is ``scales.py``'s, replicated as Gluon functions (same operations in the same order).
+scale rule is ``scales.py``'s (the same device functions as the Triton kernels).
 
 Limits (``NotImplementedError`` from the wrapper before anything is launched, so that the caller
 falls back to the Triton kernel): NVIDIA sm_90; X contiguous, 16-byte aligned, rows of a multiple of
@@ -46,7 +46,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -55,9 +54,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
 from .quantize_act import dual_outputs
+from .scales import max_nan, scale_and_inverse
 
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA on H100/H200 (227 KiB)
-FP32_MAX = gl.constexpr(3.4028234663852886e38)
 
 _TORCH_TO_GL = {
     torch.float8_e4m3fn: gl.float8e4nv,
@@ -82,39 +81,6 @@ class GluonQuantConfig:
 
 
 DEFAULT_CONFIG = GluonQuantConfig()
-
-
-# --------------------------------------------------------------------------------------------------
-# Scale rule (scales.py, as Gluon functions: the same operations in the same order)
-# --------------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _max_nan(a, b):
-    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@gluon.jit
-def _scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2: gl.constexpr):
-    amax = gl.maximum(amax, amax_eps)
-    scale = gl.div_rn(gl.zeros_like(amax) + fp8_max, amax)
-    scale = gl.where(scale > FP32_MAX, in_max, scale)
-    if POW2:
-        scale = (scale.to(gl.int32, bitcast=True) & 0x7F800000).to(gl.float32, bitcast=True)
-    return gl.where(amax == 0.0, 1.0, scale)
-
-
-@gluon.jit
-def _scale_and_inverse(amax, fp8_max, amax_eps, in_max, POW2: gl.constexpr):
-    ok = amax <= FP32_MAX
-    scale = _scale_from_amax(gl.where(ok, amax, 0.0), fp8_max, amax_eps, in_max, POW2)
-    if POW2:
-        bits = scale.to(gl.int32, bitcast=True)
-        inv = (0x7F000000 - bits).to(gl.float32, bitcast=True)
-        inv = gl.where(bits < 0x7F000000, inv, (gl.zeros_like(bits) + 0x00400000).to(gl.float32, bitcast=True))
-    else:
-        inv = gl.div_rn(gl.zeros_like(scale) + 1.0, scale)
-    return gl.where(ok, scale, float("nan")), gl.where(ok, inv, float("nan"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,9 +142,9 @@ def _quantize_1x128_dual_gluon_kernel(
         # ---- row pass (and the column amax)
         x = x_s.load(LR).to(gl.float32)
         if COLWISE:
-            col_amax = gl.reduce(gl.abs(x), 0, _max_nan)
+            col_amax = gl.reduce(gl.abs(x), 0, max_nan)
         if ROWWISE:
-            scale, s_inv = _scale_and_inverse(gl.reduce(gl.abs(x), 1, _max_nan), fp8_max, amax_eps, in_max, POW2)
+            scale, s_inv = scale_and_inverse(gl.reduce(gl.abs(x), 1, max_nan), fp8_max, amax_eps, in_max, POW2)
             q = (gl.expand_dims(scale, 1) * x).to(rq_desc.dtype)
             # the TMA store that last read this buffer (OUT_BUFS tiles ago) is done
             tma.store_wait(pendings=NSTORES * (OUT_BUFS - 1))
@@ -194,7 +160,7 @@ def _quantize_1x128_dual_gluon_kernel(
 
         # ---- column pass
         if COLWISE:
-            cscale, cs_inv = _scale_and_inverse(col_amax, fp8_max, amax_eps, in_max, POW2)
+            cscale, cs_inv = scale_and_inverse(col_amax, fp8_max, amax_eps, in_max, POW2)
             cols = k0 + cols_r
             cs_inv = gl.where(cols < K, cs_inv, 1.0)
             gl.store(col_s_ptr + pm * K_PAD + cols, cs_inv, mask=cols < K_PAD)

@@ -1,4 +1,7 @@
-"""TE's scale rule as Triton device functions, shared by the quantization kernels.
+"""TE's scale rule as Triton device functions, shared by the quantization kernels, Triton and Gluon
+alike (a Gluon kernel can call them as long as they build no tensor from a shape alone: no
+``tl.zeros``/``tl.zeros_like``, which need a Gluon layout; scalars broadcast against the tensor
+arguments instead).
 
 The kernels are tight on instructions per element (the H200 issues about 33 per element at copy
 bandwidth), so the per-element work is: one NaN-propagating max of ``|x|`` per copy (the abs is an
@@ -25,7 +28,7 @@ def scale_from_amax(amax, fp8_max, amax_eps, in_max, POW2: tl.constexpr):
     """fp32 scale per tile from its (finite) fp32 amax: TE's steps 1-5 (docs/NUMERICS.md)."""
     amax = tl.maximum(amax, amax_eps)
     # IEEE division: a plain `/` compiles to the approximate div.full.f32 on sm_90.
-    scale = tl.div_rn(tl.zeros_like(amax) + fp8_max, amax)
+    scale = tl.div_rn(fp8_max, amax)
     scale = tl.where(scale > FP32_MAX, in_max, scale)  # inf (amax tiny or 0) -> input dtype max
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
@@ -57,7 +60,7 @@ def scale_and_inverse(amax, fp8_max, amax_eps, in_max, POW2: tl.constexpr):
         # e <= 126; 2^127 (tiny amax) has the subnormal inverse 2^-127 (bits 0x00400000).
         bits = scale.to(tl.int32, bitcast=True)
         inv = (0x7F000000 - bits).to(tl.float32, bitcast=True)
-        inv = tl.where(bits < 0x7F000000, inv, (tl.zeros_like(bits) + 0x00400000).to(tl.float32, bitcast=True))
+        inv = tl.where(bits < 0x7F000000, inv, 2.0**-127)
     else:
-        inv = tl.div_rn(tl.zeros_like(scale) + 1.0, scale)
+        inv = tl.div_rn(1.0, scale)
     return tl.where(ok, scale, float("nan")), tl.where(ok, inv, float("nan"))
