@@ -104,7 +104,7 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
 
     launched = []
     monkeypatch.setattr(G, "runs_on", lambda device: True)
-    monkeypatch.setattr(G, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(G, "num_sms", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(G, "_launch", lambda grid, *args, **options: launched.append(args))
     a, a_s, b, b_s = operands(m, n, k, bdim)

@@ -71,6 +71,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...tensor import ceil_div
 from .gemm import check_operands
+from .hopper import SMEM_LIMIT, TORCH_TO_GL, num_sms, runs_on
 from .launch import FastLauncher
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
@@ -79,9 +80,6 @@ BLOCK_K = 128  # one scale per K block: fixed by the recipe
 class GluonUnsupported(NotImplementedError):
     """Inputs this kernel does not take (hardware, TMA layout rules) although they are valid:
     the caller may run another kernel. Wrong inputs raise ValueError / TypeError instead."""
-
-
-SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA on H100/H200 (227 KiB)
 
 
 @dataclass(frozen=True)
@@ -125,15 +123,6 @@ def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool) ->
     if supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
         return WIDE_CONFIG
     return default_config()
-
-
-_TORCH_TO_GL = {
-    torch.float8_e4m3fn: gl.float8e4nv,
-    torch.float8_e5m2: gl.float8e5,
-    torch.bfloat16: gl.bfloat16,
-    torch.float16: gl.float16,
-    torch.float32: gl.float32,
-}
 
 
 def _c_block_n(block_n: int) -> int:
@@ -562,7 +551,7 @@ _launch = FastLauncher(_blockwise_gemm_gluon_kernel)
 
 @functools.lru_cache(maxsize=64)
 def _shared_layout_cached(block_shape: tuple[int, ...], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _TORCH_TO_GL[dtype])
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), TORCH_TO_GL[dtype])
 
 
 def _shared_layout(block_shape, dtype):
@@ -614,23 +603,6 @@ def _maxnreg(cfg: GluonGemmConfig) -> int:
     # 12 warps (2 consumer warpgroups + the producer's warpgroup); setmaxnreg moves registers
     # between them, the kernel-wide budget is 64K registers: maxnreg * 384 <= 65536.
     return 168
-
-
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.cache
-def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
-def runs_on(device: torch.device) -> bool:
-    """Whether this kernel runs on ``device``: an NVIDIA Hopper (sm_90) GPU (not ROCm, not the CPU)."""
-    if device.type != "cuda" or torch.version.hip:
-        return False
-    return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
@@ -736,7 +708,7 @@ def blockwise_gemm_gluon(
             b_scale_inv = _tma_ready_scale(b_scale_inv, n)
             bs_desc = _scale_desc(b_scale_inv, n, [1, bn])
     num_tiles = ceil_div(m, bm) * ceil_div(n, bn)
-    grid = (min(num_tiles, _num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())),)
+    grid = (min(num_tiles, num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())),)
     _launch(
         grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,

@@ -39,7 +39,6 @@ falls back to the Triton kernel): NVIDIA sm_90; X contiguous, 16-byte aligned, r
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,18 +52,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
+from .hopper import SMEM_LIMIT, TORCH_TO_GL, num_sms
 from .quantize_act import dual_outputs
 from .scales import max_nan, scale_and_inverse
-
-SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA on H100/H200 (227 KiB)
-
-_TORCH_TO_GL = {
-    torch.float8_e4m3fn: gl.float8e4nv,
-    torch.float8_e5m2: gl.float8e5,
-    torch.bfloat16: gl.bfloat16,
-    torch.float16: gl.float16,
-    torch.float32: gl.float32,
-}
 
 
 @dataclass(frozen=True)
@@ -235,11 +225,6 @@ def _fp8_layout(dtype) -> gl.NVMMASharedLayout:
 # --------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _config(launch_opts: dict) -> GluonQuantConfig:
     cfg = launch_opts.pop("config", None) or DEFAULT_CONFIG
     unknown = set(launch_opts) - set(GluonQuantConfig.__dataclass_fields__)
@@ -301,7 +286,7 @@ def quantize_1x128_dual_gluon(
         x_desc, rq_desc, cq_desc = _descs(x, row_q, col_q, f8)
         num_tiles = ceil_div(m, BLOCK) * ceil_div(k, BLOCK)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        grid = (min(num_tiles, cfg.ctas_per_sm * _num_sms(index)),)
+        grid = (min(num_tiles, cfg.ctas_per_sm * num_sms(index)),)
         s_any = row_s if row_s is not None else col_s
         _quantize_1x128_dual_gluon_kernel[grid](
             x_desc, rq_desc, cq_desc, row_s if rowwise else s_any, col_s if columnwise else s_any,
@@ -324,8 +309,8 @@ _GL_NAME = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bf
 
 
 def _descs(x, rq, cq, fp8_dtype):
-    in_layout = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], _TORCH_TO_GL[x.dtype])
-    f8 = _fp8_layout(_TORCH_TO_GL[fp8_dtype])
+    in_layout = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], TORCH_TO_GL[x.dtype])
+    f8 = _fp8_layout(TORCH_TO_GL[fp8_dtype])
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK, BLOCK], in_layout)
     rq_desc = TensorDescriptor.from_tensor(rq, [BLOCK, BLOCK], f8) if rq is not None else None
     cq_desc = TensorDescriptor.from_tensor(cq, [BLOCK, BLOCK], f8) if cq is not None else None
