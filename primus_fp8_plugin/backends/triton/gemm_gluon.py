@@ -305,6 +305,17 @@ def _quad_b2d_scale(bs_words, s, kb, half, word_layout: gl.constexpr, SB_W: gl.c
 
 
 @gluon.jit
+def _quad_col_scales(bs_scales, s, J: gl.constexpr, Q: gl.constexpr, col_layout: gl.constexpr, B_2D: gl.constexpr):
+    """Column scales of piece J from stage ``s``: the piece's 64 1x128 B scales, or 1.0 for 128x128 B
+    (whose block scale the row scales carry)."""
+    if B_2D:
+        sb = 1.0
+    else:
+        sb = bs_scales.index(s).slice(J * Q, Q).load(col_layout)
+    return sb
+
+
+@gluon.jit
 def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
                 as_rows, bs_scales, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
                 row_layout: gl.constexpr, col_layout: gl.constexpr, word_layout: gl.constexpr, SB_W: gl.constexpr,
@@ -316,55 +327,43 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     [2, SB_W] box of each stage) or as [NUM_STAGES, BLOCK_N] rows (1x128 B). Every ld.shared of a
     scale is issued before a wait (a wgmma's or the stage's), whose latency hides it. Returns with
     chain 3 retired, in ``pb``, and its row scales."""
-    if not FIRST and not B_2D:  # chain 3's 1x128 B scales, from its stage (not released yet)
-        sb3_prev = bs_scales.index(s_prev).slice(3 * Q, Q).load(col_layout)
+    # Promotions go through _promote with row scales and column scales: for 128x128 B the rows carry
+    # the block's B scale already (s_lo, s_hi) and the column scale is 1.0 (folded away).
+    if not FIRST:  # chain 3's 1x128 B scales, from its stage (not released yet)
+        sb3_prev = _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D)
     mbarrier.wait(ready.index(s), phase)
     a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
     bt = b_bufs.index(s)
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
-        if B_2D:
-            acc3 = acc3 + pb * gl.expand_dims(sa_prev, 1)
-        else:
-            acc3 = acc3 + pb * (gl.expand_dims(sa_prev, 1) * gl.expand_dims(sb3_prev, 0))
+        acc3 = _promote(acc3, pb, sa_prev, sb3_prev, B_2D)
         mbarrier.arrive(empty.index(s_prev))
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
     if B_2D:  # row scales times each half's 128x128 B scale
         s_lo = sa * _quad_b2d_scale(bs_scales, s, kb, 0, word_layout, SB_W)
         s_hi = sa * _quad_b2d_scale(bs_scales, s, kb, 1, word_layout, SB_W)
-    else:  # the next piece's 64 column scales
-        sb = bs_scales.index(s).slice(0, Q).load(col_layout)
+    else:
+        s_lo = sa
+        s_hi = sa
+    sb = _quad_col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
     # chain 0
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    if B_2D:
-        acc0 = acc0 + pa * gl.expand_dims(s_lo, 1)
-    else:
-        acc0 = acc0 + pa * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
-        sb = bs_scales.index(s).slice(Q, Q).load(col_layout)
+    acc0 = _promote(acc0, pa, s_lo, sb, B_2D)
+    sb = _quad_col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
     pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     # chain 1
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-    if B_2D:
-        acc1 = acc1 + pb * gl.expand_dims(s_lo, 1)
-    else:
-        acc1 = acc1 + pb * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
-        sb = bs_scales.index(s).slice(2 * Q, Q).load(col_layout)
+    acc1 = _promote(acc1, pb, s_lo, sb, B_2D)
+    sb = _quad_col_scales(bs_scales, s, 2, Q, col_layout, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     # chain 2
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    if B_2D:
-        acc2 = acc2 + pa * gl.expand_dims(s_hi, 1)
-    else:
-        acc2 = acc2 + pa * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
+    acc2 = _promote(acc2, pa, s_hi, sb, B_2D)
     # chain 3 retires inside the block: a wgmma in flight across the K loop's back edge makes ptxas
     # serialise every wgmma of the kernel (C7514)
     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
-    if B_2D:
-        sa3 = s_hi
-    else:
-        sa3 = sa
-    return pa, pb, acc0, acc1, acc2, acc3, sa3
+    return pa, pb, acc0, acc1, acc2, acc3, s_hi
 
 
 @gluon.jit
@@ -457,11 +456,7 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
             )  # fmt: skip
             s_prev = s
             it += 1
-        if B_2D:
-            acc3 = acc3 + pb * gl.expand_dims(sa3, 1)
-        else:
-            sb3 = bs_scales.index(s_prev).slice(3 * Q, Q).load(col_layout)
-            acc3 = acc3 + pb * (gl.expand_dims(sa3, 1) * gl.expand_dims(sb3, 0))
+        acc3 = _promote(acc3, pb, sa3, _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D), B_2D)
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: four [64, 64] pieces (those that start inside N)
