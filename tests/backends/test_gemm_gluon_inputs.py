@@ -140,4 +140,4 @@ def test_config_selection_and_shared_memory():
     assert G.WIDE_CONFIG.scale_tma and not G.GluonGemmConfig().scale_tma
     assert G._c_block_n(256) == 64 and G._c_block_n(128) == 128
     # a bf16 output: 4 stages of 128x256 (48 KiB + 640 B of scales each) next to 32 KiB of output buffers
-    assert G.stages_that_fit(256, torch.bfloat16, 0, True, 2) == 4
+    assert G.stages_that_fit(256, torch.bfloat16, 0, 2) == 4

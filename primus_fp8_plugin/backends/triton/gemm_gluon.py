@@ -130,17 +130,14 @@ def _c_block_n(block_n: int) -> int:
     return 64 if block_n == 256 else block_n
 
 
-def stages_that_fit(
-    block_n: int,
-    out_dtype: torch.dtype,
-    requested: int = 0,
-    scale_tma: bool = False,
-    b_block_dim: int = 1,
-) -> int:
+def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0, b_block_dim: int = 1) -> int:
+    """Pipeline stages of a BLOCK_N tile (``requested``, or as many as fit, at most 6) next to the
+    output buffers; raises ValueError when fewer than 2, or ``requested``, do not fit."""
     stage_bytes = (128 + block_n) * BLOCK_K  # fp8 A and B tiles
-    if scale_tma:  # fp32 A-scale row slice and the B scales of the K block
+    if block_n == 256:  # + the fp32 A-scale row slice and the B scales of the K block (scale_tma)
         stage_bytes += (128 + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
-    c_bytes = 128 * block_n * out_dtype.itemsize // (2 if block_n == 256 else 1)  # 256: four [64, 64] buffers
+    c_bufs = 4 if block_n == 256 else 2  # [64, _c_block_n] output buffers: two per warpgroup at 256, else one
+    c_bytes = c_bufs * 64 * _c_block_n(block_n) * out_dtype.itemsize
     fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (264-320 seen)
     stages = min(fit, 6) if requested <= 0 else requested
     if stages < 2 or stages > fit:
@@ -652,7 +649,7 @@ def _launch_plan(
     the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
     cfg = config or select_config(b_block_dim, out_dtype, accumulate)
     _check_config(cfg, b_block_dim, out_dtype, accumulate)
-    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, cfg.scale_tma, b_block_dim)
+    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, b_block_dim)
 
 
 def blockwise_gemm_gluon(
@@ -796,7 +793,7 @@ def compile_variant(v: AotVariant):
     cfg = v.config
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, cfg.scale_tma, v.b_block_dim)
+    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, v.b_block_dim)
     cn = _c_block_n(bn)
     m = n = k = 1024  # only the descriptors' types matter
     a = torch.empty(m, k, dtype=v.a_dtype)
