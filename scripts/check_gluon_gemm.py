@@ -254,24 +254,25 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool, rounds
                 ms = triton.testing.do_bench(fn, warmup=10, rep=60)
                 return flops / ms * 1e-9
 
-            # contenders: (label, fn or None when it failed / does not apply)
-            contenders = []
+            # what runs, by label (a contender that failed is absent: printed as err); configs that do
+            # not take this form are printed as n/a
+            contenders = {}
+            not_applicable = set()
             ref_out = None
             try:
                 fn = cublas_fn(a, a_s, b, b_s, bdim, od)
                 ref_out = fn()
-                contenders.append(("cuBLAS", fn))
+                contenders["cuBLAS"] = fn
             except Exception as e:  # noqa: BLE001
-                contenders.append(("cuBLAS", None))
                 print(f"    cuBLAS failed: {type(e).__name__}: {str(e)[:300]}")
             acc_buf = torch.zeros(m, n, device="cuda", dtype=torch.float32) if accumulate else None
             if with_triton:
-                contenders.append(("triton", functools.partial(blockwise_gemm, a, a_s, b, b_s, b_block_dim=bdim,
-                                                               out_dtype=od, accumulate_into=acc_buf)))  # fmt: skip
+                contenders["triton"] = functools.partial(blockwise_gemm, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od,
+                                                         accumulate_into=acc_buf)  # fmt: skip
             checks = []
             for name, cfg in configs.items():
                 if gemm_gluon.supports(cfg, bdim, od, accumulate) is not None:
-                    contenders.append((name, "n/a"))
+                    not_applicable.add(name)
                     continue
                 fn = functools.partial(blockwise_gemm_gluon, a, a_s, b, b_s, b_block_dim=bdim, out_dtype=od,
                                        accumulate_into=acc_buf, config=cfg)  # fmt: skip
@@ -281,15 +282,12 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool, rounds
                     out = fn()
                     if ref_out is not None:
                         checks.append(f"{name}:{rel_err(out.float(), ref_out.double()):.1e}")
-                    contenders.append((name, fn))
+                    contenders[name] = fn
                 except Exception as e:  # noqa: BLE001
-                    contenders.append((name, None))
                     print(f"    gluon[{name}] failed: {type(e).__name__}: {str(e)[:500]}")
-            times: dict[str, list[float]] = {label: [] for label, fn in contenders if callable(fn)}
+            times: dict[str, list[float]] = {label: [] for label in contenders}
             for _ in range(rounds):
-                for label, fn in contenders:
-                    if not callable(fn):
-                        continue
+                for label, fn in contenders.items():
                     try:
                         times[label].append(tflops(fn))
                     except Exception as e:  # noqa: BLE001
@@ -298,7 +296,7 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool, rounds
             def fmt(label):
                 ts = times.get(label) or []
                 if not ts:
-                    return float("nan"), f"{'err':>8}"
+                    return float("nan"), f" {'err':>8}"
                 med = statistics.median(ts)
                 spread = f" ({min(ts):.0f}-{max(ts):.0f})" if rounds > 1 else ""
                 return med, f" {med:8.1f}{spread}"
@@ -306,11 +304,11 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool, rounds
             t_cublas, text = fmt("cuBLAS")
             line += text
             line += fmt("triton")[1] if with_triton else f" {'-':>8}"
-            for label, fn in contenders[(2 if with_triton else 1) :]:
-                if fn == "n/a":
+            for name in configs:
+                if name in not_applicable:
                     line += f" {'n/a':>10} {'-':>6}"
                     continue
-                t, text = fmt(label)
+                t, text = fmt(name)
                 line += f"{text} {t / t_cublas:6.2f}"
             print(line + "  " + " ".join(checks), flush=True)
             del a, b, a_s, b_s, ref_out, acc_buf
