@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Quantization bandwidth on the GPU: ours (Triton) vs a device copy, TE's quantizer and torch eager.
+"""Quantization bandwidth on the GPU: ours vs a device copy, TE's quantizer and torch eager.
 
-    python scripts/bench_quant.py [--json out.json] [--plot out.png]
+    python scripts/bench_quant.py [--json out.json] [--plot out.png] [--graph]
+
+"ours" is what the triton backend runs (weights: the Gluon kernel on Hopper, else the Triton kernel,
+which is also timed on its own as "ours (Triton kernel)").
 
 For each M x K: the dual 1x128 activation quantization (bf16 X -> rowwise + columnwise FP8 with
 scales) and the 128x128 weight quantization (W -> W and W^T). Bandwidth counts bytes read plus
@@ -17,6 +20,7 @@ from benchlib import (
     bench_ms,
     bench_parser,
     environment,
+    graph_ms,
     print_table,
     require_cuda,
     save_figure,
@@ -27,6 +31,7 @@ from benchlib import (
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.backends.reference import ReferenceBackend
+from primus_fp8_plugin.backends.triton import hopper_or_portable_weight_quant
 from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
 from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
 from primus_fp8_plugin.tensor import ceil_div
@@ -46,6 +51,9 @@ def main() -> int:
         "every shape, interleaved with the copy (default G list: 0 1 2 4 8 16 32)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the --orders sweep (median reported)")
+    ap.add_argument("--graph", action="store_true",
+                    help="time each contender as 20 calls in a CUDA graph (benchlib.graph_ms: no host time, no L2 "
+                         "flush) instead of do_bench; a contender that cannot be captured is timed with do_bench")  # fmt: skip
     args = ap.parse_args()
     if not require_cuda("bench_quant"):
         return 2
@@ -69,7 +77,8 @@ def main() -> int:
         contenders = {
             ("copy", "-"): (lambda: copy_dst.copy_(x), 2 * hp),
             ("ours", "act 1x128 row+col"): (lambda: quantize_1x128_dual(x, p_act, rowwise=True, columnwise=True), act_bytes),
-            ("ours", "weight 128x128 W+W^T"): (lambda: quantize_128x128(x, p_w), w_bytes),
+            ("ours", "weight 128x128 W+W^T"): (lambda: hopper_or_portable_weight_quant(x, p_w), w_bytes),
+            ("ours (Triton kernel)", "weight 128x128 W+W^T"): (lambda: quantize_128x128(x, p_w), w_bytes),
             ("torch eager", "act 1x128 row+col"): (lambda: ref.quantize_act(x, p_act, rowwise=True, columnwise=True), act_bytes),
             ("torch eager", "weight 128x128 W+W^T"): (lambda: ref.quantize_weight(x, p_w), w_bytes),
         }
@@ -78,7 +87,8 @@ def main() -> int:
             q2 = te.Float8BlockQuantizer(tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=2)
             contenders[("TE", "act 1x128 row+col")] = (lambda: q1(x), act_bytes)
             contenders[("TE", "weight 128x128 W+W^T")] = (lambda: q2(x), w_bytes)
-        times = {key: bench_ms(fn) for key, (fn, _) in contenders.items()}
+        # torch eager (50x slower, many small kernels) always with do_bench
+        times = {key: timed(fn, args.graph and key[0] != "torch eager") for key, (fn, _) in contenders.items()}
         copy_bw = 2 * hp / times[("copy", "-")] / 1e9
         for (who, what), (_, nbytes) in contenders.items():
             t = times[(who, what)]
@@ -90,6 +100,7 @@ def main() -> int:
             })  # fmt: skip
         torch.cuda.empty_cache()
     env = environment()
+    env["timing"] = "CUDA graph, 20 calls (no host time, no L2 flush)" if args.graph else "triton do_bench (L2 flushed)"
     print(f"# bench_quant  {env}")
     print_table(
         rows, [("shape", ""), ("op", ""), ("impl", ""), ("us", ".1f"), ("TB/s", ".2f"), ("% copy", ".0f"), ("vs TE", ".2f")]
@@ -101,6 +112,17 @@ def main() -> int:
     if args.plot:
         plot(rows, args.plot)
     return 0
+
+
+def timed(fn, graph: bool) -> float:
+    """ms per call: ``graph_ms`` if asked and capturable, else ``bench_ms``."""
+    if graph:
+        try:
+            return graph_ms(fn)
+        except Exception as err:  # noqa: BLE001 - e.g. a quantizer that synchronises cannot be captured
+            print(f"(CUDA graph capture failed: {type(err).__name__}: {str(err)[:120]}; timed with do_bench)")
+            torch.cuda.synchronize()
+    return bench_ms(fn)
 
 
 def sweep_variants(p_act, p_w, m: int = 8192, k: int = 8192) -> None:
@@ -166,12 +188,13 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for ax, op in zip(axes, ops):
         shapes = sorted({r["shape"] for r in rows}, key=lambda s: [int(v) for v in s.split("x")])
-        impls = [i for i in ("ours", "TE", "torch eager") if any(r["impl"] == i and r["op"] == op for r in rows)]
+        known = ("ours", "ours (Triton kernel)", "TE", "torch eager")
+        impls = [i for i in known if any(r["impl"] == i and r["op"] == op for r in rows)]
         for j, impl in enumerate(impls):
             vals = [
                 next((r["% copy"] for r in rows if r["shape"] == s and r["op"] == op and r["impl"] == impl), 0) for s in shapes
             ]
-            ax.bar([i + 0.25 * j for i in range(len(shapes))], vals, width=0.25, label=impl)
+            ax.bar([i + 0.2 * j for i in range(len(shapes))], vals, width=0.2, label=impl)
         ax.axhline(85, color="gray", ls="--", lw=1, label="85% of copy (goal)")
         ax.set_xticks([i + 0.25 for i in range(len(shapes))], shapes)
         ax.set_title(op)

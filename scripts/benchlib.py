@@ -19,6 +19,26 @@ def bench_ms(fn, warmup_ms: float = 30, rep_ms: float = 150) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    """GPU time per call of ``fn``, captured ``calls`` times in one CUDA graph and replayed: no host
+    time and no L2 flush in the figure (``bench_ms`` flushes L2 before each call, and counts the
+    host time of a call whose launch takes longer than the flush)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (calls * replays)
+
+
 def environment() -> dict:
     env = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

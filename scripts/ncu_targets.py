@@ -9,9 +9,9 @@
 Targets: ``gemm-fwd``, ``gemm-dgrad``, ``gemm-wgrad`` (``--impl ours`` = what the triton backend runs,
 ``cublas`` = torch's blockwise scaled_mm, ``gluon:<config>`` = a ``gemm_gluon.BENCH_CONFIGS`` entry;
 ``--shape MxNxK`` of the linear layer, as in bench_gemm.py), ``quant-act``, ``quant-weight``
-(``--shape MxK``) and ``copy`` (a device-to-device copy of an ``MxK`` bf16 tensor, the bandwidth
-ceiling). The operands are prepared and the kernel is run twice outside the range (compilation,
-caches), so the range holds exactly the launches of one call.
+(``--shape MxK``; ``--impl gluon``: the Gluon weight quantizer) and ``copy`` (a device-to-device
+copy of an ``MxK`` bf16 tensor, the bandwidth ceiling). The operands are prepared and the kernel is
+run twice outside the range (compilation, caches), so the range holds exactly the launches of one call.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm
 from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, blockwise_gemm_gluon
 from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
 from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
+from primus_fp8_plugin.backends.triton.quantize_weight_gluon import quantize_128x128_gluon
 
 TARGETS = ("gemm-fwd", "gemm-dgrad", "gemm-wgrad", "quant-act", "quant-weight", "copy")
 
@@ -50,7 +51,7 @@ def gemm_call(direction: str, impl: str, m: int, n: int, k: int):
     raise SystemExit(f"--impl must be ours, cublas or gluon:<one of {sorted(BENCH_CONFIGS)}>, got {impl!r}")
 
 
-def quant_call(target: str, m: int, k: int):
+def quant_call(target: str, impl: str, m: int, k: int):
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     recipe = BlockwiseRecipe()
     if target == "quant-act":
@@ -58,6 +59,8 @@ def quant_call(target: str, m: int, k: int):
         return lambda: quantize_1x128_dual(x, params, rowwise=True, columnwise=True)
     if target == "quant-weight":
         params = recipe.params(TensorRole.WEIGHT)
+        if impl == "gluon":
+            return lambda: quantize_128x128_gluon(x, params)
         return lambda: quantize_128x128(x, params)
     dst = torch.empty_like(x)
     return lambda: dst.copy_(x)
@@ -66,7 +69,7 @@ def quant_call(target: str, m: int, k: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", choices=TARGETS)
-    ap.add_argument("--impl", default="ours", help="GEMM targets: ours | cublas | gluon:<config>")
+    ap.add_argument("--impl", default="ours", help="GEMM targets: ours | cublas | gluon:<config>; quant-weight: ours | gluon")
     ap.add_argument("--shape", default="", help="MxNxK (GEMMs, default 8192x8192x8192) or MxK (default 8192x8192)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -78,7 +81,7 @@ def main(argv=None) -> int:
         fn = gemm_call(args.target[5:], args.impl, m, n, k)
     else:
         m, k = dims or (8192, 8192)
-        fn = quant_call(args.target, m, k)
+        fn = quant_call(args.target, args.impl, m, k)
     fn()
     fn()
     torch.cuda.synchronize()

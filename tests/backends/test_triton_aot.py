@@ -52,8 +52,10 @@ def test_no_register_spills_and_resources_fit(reports, target):
 # selects (128x128 and 128x256 tiles: FP8 wgmma, TMA, mbarriers, setmaxnreg, no wgmma serialisation);
 # the experimental Gluon dual quantizer, not selected by the backend (docs/PERFORMANCE.md): 3 input
 # dtypes x 2 FP8 types x pow2 on/off x 3 modes, with TMA and the saturating FP8 conversion. Both:
-# no spills, shared memory fits.
-GLUON_KERNELS = [("gemm_gluon", 19), ("quantize_act_gluon", 36)]
+# no spills, shared memory fits; the Hopper weight quantizer, every variant (3 input dtypes x 2 FP8
+# types x pow2 on/off): 32-bit transposed shared-memory stores, no byte-wise traffic, no undefined
+# PTX registers (a Triton miscompile its first version hit).
+GLUON_KERNELS = [("gemm_gluon", 19), ("quantize_act_gluon", 36), ("quantize_weight_gluon", 12)]
 
 
 @pytest.mark.parametrize("module, variants", GLUON_KERNELS, ids=[m for m, _ in GLUON_KERNELS])
@@ -66,3 +68,20 @@ def test_gluon_kernels_compile_for_sm90_without_spills(module, variants):
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.stdout.count(" OK ") >= variants, proc.stdout
+
+
+def test_undefined_register_scan_finds_a_read_of_an_unwritten_register():
+    """The guard of quantize_weight_gluon's AOT check, on PTX shaped like Triton's miscompile (a byte
+    of each W^T word packed from a register nothing writes) and on its fixed form."""
+    from primus_fp8_plugin.backends.triton.quantize_weight_gluon import undefined_registers
+
+    bad = """
+    ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
+    cvt.rn.satfinite.e4m3x2.f32  %rs1, %r2, %r1;
+    cvt.u32.u16 %r447, %rs1;
+    prmt.b32 %r448, %r447, %r449, 0x3340U;
+    @%p3 st.shared.b32 [ %r34 + 0 ], %r448;
+    """
+    assert undefined_registers(bad) == {"%r449", "%rd1", "%r34"}  # the predicate is not an operand
+    fixed = bad.replace("%r449", "%r3").replace("[ %rd1", "[ %rd0").replace("[ %r34", "[ %r4")
+    assert undefined_registers("mov.u64 %rd0, 0;\n" + fixed) == set()

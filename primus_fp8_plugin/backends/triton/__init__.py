@@ -2,7 +2,8 @@
 
 GEMMs: on Hopper (sm_90) the warp-specialised Gluon kernel (``gemm_gluon.py``) wherever its TMA
 layout rules hold (K % 16 == 0, N % 8 == 0, 16-byte aligned operands); the portable Triton kernel
-(``gemm.py``) everywhere else (other shapes, gfx950, the CPU interpreter).
+(``gemm.py``) everywhere else (other shapes, gfx950, the CPU interpreter). Weight quantization: on
+Hopper the Gluon kernel (``quantize_weight_gluon.py``; N, K multiples of 16), else the Triton one.
 
 On a CPU it runs through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before import
 (for tests: slow, exact once ``interpreter_fix`` corrects the interpreter's float casts).
@@ -20,6 +21,7 @@ from .gemm_gluon import GluonUnsupported, blockwise_gemm_gluon
 from .gemm_gluon import runs_on as runs_on_hopper
 from .quantize_act import quantize_1x128_dual
 from .quantize_weight import quantize_128x128
+from .quantize_weight_gluon import GluonWeightUnsupported, quantize_128x128_gluon
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRET:
@@ -59,6 +61,17 @@ def hopper_or_portable_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs) -> torch.T
     return blockwise_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs)
 
 
+def hopper_or_portable_weight_quant(w, params):
+    """``quantize_128x128``'s contract: the Gluon kernel on Hopper where it applies (it raises
+    GluonWeightUnsupported before launching anything otherwise), else the Triton kernel."""
+    if runs_on_hopper(w.device):
+        try:
+            return quantize_128x128_gluon(w, params)
+        except GluonWeightUnsupported:
+            pass
+    return quantize_128x128(w, params)
+
+
 class TritonBackend(Backend):
     """Triton kernels for all five operations. Subclasses that bring other GEMM kernels (cuBLAS,
     FlyDSL) keep the Triton quantizers and replace ``_blockwise_gemm`` or the GEMM methods."""
@@ -74,7 +87,7 @@ class TritonBackend(Backend):
         return quantize_1x128_dual(x, params, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_weight(self, w, params):
-        return quantize_128x128(w, params)
+        return hopper_or_portable_weight_quant(w, params)
 
     def gemm_fwd(self, x, w, bias, out_dtype):
         return self._blockwise_gemm(
