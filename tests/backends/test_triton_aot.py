@@ -50,11 +50,10 @@ def test_no_register_spills_and_resources_fit(reports, target):
 
 # (module, variants its AOT check must pass at least): the Hopper Gluon GEMM, every variant the backend
 # selects (128x128 and 128x256 tiles: FP8 wgmma, TMA, mbarriers, setmaxnreg, no wgmma serialisation);
-# the experimental Gluon dual quantizer, not selected by the backend (docs/PERFORMANCE.md): 3 input
-# dtypes x 2 FP8 types x pow2 on/off x 3 modes, with TMA and the saturating FP8 conversion. Both:
-# no spills, shared memory fits; the Hopper weight quantizer, every variant (3 input dtypes x 2 FP8
-# types x pow2 on/off): 32-bit transposed shared-memory stores, no byte-wise traffic, no undefined
-# PTX registers (a Triton miscompile its first version hit).
+# the Hopper Gluon quantizers, every variant (activations: 3 input dtypes x 2 FP8 types x pow2 on/off
+# x 3 row/column modes; weights: the same without modes): the saturating FP8 conversion, 32-bit
+# transposed shared-memory stores, no byte-wise shared traffic, no undefined PTX registers (a Triton
+# miscompile their first version hit). All: no spills, shared memory fits.
 GLUON_KERNELS = [("gemm_gluon", 19), ("quantize_act_gluon", 36), ("quantize_weight_gluon", 12)]
 
 

@@ -2,8 +2,9 @@
 
 GEMMs: on Hopper (sm_90) the warp-specialised Gluon kernel (``gemm_gluon.py``) wherever its TMA
 layout rules hold (K % 16 == 0, N % 8 == 0, 16-byte aligned operands); the portable Triton kernel
-(``gemm.py``) everywhere else (other shapes, gfx950, the CPU interpreter). Weight quantization: on
-Hopper the Gluon kernel (``quantize_weight_gluon.py``; N, K multiples of 16), else the Triton one.
+(``gemm.py``) everywhere else (other shapes, gfx950, the CPU interpreter).
+Quantization: on Hopper the Gluon kernels (``quantize_act_gluon.py``, ``quantize_weight_gluon.py``;
+both dims multiples of 16), else the Triton ones.
 
 On a CPU it runs through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before import
 (for tests: slow, exact once ``interpreter_fix`` corrects the interpreter's float casts).
@@ -20,6 +21,7 @@ from .gemm import blockwise_gemm
 from .gemm_gluon import GluonUnsupported, blockwise_gemm_gluon
 from .gemm_gluon import runs_on as runs_on_hopper
 from .quantize_act import quantize_1x128_dual
+from .quantize_act_gluon import GluonActUnsupported, quantize_1x128_dual_gluon
 from .quantize_weight import quantize_128x128
 from .quantize_weight_gluon import GluonWeightUnsupported, quantize_128x128_gluon
 
@@ -61,6 +63,17 @@ def hopper_or_portable_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs) -> torch.T
     return blockwise_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs)
 
 
+def hopper_or_portable_act_quant(x, params, *, rowwise, columnwise):
+    """``quantize_1x128_dual``'s contract: the Gluon kernel on Hopper where it applies (it raises
+    GluonActUnsupported before launching anything otherwise), else the Triton kernel."""
+    if runs_on_hopper(x.device):
+        try:
+            return quantize_1x128_dual_gluon(x, params, rowwise=rowwise, columnwise=columnwise)
+        except GluonActUnsupported:
+            pass
+    return quantize_1x128_dual(x, params, rowwise=rowwise, columnwise=columnwise)
+
+
 def hopper_or_portable_weight_quant(w, params):
     """``quantize_128x128``'s contract: the Gluon kernel on Hopper where it applies (it raises
     GluonWeightUnsupported before launching anything otherwise), else the Triton kernel."""
@@ -84,7 +97,7 @@ class TritonBackend(Backend):
         return device_availability(device)
 
     def quantize_act(self, x, params, *, rowwise, columnwise):
-        return quantize_1x128_dual(x, params, rowwise=rowwise, columnwise=columnwise)
+        return hopper_or_portable_act_quant(x, params, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_weight(self, w, params):
         return hopper_or_portable_weight_quant(w, params)

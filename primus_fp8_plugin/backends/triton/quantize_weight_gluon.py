@@ -23,7 +23,6 @@ shapes to the Triton kernel (``GluonWeightUnsupported``)."""
 
 from __future__ import annotations
 
-import functools
 import re
 
 import torch
@@ -33,7 +32,7 @@ from triton.experimental.gluon import language as gl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
-from .hopper import SMEM_LIMIT, runs_on
+from .hopper import SMEM_LIMIT, runs_on, transpose_tile_layouts
 from .launch import FastLauncher
 from .scales import max_nan, scale_and_inverse
 from .tile_order import group_rows_arg, tile_coords
@@ -98,24 +97,6 @@ def _quantize_128x128_gluon_kernel(
              mask=(pads == 0) | ((pid_n == nn - 1) & (pid_n + pads < stride_st)))  # fmt: skip
 
 
-@functools.cache  # built once: the wrapper runs on every weight refresh, its host time counts
-def _layouts():
-    """(L, LN, LT, T_SMEM) for 8 warps: see the module docstring."""
-    # [n, k]: 4 rows x (2 x 8) columns per thread; 8 lanes along k (128 contiguous bytes of bf16 per
-    # warp and row), 4 along n; warps along n, so the block amax crosses warps once
-    reg_k_first = [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [0, 64]]
-    reg_n_first = [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4], [0, 64]]
-    lanes = [[0, 8], [0, 16], [0, 32], [4, 0], [8, 0]]
-    warps = [[16, 0], [32, 0], [64, 0]]
-    block = gl.DistributedLinearLayout(reg_k_first, lanes, warps, [], [BLOCK, BLOCK])
-    block_n_first = gl.DistributedLinearLayout(reg_n_first, lanes, warps, [], [BLOCK, BLOCK])
-    transposed = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])  # [k, n]: 16 bytes of a W^T row per thread
-    # [k, n] FP8 buffer: 16-byte units XOR (k // 8) % 8, so the rows 8 apart that one store
-    # instruction writes (4 lanes along n x 8 along k) fall in 32 distinct banks
-    t_smem = gl.SwizzledSharedLayout(vec=16, per_phase=8, max_phase=8, order=[1, 0])
-    return block, block_n_first, transposed, t_smem
-
-
 def unsupported_reason(w: torch.Tensor, params: QuantParams) -> str | None:
     """Why this kernel does not take ``w`` (the Triton kernel then does), or None."""
     if not runs_on(w.device):
@@ -154,7 +135,7 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams, *, group_rows: 
     s = torch.empty(scale_inv_shape(n, k, 2), dtype=torch.float32, device=dev)
     st = torch.empty(scale_inv_shape(k, n, 2), dtype=torch.float32, device=dev)
     if n and k:
-        lay, lay_n, lay_t, t_smem = _layouts()
+        lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
         _launch(
             (ceil_div(n, BLOCK) * ceil_div(k, BLOCK),), w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
             params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max, group_rows_arg(group_rows, ceil_div(n, BLOCK)),
@@ -194,7 +175,7 @@ def compile_variant(in_dtype, fp8_dtype, pow2):
            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
            "amax_eps": "fp32", "in_max": "fp32", "group_rows": "i32", "POW2": "constexpr", "L": "constexpr", "LN": "constexpr",
            "LT": "constexpr", "T_SMEM": "constexpr", "NUM_WARPS": "constexpr"}  # fmt: skip
-    lay, lay_n, lay_t, t_smem = _layouts()
+    lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
     names = list(sig)
     aligned = ("w_ptr", "q_ptr", "qt_ptr", "s_ptr", "st_ptr", "N", "K", "stride_wn")
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in aligned}

@@ -1,0 +1,77 @@
+"""The Hopper Gluon quantizers' wrappers on any machine: valid inputs they do not take (not a Hopper
+GPU, dims not multiples of 16, other dtypes, non-contiguous) raise GluonWeightUnsupported /
+GluonActUnsupported before anything is allocated or launched, so the triton backend falls back to
+the Triton kernels, whose bits are the same. The kernel itself is checked on the GPU (tests/gpu,
+scripts/check_quant_hopper.py) and compiled in CI (test_triton_aot.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_fp8_plugin import QuantParams
+from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant
+from primus_fp8_plugin.backends.triton.quantize_act_gluon import GluonActUnsupported, quantize_1x128_dual_gluon
+from primus_fp8_plugin.backends.triton.quantize_weight_gluon import (
+    GluonWeightUnsupported,
+    quantize_128x128_gluon,
+    unsupported_reason,
+)
+
+from ..conftest import make_input
+
+P = QuantParams(torch.float8_e4m3fn, 2)
+
+
+def test_off_hopper_is_unsupported():
+    w = torch.randn(256, 256, dtype=torch.bfloat16)
+    with pytest.raises(GluonWeightUnsupported, match="sm_90"):
+        quantize_128x128_gluon(w, P)
+    with pytest.raises(GluonActUnsupported, match="sm_90"):
+        quantize_1x128_dual_gluon(w, QuantParams(torch.float8_e4m3fn, 1), rowwise=True, columnwise=True)
+    assert issubclass(GluonWeightUnsupported, NotImplementedError) and issubclass(GluonActUnsupported, NotImplementedError)
+
+
+@pytest.mark.parametrize(
+    "w, match",
+    [
+        (torch.empty(130, 256, dtype=torch.bfloat16), "multiples of 16"),
+        (torch.empty(256, 136, dtype=torch.bfloat16), "multiples of 16"),
+        (torch.empty(256, 256, dtype=torch.float64), "dtype"),
+        (torch.empty(256, 512, dtype=torch.bfloat16)[:, ::2], "contiguous"),
+    ],
+)
+def test_shape_and_dtype_rules(w, match, monkeypatch):
+    """The reasons past the device check (device check bypassed: this machine has no Hopper GPU)."""
+    import primus_fp8_plugin.backends.triton.quantize_act_gluon as act_mod
+    import primus_fp8_plugin.backends.triton.quantize_weight_gluon as mod
+
+    monkeypatch.setattr(mod, "runs_on", lambda device: True)
+    monkeypatch.setattr(act_mod, "runs_on", lambda device: True)
+    assert match in unsupported_reason(w, P)
+    assert match in act_mod.unsupported_reason(w, QuantParams(torch.float8_e4m3fn, 1))
+
+
+def test_backend_falls_back_to_the_triton_kernels_off_hopper():
+    """Off Hopper the backend's quantizers are the Triton kernels (bit-exact with the reference)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        pytest.skip("the Triton kernel runs on CPU tensors through the interpreter only")
+    from primus_fp8_plugin.backends.reference import ReferenceBackend
+
+    w = make_input((144, 272), dtype=torch.float32, seed=3).to(torch.bfloat16)
+    ref = ReferenceBackend()
+    pa = QuantParams(torch.float8_e4m3fn, 1)
+
+    def bits(t):
+        return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+    pairs = [
+        (hopper_or_portable_weight_quant(w, P), ref.quantize_weight(w, P)),
+        (hopper_or_portable_act_quant(w, pa, rowwise=True, columnwise=False), ref.quantize_act(w, pa, rowwise=True, columnwise=False)),
+    ]
+    for ours, theirs in pairs:
+        ref_parts = theirs.to_te()
+        for name, t in ours.to_te().items():
+            assert torch.equal(bits(t), bits(ref_parts[name])), name
