@@ -67,9 +67,10 @@ def test_backend_falls_back_to_the_triton_kernels_off_hopper():
     def bits(t):
         return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
+    both = {"rowwise": True, "columnwise": True}
     pairs = [
         (hopper_or_portable_weight_quant(w, P), ref.quantize_weight(w, P)),
-        (hopper_or_portable_act_quant(w, pa, rowwise=True, columnwise=False), ref.quantize_act(w, pa, rowwise=True, columnwise=False)),
+        (hopper_or_portable_act_quant(w, pa, **both), ref.quantize_act(w, pa, **both)),
     ]
     for ours, theirs in pairs:
         ref_parts = theirs.to_te()
