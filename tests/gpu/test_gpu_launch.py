@@ -37,20 +37,21 @@ def _same_bits(a, b):
 
 @pytest.mark.parametrize("m, k, offset", [(1, 256, 0), (17, 144, 0), (256, 384, 0), (130, 256, 1), (16, 128, 3)])
 def test_fast_launch_matches_plain_launch(triton_backend, m, k, offset):
-    """Ragged M, M == 1, and inputs whose base pointer is not 16-byte aligned (offset elements into a buffer)."""
+    """The Triton act kernel (on Hopper the backend sends aligned shapes to the Gluon kernel): ragged M,
+    M == 1, and inputs whose base pointer is not 16-byte aligned (offset elements into a buffer)."""
     gen = torch.Generator(device="cuda").manual_seed(m * 1000 + k + offset)
     buf = torch.randn(m * k + offset, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
     x = buf[offset:].view(m, k)
     p = BlockwiseRecipe().params(TensorRole.INPUT)
     launcher = quantize_act._launch
     for rowwise, columnwise in ((True, True), (True, False), (False, True)):
-        fast1 = triton_backend.quantize_act(x, p, rowwise=rowwise, columnwise=columnwise)
+        fast1 = quantize_act.quantize_1x128_dual(x, p, rowwise=rowwise, columnwise=columnwise)
         misses = launcher.misses
-        fast2 = triton_backend.quantize_act(x, p, rowwise=rowwise, columnwise=columnwise)  # the cached binary
+        fast2 = quantize_act.quantize_1x128_dual(x, p, rowwise=rowwise, columnwise=columnwise)  # the cached binary
         assert launcher.misses == misses, "a repeated call with the same specialisation recompiled or re-bound"
         launch_mod.FastLauncher.enabled = False
         try:
-            plain = triton_backend.quantize_act(x, p, rowwise=rowwise, columnwise=columnwise)
+            plain = quantize_act.quantize_1x128_dual(x, p, rowwise=rowwise, columnwise=columnwise)
         finally:
             launch_mod.FastLauncher.enabled = True
         _same_bits(fast1, plain)
@@ -63,20 +64,21 @@ def test_alignment_change_takes_another_binary(triton_backend):
     buf = torch.randn(64 * 256 + 1, device="cuda", dtype=torch.float16)
     launcher = quantize_act._launch
     launcher._compiled.clear()  # other test files may have launched these specialisations already
-    triton_backend.quantize_act(buf[:-1].view(64, 256), p, rowwise=True, columnwise=True)
+    quantize_act.quantize_1x128_dual(buf[:-1].view(64, 256), p, rowwise=True, columnwise=True)
     before = launcher.misses
-    triton_backend.quantize_act(buf[1:].view(64, 256), p, rowwise=True, columnwise=True)
+    quantize_act.quantize_1x128_dual(buf[1:].view(64, 256), p, rowwise=True, columnwise=True)
     assert launcher.misses == before + 1
-    triton_backend.quantize_act(buf[:-1].view(64, 256), p, rowwise=True, columnwise=True)
+    quantize_act.quantize_1x128_dual(buf[:-1].view(64, 256), p, rowwise=True, columnwise=True)
     assert launcher.misses == before + 1
 
 
 def test_int_specialisations_take_other_binaries(triton_backend):
-    """M divisible by 16, M not divisible by 16, M == 1: three specialisations of the same kernel."""
+    """M divisible by 16, M not divisible by 16, M == 1: three specialisations of the same kernel (the
+    Triton act kernel itself: on Hopper the backend sends M % 16 == 0 to the Gluon kernel)."""
     p = BlockwiseRecipe().params(TensorRole.INPUT)
     launcher = quantize_act._launch
     launcher._compiled.clear()  # other test files may have launched these specialisations already
-    quant = triton_backend.quantize_act
+    quant = quantize_act.quantize_1x128_dual
     start = launcher.misses
     for m, new in ((16, True), (17, True), (1, True), (16, False), (33, False)):  # 33: same as 17's
         before = launcher.misses
