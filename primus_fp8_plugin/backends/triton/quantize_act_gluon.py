@@ -47,6 +47,7 @@ def _quantize_1x128_dual_gluon_kernel(
     L: gl.constexpr, LN: gl.constexpr, LT: gl.constexpr, T_SMEM: gl.constexpr,
 ):  # fmt: skip
     B: gl.constexpr = 128
+    COMPACT: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     pid_m = gl.program_id(0)
     pid_k = gl.program_id(1)
     m0 = pid_m * B
@@ -68,12 +69,16 @@ def _quantize_1x128_dual_gluon_kernel(
         gl.store(row_s_ptr + pid_k * M_PAD + rows, gl.where(rows < M, s_inv, 1.0), mask=rows < M_PAD)
 
     if COLWISE:
-        cscale, cs_inv = scale_and_inverse(amax_nan(x, 0), fp8_max, amax_eps, in_max, POW2)
-        cols = k0 + rk
+        # The column amax arrives replicated on the 32 threads that hold each column; the scale rule
+        # (two IEEE divisions) runs once per column instead, one column per thread (COMPACT), and
+        # the scales go back through shared memory.
+        col_amax = gl.convert_layout(amax_nan(x, 0), COMPACT)
+        cscale, cs_inv = scale_and_inverse(col_amax, fp8_max, amax_eps, in_max, POW2)
+        cols = k0 + gl.arange(0, B, layout=COMPACT)
         gl.store(col_s_ptr + pid_m * K_PAD + cols, gl.where(cols < K, cs_inv, 1.0), mask=cols < K_PAD)
         # FP8 pairs along M (LN), so that 4 rows make one 32-bit word of X^T (quantize_weight_gluon.py
         # says why the conversion must not be packed from L)
-        cscale_n = gl.convert_layout(cscale, gl.SliceLayout(0, LN), assert_trivial=True)
+        cscale_n = gl.convert_layout(cscale, gl.SliceLayout(0, LN))
         xn = gl.convert_layout(x, LN, assert_trivial=True)
         qc = (gl.expand_dims(cscale_n, 0) * xn).to(col_q_ptr.dtype.element_ty)
         t_s = gl.allocate_shared_memory(col_q_ptr.dtype.element_ty, [B, B], T_SMEM)
