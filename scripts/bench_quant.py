@@ -31,7 +31,7 @@ from benchlib import (
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.backends.reference import ReferenceBackend
-from primus_fp8_plugin.backends.triton import hopper_or_portable_weight_quant
+from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant
 from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
 from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
 from primus_fp8_plugin.tensor import ceil_div
@@ -42,15 +42,6 @@ SHAPES = [(8192, 8192), (16384, 4096), (8192, 29568), (4096, 14336)]
 def main() -> int:
     ap = bench_parser(__doc__, "MxK, e.g. 8192x8192")
     ap.add_argument("--variants", action="store_true", help="first sweep our kernels' (SUB_M, num_warps) on 8192x8192")
-    ap.add_argument(
-        "--orders",
-        type=int,
-        nargs="*",
-        metavar="G",
-        help="first sweep our kernels' tile orders (tile_order.py: G tile rows per group, 0 = all) on "
-        "every shape, interleaved with the copy (default G list: 0 1 2 4 8 16 32)",
-    )
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the --orders sweep (median reported)")
     ap.add_argument("--graph", action="store_true",
                     help="time each contender as 20 calls in a CUDA graph (benchlib.graph_ms: no host time, no L2 "
                          "flush) instead of do_bench; a contender that cannot be captured is timed with do_bench")  # fmt: skip
@@ -64,8 +55,6 @@ def main() -> int:
     ref = ReferenceBackend()
     if args.variants:
         sweep_variants(p_act, p_w)
-    if args.orders is not None:
-        sweep_orders(p_act, p_w, shapes, args.orders or [0, 1, 2, 4, 8, 16, 32], args.rounds)
     rows = []
     for m, k in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -74,9 +63,11 @@ def main() -> int:
         hp = x.numel() * 2
         act_bytes = hp + 2 * x.numel() + 4 * (m * ceil_div(k, 128) + k * ceil_div(m, 128))
         w_bytes = hp + 2 * x.numel() + 8 * ceil_div(m, 128) * ceil_div(k, 128)
+        both = {"rowwise": True, "columnwise": True}
         contenders = {
             ("copy", "-"): (lambda: copy_dst.copy_(x), 2 * hp),
-            ("ours", "act 1x128 row+col"): (lambda: quantize_1x128_dual(x, p_act, rowwise=True, columnwise=True), act_bytes),
+            ("ours", "act 1x128 row+col"): (lambda: hopper_or_portable_act_quant(x, p_act, **both), act_bytes),
+            ("ours (Triton kernel)", "act 1x128 row+col"): (lambda: quantize_1x128_dual(x, p_act, **both), act_bytes),
             ("ours", "weight 128x128 W+W^T"): (lambda: hopper_or_portable_weight_quant(x, p_w), w_bytes),
             ("ours (Triton kernel)", "weight 128x128 W+W^T"): (lambda: quantize_128x128(x, p_w), w_bytes),
             ("torch eager", "act 1x128 row+col"): (lambda: ref.quantize_act(x, p_act, rowwise=True, columnwise=True), act_bytes),
@@ -137,45 +128,6 @@ def sweep_variants(p_act, p_w, m: int = 8192, k: int = 8192) -> None:
             t_w = bench_ms(lambda: quantize_128x128(x, p_w, sub_m=sub_m, num_warps=warps))
             pa, pw = (100 * nbytes / t / 1e9 / copy_bw for t in (t_a, t_w))
             print(f"  {sub_m:4} {warps:2} -> {pa:5.1f}%  {pw:5.1f}%", flush=True)
-
-
-def _same(a, b) -> bool:
-    """Bit-identical quantized tensors (data and scales of both copies)."""
-    pairs = [(a.rowwise_data, b.rowwise_data), (a.columnwise_data, b.columnwise_data),
-             (a.rowwise_scale_inv, b.rowwise_scale_inv), (a.columnwise_scale_inv, b.columnwise_scale_inv)]  # fmt: skip
-    as_bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731 (FP8: no torch.equal)
-    return all(torch.equal(as_bits(u), as_bits(v)) for u, v in pairs)
-
-
-def sweep_orders(p_act, p_w, shapes, groups: list[int], rounds: int) -> None:
-    """% of copy of each tile order, for both kernels and every shape; rounds interleave the orders
-    and the copy so that drifting clocks hit all of them alike. Every order's output is checked
-    bit-identical to the default order's."""
-    import statistics
-
-    print(f"tile orders (group_rows; 0 = whole columns of tiles): median % of copy over {rounds} rounds [min-max]")
-    for m, k in shapes:
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        copy_dst = torch.empty_like(x)
-        nbytes = 4 * x.numel()  # read bf16 + two FP8 copies (scales: < 1%)
-        fns = {}
-        for g in groups:
-            fns[("act", g)] = lambda g=g: quantize_1x128_dual(x, p_act, rowwise=True, columnwise=True, group_rows=g)
-            fns[("weight", g)] = lambda g=g: quantize_128x128(x, p_w, group_rows=g)
-        base = {op: fn() for (op, g), fn in fns.items() if g == groups[0]}
-        bad = [key for key, fn in fns.items() if not _same(fn(), base[key[0]])]
-        pct = {key: [] for key in fns}
-        for _ in range(rounds):
-            copy_t = bench_ms(lambda: copy_dst.copy_(x))
-            for key, fn in fns.items():
-                pct[key].append(100 * (nbytes / bench_ms(fn)) / (nbytes / copy_t))
-        for op in ("act", "weight"):
-            cells = "  ".join(
-                f"G={g}: {statistics.median(pct[(op, g)]):5.1f} [{min(pct[(op, g)]):.1f}-{max(pct[(op, g)]):.1f}]" for g in groups
-            )
-            print(f"  {m}x{k} {op:6} {cells}", flush=True)
-        if bad:
-            print(f"  {m}x{k}: OUTPUTS DIFFER from group_rows={groups[0]} for {bad}", flush=True)
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -154,13 +154,12 @@ def check_act_bits() -> int:
     return bad
 
 
-def bench(shapes, rounds: int, orders: list[int], graph: bool) -> None:
+def bench(shapes, rounds: int, graph: bool) -> None:
     from benchlib import bench_ms, graph_ms
 
     timer = graph_ms if graph else bench_ms
 
     params = QuantParams(E4, 2)
-    gluon_quantize = quantize_weight_gluon.quantize_128x128_gluon
     print(f"median % of copy over {rounds} interleaved rounds [min-max]; us of the median round")
     for m, k in shapes:
         w = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -169,8 +168,8 @@ def bench(shapes, rounds: int, orders: list[int], graph: bool) -> None:
         fns = {
             "act_gluon": lambda: quantize_act_gluon.quantize_1x128_dual_gluon(w, act_params, rowwise=True, columnwise=True),
             "act_triton": lambda: quantize_act.quantize_1x128_dual(w, act_params, rowwise=True, columnwise=True),
-            **{f"gluon_G{g}": (lambda g=g: gluon_quantize(w, params, group_rows=g)) for g in orders},
-            "triton": lambda: quantize_weight.quantize_128x128(w, params),
+            "weight_gluon": lambda: quantize_weight_gluon.quantize_128x128_gluon(w, params),
+            "weight_triton": lambda: quantize_weight.quantize_128x128(w, params),
         }
         pct = {name: [] for name in fns}
         us = {name: [] for name in fns}
@@ -193,12 +192,11 @@ def main() -> int:
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--graph", action="store_true", help="time 20 calls captured in a CUDA graph instead of do_bench")
-    ap.add_argument("--orders", type=int, nargs="*", default=[0], help="block orders to time (tile_order.py group_rows)")
     ap.add_argument("--shapes", nargs="*", default=["8192x8192", "16384x4096", "8192x29568", "4096x14336"])
     args = ap.parse_args()
     bad = 0 if args.no_check else check_bits() + check_act_bits()
     if not args.no_bench:
-        bench([tuple(int(v) for v in s.split("x")) for s in args.shapes], args.rounds, args.orders, args.graph)
+        bench([tuple(int(v) for v in s.split("x")) for s in args.shapes], args.rounds, args.graph)
     return 1 if bad else 0
 
 

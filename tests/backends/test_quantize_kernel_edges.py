@@ -133,18 +133,6 @@ def test_launch_configs_bit_exact():
     assert_same(ours, REF.quantize_weight(x, wp), True, True, "weight sub_m=32")
 
 
-@pytest.mark.parametrize("group_rows", [1, 2, 3, 5])
-def test_tile_orders_bit_exact(group_rows):
-    """Every tile order (tile_order.py; scripts/bench_quant.py --orders sweeps them) covers every tile
-    once: 3 x 4 tiles, so the last group of 2 or 5 tile rows is partial."""
-    x = random_x(300, 400, torch.bfloat16, seed=11 + group_rows, bad="inf")
-    params, wp = QuantParams(E4M3, 1), QuantParams(E4M3, 2)
-    ours = _act()(x, params, rowwise=True, columnwise=True, group_rows=group_rows)
-    assert_same(ours, REF.quantize_act(x, params, rowwise=True, columnwise=True), True, True, f"act G={group_rows}")
-    ours = _weight()(x, wp, group_rows=group_rows)
-    assert_same(ours, REF.quantize_weight(x, wp), True, True, f"weight G={group_rows}")
-
-
 def test_empty_input():
     params = QuantParams(E4M3, 1)
     x = torch.empty(0, 32, dtype=torch.bfloat16)

@@ -71,7 +71,7 @@ def _quant_act_spec(
     num_warps = num_warps or default_warps
     sig = {"x_ptr": f"*{in_ty}", "row_q_ptr": f"*{fp8_ty}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{fp8_ty}",
            "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "stride_xm": "i32",
-           "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32", "group_rows": "i32", "ROWWISE": "constexpr",
+           "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr",
            "COLWISE": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr"}  # fmt: skip
     cvt = "e4m3x2" if fp8_ty == "fp8e4nv" else "e5m2x2"
     amd = "v_cvt_scalef32_pk_fp8_f32" if fp8_ty == "fp8e4nv" else "v_cvt_scalef32_pk_bf8_f32"
@@ -92,8 +92,7 @@ def _quant_act_spec(
 def _quant_weight_spec() -> KernelSpec:
     sig = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
-           "amax_eps": "fp32", "in_max": "fp32", "group_rows": "i32", "POW2": "constexpr", "BLOCK": "constexpr",
-           "SUB_M": "constexpr"}  # fmt: skip
+           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr"}  # fmt: skip
     return KernelSpec(
         "quantize_128x128[bf16->fp8e4nv]",
         quantize_weight._quantize_128x128_kernel,
@@ -165,12 +164,7 @@ def sm90_resources(cubin: bytes) -> tuple[dict[str, int], str]:
 def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, str]]:
     # Integer arguments are specialised as multiples of 16, as a launch with aligned shapes would be
     # (ragged specs: not at all, the worst case for registers).
-    # (``do_not_specialize`` arguments never are, at launch either.)
-    unspecialised = {p.name for p in spec.fn.params if p.do_not_specialize}
-    divisible_ints = [
-        i for i, (name, ty) in enumerate(spec.signature.items())
-        if ty == "i32" and spec.ints_divisible and name not in unspecialised
-    ]  # fmt: skip
+    divisible_ints = [i for i, ty in enumerate(spec.signature.values()) if ty == "i32" and spec.ints_divisible]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible_ints}
     attrs.update({(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty[0] == "*"})
     src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)

@@ -29,7 +29,6 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
 from .launch import FastLauncher
 from .scales import amax_nan, max_nan, scale_and_inverse
-from .tile_order import group_rows_arg, tile_coords
 
 SUB_M = BLOCK  # rows per pass: the whole tile, with NUM_WARPS the fastest on the H200 (docs/PERFORMANCE.md)
 NUM_WARPS = 4
@@ -38,7 +37,6 @@ NUM_WARPS = 4
 RAGGED_SUB_M = 16
 RAGGED_NUM_WARPS = 4
 MAX_DIM = 2**31 // BLOCK  # in-tile offsets (row * K, col * M within a 128-tile) are int32
-GROUP_ROWS = 0  # tile order (tile_order.py): down each column of tiles
 NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
 
 
@@ -84,12 +82,13 @@ def _column_scales(s_inv, c, col_s_ptr, pid_m, k0, K, K_PAD):
     tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
 
 
-@triton.jit(do_not_specialize=["group_rows"])  # a sweep of orders reuses one binary
+@triton.jit
 def _quantize_1x128_dual_kernel(
     x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, M_PAD, K_PAD, stride_xm, fp8_max, amax_eps, in_max,
-    group_rows, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_k = tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK), tl.cdiv(K, BLOCK), group_rows)
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
     m0 = pid_m * BLOCK
     k0 = pid_k * BLOCK
     sub = tl.arange(0, SUB_M)
@@ -170,11 +169,9 @@ def quantize_1x128_dual(
     columnwise: bool,
     sub_m: int | None = None,
     num_warps: int | None = None,
-    group_rows: int | None = None,
 ) -> BlockwiseFp8Tensor:
     """Rowwise and/or columnwise 1x128 quantization of a contiguous 2-D ``x [M, K]`` in one pass over
-    HBM. ``sub_m`` / ``num_warps``: the launch config (default: ``launch_config``); ``group_rows``: the
-    tile order (``tile_order.py``; default ``GROUP_ROWS``)."""
+    HBM. ``sub_m`` / ``num_warps``: the launch config (default: ``launch_config``)."""
     assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1
     m, k = x.shape
     default_sub_m, default_warps = launch_config(m, k)
@@ -187,14 +184,13 @@ def quantize_1x128_dual(
     row_q, row_s, col_q, col_s, parts = dual_outputs(x, params, rowwise, columnwise)
     if m > 0:
         # pad4(n) never crosses a 128 boundary, so the last tile also writes the padding entries.
-        grid = (ceil_div(m, BLOCK) * ceil_div(k, BLOCK),)
+        grid = (ceil_div(m, BLOCK), ceil_div(k, BLOCK))
         q_any = row_q if row_q is not None else col_q
         s_any = row_s if row_s is not None else col_s
-        order = group_rows_arg(group_rows or GROUP_ROWS, ceil_div(m, BLOCK))
         _launch(
             grid, x, row_q if rowwise else q_any, row_s if rowwise else s_any, col_q if columnwise else q_any,
             col_s if columnwise else s_any, m, k, pad4(m), pad4(k), x.stride(0),
-            params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max, order,
+            params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
             rowwise, columnwise, params.pow2_scales, BLOCK, sub_m,  # ROWWISE, COLWISE, POW2, BLOCK, SUB_M
             num_warps=num_warps, num_stages=NUM_STAGES,
         )  # fmt: skip

@@ -18,21 +18,20 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher
 from .scales import max_nan, scale_and_inverse
-from .tile_order import group_rows_arg, tile_coords
 
 SUB_M = 128  # the whole block per pass, with NUM_WARPS: fastest of a sweep on the H200 (docs/PERFORMANCE.md)
 NUM_WARPS = 8
 MAX_DIM = 2**31 // BLOCK  # in-block offsets (row * K, col * N within a 128-block) are int32
-GROUP_ROWS = 0  # block order (tile_order.py): down each column of blocks
 NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
 
 
-@triton.jit(do_not_specialize=["group_rows"])  # a sweep of orders reuses one binary
+@triton.jit
 def _quantize_128x128_kernel(
-    w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max, group_rows,
+    w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max,
     POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
 ):  # fmt: skip
-    pid_n, pid_k = tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK), tl.cdiv(K, BLOCK), group_rows)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     n0 = pid_n * BLOCK
     k0 = pid_k * BLOCK
     sub = tl.arange(0, SUB_M)
@@ -87,10 +86,9 @@ _launch = FastLauncher(_quantize_128x128_kernel)
 
 
 def quantize_128x128(
-    w: torch.Tensor, params: QuantParams, *, sub_m: int = SUB_M, num_warps: int = NUM_WARPS, group_rows: int = 0
+    w: torch.Tensor, params: QuantParams, *, sub_m: int = SUB_M, num_warps: int = NUM_WARPS
 ) -> BlockwiseFp8Tensor:
-    """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, in one pass.
-    ``group_rows``: the block order (``tile_order.py``; 0: ``GROUP_ROWS``)."""
+    """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, in one pass."""
     assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
     n, k = w.shape
     if max(n, k) >= MAX_DIM:
@@ -102,11 +100,10 @@ def quantize_128x128(
     # Padding entries of TE's layout hold 1.0; the kernel writes every real entry.
     s = torch.ones(scale_inv_shape(n, k, 2), dtype=torch.float32, device=dev)
     st = torch.ones(scale_inv_shape(k, n, 2), dtype=torch.float32, device=dev)
-    grid = (ceil_div(n, BLOCK) * ceil_div(k, BLOCK),)
-    order = group_rows_arg(group_rows or GROUP_ROWS, ceil_div(n, BLOCK))
+    grid = (ceil_div(n, BLOCK), ceil_div(k, BLOCK))
     _launch(
         grid, w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
-        params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max, order,
+        params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
         params.pow2_scales, BLOCK, sub_m,  # POW2, BLOCK, SUB_M
         num_warps=num_warps, num_stages=NUM_STAGES,
     )  # fmt: skip

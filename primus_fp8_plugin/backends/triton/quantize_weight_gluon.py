@@ -35,10 +35,9 @@ from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .hopper import SMEM_LIMIT, runs_on, transpose_tile_layouts
 from .launch import FastLauncher
 from .scales import max_nan, scale_and_inverse
-from .tile_order import group_rows_arg, tile_coords
+from .tile_order import tile_coords
 
 NUM_WARPS = 8
-GROUP_ROWS = 0  # block order (tile_order.py): 0 = down each column of blocks
 MAX_DIM = 2**31 // BLOCK  # in-block offsets are int32, block bases int64
 
 
@@ -118,7 +117,7 @@ def unsupported_reason(w: torch.Tensor, params: QuantParams) -> str | None:
 _launch = FastLauncher(_quantize_128x128_gluon_kernel)
 
 
-def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams, *, group_rows: int = GROUP_ROWS) -> BlockwiseFp8Tensor:
+def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8Tensor:
     """Same contract and bits as :func:`.quantize_weight.quantize_128x128`: ``w [N, K]`` (bf16, fp16
     or fp32, contiguous) -> W [N, K] and W^T [K, N] in ``params.fp8_dtype`` with 128x128-block
     scale_inv ``[ceil(N/128), pad4(ceil(K/128))]`` and its transpose layout (TE's). Raises
@@ -138,7 +137,8 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams, *, group_rows: 
         lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
         _launch(
             (ceil_div(n, BLOCK) * ceil_div(k, BLOCK),), w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
-            params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max, group_rows_arg(group_rows, ceil_div(n, BLOCK)),
+            params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
+            ceil_div(n, BLOCK),  # group_rows: down each whole column of blocks first (tile_order.py)
             params.pow2_scales, lay, lay_n, lay_t, t_smem, NUM_WARPS,  # POW2, L, LN, LT, T_SMEM, NUM_WARPS
             num_warps=NUM_WARPS,
         )  # fmt: skip
