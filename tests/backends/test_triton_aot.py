@@ -84,3 +84,21 @@ def test_undefined_register_scan_finds_a_read_of_an_unwritten_register():
     assert undefined_registers(bad) == {"%r449", "%rd1", "%r34"}  # the predicate is not an operand
     fixed = bad.replace("%r449", "%r3").replace("[ %rd1", "[ %rd0").replace("[ %r34", "[ %r4")
     assert undefined_registers("mov.u64 %rd0, 0;\n" + fixed) == set()
+
+
+def test_fingerprints_ignore_addresses_encodings_and_debug_lines():
+    """fingerprint.py hashes instructions only: the same code at other addresses, with other
+    encodings or source lines, has the same fingerprint; one changed operand changes it."""
+    from primus_fp8_plugin.backends.triton.fingerprint import _digest, amdgcn_instructions, compare, sass_instructions
+
+    sass_a = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */
+        /*0010*/              @!P0 BRA 0x120 ;                                   /* 0x000000000000794d */
+    """
+    sass_b = sass_a.replace("/*0000*/", "/*0f00*/").replace("0x00000a00ff017b82", "0x1111111111111111")
+    assert sass_instructions(sass_a) == ["LDC R1, c[0x0][0x28]", "@!P0 BRA 0x120"]
+    assert _digest(sass_instructions(sass_a)) == _digest(sass_instructions(sass_b))
+    assert _digest(sass_instructions(sass_a)) != _digest(sass_instructions(sass_a.replace("R1,", "R2,")))
+    gcn = '\t.loc 1 42 7\n.LBB0_1:\n\tv_mul_f32_e32 v1, v2, v3 ; comment\n\t.file 1 "x.py"\n\ts_endpgm\n'
+    assert amdgcn_instructions(gcn) == ["v_mul_f32_e32 v1, v2, v3", "s_endpgm"]
+    assert compare({"a": "1", "b": "2"}, {"a": "1", "b": "3", "c": "4"}) == ["changed  b", "added    c"]
