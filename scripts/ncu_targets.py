@@ -9,8 +9,8 @@
 Targets: ``gemm-fwd``, ``gemm-dgrad``, ``gemm-wgrad`` (``--impl ours`` = what the triton backend runs,
 ``cublas`` = torch's blockwise scaled_mm, ``gluon:<config>`` = a ``gemm_gluon.BENCH_CONFIGS`` entry;
 ``--shape MxNxK`` of the linear layer, as in bench_gemm.py), ``quant-act``, ``quant-weight``
-(``--shape MxK``; ``--impl gluon``: the Gluon weight quantizer) and ``copy`` (a device-to-device
-copy of an ``MxK`` bf16 tensor, the bandwidth ceiling). The operands are prepared and the kernel is
+(``--shape MxK``; ``--impl ours``: the Triton kernel, ``gluon``: the Hopper Gluon kernel) and
+``copy`` (a device-to-device copy of an ``MxK`` bf16 tensor, the bandwidth ceiling). The operands are prepared and the kernel is
 run twice outside the range (compilation, caches), so the range holds exactly the launches of one call.
 """
 
@@ -27,6 +27,7 @@ from primus_fp8_plugin.backends.cublas import CublasBackend
 from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm
 from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, blockwise_gemm_gluon
 from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
+from primus_fp8_plugin.backends.triton.quantize_act_gluon import quantize_1x128_dual_gluon
 from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
 from primus_fp8_plugin.backends.triton.quantize_weight_gluon import quantize_128x128_gluon
 
@@ -56,6 +57,8 @@ def quant_call(target: str, impl: str, m: int, k: int):
     recipe = BlockwiseRecipe()
     if target == "quant-act":
         params = recipe.params(TensorRole.INPUT)
+        if impl == "gluon":
+            return lambda: quantize_1x128_dual_gluon(x, params, rowwise=True, columnwise=True)
         return lambda: quantize_1x128_dual(x, params, rowwise=True, columnwise=True)
     if target == "quant-weight":
         params = recipe.params(TensorRole.WEIGHT)
@@ -69,7 +72,7 @@ def quant_call(target: str, impl: str, m: int, k: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", choices=TARGETS)
-    ap.add_argument("--impl", default="ours", help="GEMM targets: ours | cublas | gluon:<config>; quant-weight: ours | gluon")
+    ap.add_argument("--impl", default="ours", help="GEMMs: ours | cublas | gluon:<config>; quant: ours (Triton) | gluon")
     ap.add_argument("--shape", default="", help="MxNxK (GEMMs, default 8192x8192x8192) or MxK (default 8192x8192)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
