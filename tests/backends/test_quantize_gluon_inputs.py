@@ -12,6 +12,7 @@ import torch
 from primus_fp8_plugin import QuantParams
 from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant
 from primus_fp8_plugin.backends.triton.quantize_act_gluon import GluonActUnsupported, quantize_1x128_dual_gluon
+from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import MAX_DIM
 from primus_fp8_plugin.backends.triton.quantize_weight_gluon import (
     GluonWeightUnsupported,
     quantize_128x128_gluon,
@@ -39,17 +40,26 @@ def test_off_hopper_is_unsupported():
         (torch.empty(256, 136, dtype=torch.bfloat16), "multiples of 16"),
         (torch.empty(256, 256, dtype=torch.float64), "dtype"),
         (torch.empty(256, 512, dtype=torch.bfloat16)[:, ::2], "contiguous"),
+        (torch.empty(16 * 16 + 1, dtype=torch.bfloat16)[1:].view(16, 16), "16-byte aligned"),
+        (torch.empty(16, MAX_DIM, dtype=torch.bfloat16, device="meta"), "must stay below"),
     ],
 )
 def test_shape_and_dtype_rules(w, match, monkeypatch):
-    """The reasons past the device check (device check bypassed: this machine has no Hopper GPU)."""
+    """The reasons past the device check, shared by both kernels (quantize_gluon_tiles.py; device
+    check bypassed: this machine has no Hopper GPU)."""
     import primus_fp8_plugin.backends.triton.quantize_act_gluon as act_mod
-    import primus_fp8_plugin.backends.triton.quantize_weight_gluon as mod
+    import primus_fp8_plugin.backends.triton.quantize_gluon_tiles as tiles
 
-    monkeypatch.setattr(mod, "runs_on", lambda device: True)
-    monkeypatch.setattr(act_mod, "runs_on", lambda device: True)
+    monkeypatch.setattr(tiles, "runs_on", lambda device: True)
     assert match in unsupported_reason(w, P)
     assert match in act_mod.unsupported_reason(w, QuantParams(torch.float8_e4m3fn, 1))
+
+
+def test_act_kernel_takes_1x128_tiles_only():
+    import primus_fp8_plugin.backends.triton.quantize_act_gluon as act_mod
+
+    w = torch.empty(256, 256, dtype=torch.bfloat16)
+    assert "block_dim=1" in act_mod.unsupported_reason(w, P)
 
 
 def test_backend_falls_back_to_the_triton_kernels_off_hopper():

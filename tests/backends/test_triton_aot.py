@@ -70,9 +70,9 @@ def test_gluon_kernels_compile_for_sm90_without_spills(module, variants):
 
 
 def test_undefined_register_scan_finds_a_read_of_an_unwritten_register():
-    """The guard of quantize_weight_gluon's AOT check, on PTX shaped like Triton's miscompile (a byte
+    """The guard of the Gluon quantizers' AOT check, on PTX shaped like Triton's miscompile (a byte
     of each W^T word packed from a register nothing writes) and on its fixed form."""
-    from primus_fp8_plugin.backends.triton.quantize_weight_gluon import undefined_registers
+    from primus_fp8_plugin.backends.triton.aot import undefined_registers
 
     bad = """
     ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];

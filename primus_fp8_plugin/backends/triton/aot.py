@@ -21,6 +21,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -159,6 +160,87 @@ def sm90_resources(cubin: bytes) -> tuple[dict[str, int], str]:
         usage = subprocess.run([cuda_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     return {key: int(v) for key, v in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", usage)}, sass
+
+
+_NO_DEST = ("st", "bar", "bra", "ret", "fence", "cp", "red", "prefetch", "exit", "trap")
+
+
+def undefined_registers(ptx: str) -> set[str]:
+    """Registers a Gluon quantizer's PTX reads but never writes. Triton 3.6 miscompiled the first
+    weight quantizer (the FP8 bytes of W^T packed into 32-bit words straight from the converted
+    pairs: LLVM left a byte of each word undefined, and the GPU wrote garbage there); this guard
+    catches that class of bug ahead of time. A coarse scan (the first operand of an instruction is
+    its destination unless the opcode writes nothing), exact for these kernels' PTX, not for every
+    PTX (wgmma accumulators, for one, are read and written by their first operand)."""
+    defs: set[str] = set()
+    uses: set[str] = set()
+    for raw in ptx.splitlines():
+        line = raw.split("//")[0].strip()
+        if not line or line.startswith((".", "{", "}", "$")) or line.endswith(":"):
+            continue
+        parts = re.sub(r"^@!?%p\d+\s+", "", line).rstrip(";").split(None, 1)
+        if len(parts) < 2:
+            continue
+        op, args = parts
+        if op.split(".")[0] in _NO_DEST:
+            uses |= set(re.findall(r"%[a-z]+\d+\b", args))
+            continue
+        depth, cut = 0, len(args)
+        for i, ch in enumerate(args):
+            depth += ch in "{[" and 1 or (ch in "}]" and -1) or 0
+            if ch == "," and depth == 0:
+                cut = i
+                break
+        defs |= set(re.findall(r"%[a-z]+\d+\b", args[:cut]))
+        uses |= set(re.findall(r"%[a-z]+\d+\b", args[cut:]))
+    return uses - defs
+
+
+def inspect_quantizer(kernel, fp8_dtype) -> dict:
+    """A compiled Gluon quantizer (quantize_act_gluon.py, quantize_weight_gluon.py): registers,
+    spills, shared memory and the instructions that matter, from PTX and SASS."""
+    ptx = kernel.asm["ptx"]
+    res, sass = sm90_resources(kernel.asm["cubin"])
+    cvt = "e4m3x2" if fp8_dtype == torch.float8_e4m3fn else "e5m2x2"
+    return {
+        "regs": int(res.get("REG", -1)), "spill": int(res.get("STACK", 0)) + int(res.get("LOCAL", 0)),
+        "smem": int(getattr(kernel.metadata, "shared", 0)),
+        "cvt": len(re.findall(rf"cvt\.rn\.satfinite\.{cvt}\.f32", ptx)),
+        "max_nan": len(re.findall(r"max\.NaN\.f32", ptx)),
+        # the transpose: 32-bit words into shared memory, 16-byte reads back, no byte-wise traffic
+        "st_shared_b32": len(re.findall(r"st\.shared\.(b32|v2\.b16)", ptx)),
+        "ld_shared_v4": len(re.findall(r"ld\.shared\.v4\.b32", ptx)),
+        "byte_shared": len(re.findall(r"(st|ld)\.shared(\.v[248])?\.[bu]8", ptx)),
+        "undefined": sorted(undefined_registers(ptx)),
+        "ptx": ptx, "sass": sass,
+    }  # fmt: skip
+
+
+def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbose: bool = True) -> bool:
+    """Compile each Gluon quantizer variant (``compile_fn(*v)``) for sm_90 and check it: no spills,
+    shared memory fits, the saturating FP8 conversion and the NaN-propagating max present, no
+    byte-wise shared-memory traffic, no undefined PTX registers, and where ``transposes_fn(v)`` the
+    transposed copy's 32-bit shared stores and 16-byte reads. Prints a line per variant."""
+    from .hopper import SMEM_LIMIT
+
+    ok_all = True
+    for v in variants:
+        name = name_fn(v)
+        try:
+            info = inspect_quantizer(compile_fn(*v), v[1])
+        except Exception as e:  # noqa: BLE001
+            ok_all = False
+            print(f"{name:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+            continue
+        transposed = not transposes_fn(v) or (info["st_shared_b32"] > 0 and info["ld_shared_v4"] > 0)
+        ok = (info["spill"] == 0 and info["smem"] <= SMEM_LIMIT and info["cvt"] > 0 and info["max_nan"] > 0
+              and transposed and info["byte_shared"] == 0 and not info["undefined"])  # fmt: skip
+        ok_all &= ok
+        if verbose:
+            print(f"{name:40} {'OK ' if ok else 'BAD'} regs={info['regs']} spill={info['spill']} smem={info['smem']} "
+                  f"cvt={info['cvt']} st.shared.b32={info['st_shared_b32']} ld.shared.v4={info['ld_shared_v4']} "
+                  f"byte_shared={info['byte_shared']} undefined_regs={info['undefined'][:4]}")  # fmt: skip
+    return ok_all
 
 
 def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, str]]:

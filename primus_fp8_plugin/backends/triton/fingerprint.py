@@ -49,9 +49,8 @@ def _digest(lines: list[str]) -> str:
 
 def fingerprints(verbose: bool = False) -> dict[str, str]:
     """{variant name: fingerprint} of every kernel variant (see the module docstring)."""
-    import torch
-
     from . import aot, gemm_gluon, quantize_act_gluon, quantize_weight_gluon
+    from .quantize_gluon_tiles import SIG_TYPE
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled ahead of time")
@@ -72,21 +71,11 @@ def fingerprints(verbose: bool = False) -> dict[str, str]:
     for v in gemm_gluon.aot_variants():
         _, sass = aot.sm90_resources(gemm_gluon.compile_variant(v).asm["cubin"])
         add(f"gemm_gluon[{v.name}].sm90", sass_instructions(sass))
-    names = {
-        torch.bfloat16: "bf16",
-        torch.float16: "fp16",
-        torch.float32: "fp32",
-        torch.float8_e4m3fn: "e4m3",
-        torch.float8_e5m2: "e5m2",
-    }
-    for v in quantize_act_gluon.aot_variants():
-        _, sass = aot.sm90_resources(quantize_act_gluon.compile_variant(*v).asm["cubin"])
-        tag = ",".join(names.get(x, str(x)) for x in v)
-        add(f"quantize_act_gluon[{tag}].sm90", sass_instructions(sass))
-    for v in quantize_weight_gluon.aot_variants():
-        _, sass = aot.sm90_resources(quantize_weight_gluon.compile_variant(*v).asm["cubin"])
-        tag = ",".join(names.get(x, str(x)) for x in v)
-        add(f"quantize_weight_gluon[{tag}].sm90", sass_instructions(sass))
+    for mod in (quantize_act_gluon, quantize_weight_gluon):
+        for v in mod.aot_variants():
+            _, sass = aot.sm90_resources(mod.compile_variant(*v).asm["cubin"])
+            tag = ",".join(SIG_TYPE.get(x, str(x)) for x in v)
+            add(f"{mod.__name__.rsplit('.', 1)[1]}[{tag}].sm90", sass_instructions(sass))
     return out
 
 

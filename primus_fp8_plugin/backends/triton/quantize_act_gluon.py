@@ -1,5 +1,5 @@
 """Dual 1x128 quantization of activations for Hopper (sm_90), written in Gluon with the thread tiles
-of the Gluon weight quantizer (``quantize_weight_gluon.py``): same contract and bits as
+it shares with the Gluon weight quantizer (``quantize_gluon_tiles.py``): same contract and bits as
 :func:`.quantize_act.quantize_1x128_dual`.
 
 One program per 128x128 tile of X [M, K], 8 warps; the tile is loaded once into registers (layout
@@ -9,7 +9,8 @@ One program per 128x128 tile of X [M, K], 8 warps; the tile is loaded once into 
   memory), its scale, FP8 stored from registers (8-byte stores); scale_inv ``[kb, m]`` of TE's
   ``[ceil(K/128), pad4(M)]``, padding rows written 1.0;
 * columnwise copy X^T [K, M]: an amax per column (in-thread over 4 rows, 2 shuffles, then across the
-  8 warps through shared memory), its scale, the FP8 values converted from the M-first register
+  8 warps through shared memory), its scale (once per column: one column per thread, back through
+  shared memory), the FP8 values converted from the M-first register
   order ``LN`` (no data moves) so that each thread's 4 consecutive rows form one 32-bit word of a
   row of X^T, stored into a swizzled shared buffer (conflict-free), read back 16 bytes per thread
   (``LT``) and stored with 16-byte stores; scale_inv ``[mb, k]`` of ``[ceil(M/128), pad4(K)]``.
@@ -27,13 +28,13 @@ from triton.experimental.gluon import language as gl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
-from .hopper import runs_on, transpose_tile_layouts
 from .launch import FastLauncher
 from .quantize_act import dual_outputs
+from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_transposed, transpose_tile_layouts
+from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import amax_nan, scale_and_inverse
 
 NUM_WARPS = 8
-MAX_DIM = 2**31 // BLOCK  # in-tile offsets are int32, tile bases int64
 
 
 class GluonActUnsupported(NotImplementedError):
@@ -53,12 +54,7 @@ def _quantize_1x128_dual_gluon_kernel(
     m0 = pid_m * B
     k0 = pid_k * B
 
-    rm = gl.arange(0, B, layout=gl.SliceLayout(1, L))
-    rk = gl.arange(0, B, layout=gl.SliceLayout(0, L))
-    mask = gl.expand_dims(m0 + rm < M, 1) & gl.expand_dims(k0 + rk < K, 0)
-    x_tile = x_ptr + m0.to(gl.int64) * K + k0
-    x = gl.load(x_tile + gl.expand_dims(rm * K, 1) + gl.expand_dims(rk, 0), mask=mask, other=0.0)
-    x = x.to(gl.float32)
+    x, mask, rm, rk = load_tile(x_ptr, m0, k0, M, K, K, L)
 
     if ROWWISE:
         scale, s_inv = scale_and_inverse(amax_nan(x, 1), fp8_max, amax_eps, in_max, POW2)
@@ -81,35 +77,14 @@ def _quantize_1x128_dual_gluon_kernel(
         cscale_n = gl.convert_layout(cscale, gl.SliceLayout(0, LN))
         xn = gl.convert_layout(x, LN, assert_trivial=True)
         qc = (gl.expand_dims(cscale_n, 0) * xn).to(col_q_ptr.dtype.element_ty)
-        t_s = gl.allocate_shared_memory(col_q_ptr.dtype.element_ty, [B, B], T_SMEM)
-        t_s.permute((1, 0)).store(qc)
-        gl.thread_barrier()
-        qt = t_s.load(LT)  # [B (k), B (m)]
-        tk = gl.arange(0, B, layout=gl.SliceLayout(1, LT))
-        tm = gl.arange(0, B, layout=gl.SliceLayout(0, LT))
-        t_mask = gl.expand_dims(k0 + tk < K, 1) & gl.expand_dims(m0 + tm < M, 0)
-        cq_tile = col_q_ptr + k0.to(gl.int64) * M + m0
-        gl.store(cq_tile + gl.expand_dims(tk * M, 1) + gl.expand_dims(tm, 0), qt, mask=t_mask)
+        store_transposed(qc, col_q_ptr, m0, k0, M, K, LT, T_SMEM)
 
 
 def unsupported_reason(x: torch.Tensor, params: QuantParams) -> str | None:
     """Why this kernel does not take ``x`` (the Triton kernel then does), or None."""
-    if not runs_on(x.device):
-        return "the Gluon activation quantizer runs on NVIDIA Hopper (sm_90) only"
     if params.block_dim != 1:
         return "1x128 tiles (block_dim=1) only"
-    if x.dim() != 2 or not x.is_contiguous():
-        return "x must be a contiguous 2-D tensor"
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"input dtype {x.dtype} not supported (bf16, fp16, fp32)"
-    m, k = x.shape
-    if m % 16 or k % 16:
-        return f"x is [{m}, {k}]: M and K must be multiples of 16 (16-byte vectors of both copies)"
-    if max(m, k) >= MAX_DIM:
-        return f"x is [{m}, {k}]: M and K must stay below {MAX_DIM} (32-bit in-tile offsets)"
-    if x.data_ptr() % 16:
-        return "x must be 16-byte aligned"
-    return None
+    return tile_rules(x, "activation")
 
 
 _launch = FastLauncher(_quantize_1x128_dual_gluon_kernel)
@@ -143,9 +118,6 @@ def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: 
 # Ahead-of-time compile check (no GPU needed)
 # --------------------------------------------------------------------------------------------------
 
-_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-       torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}  # fmt: skip
-
 
 def aot_variants() -> list[tuple]:
     """Every (input dtype, FP8 dtype, pow2, rowwise, columnwise) the wrapper can launch."""
@@ -163,8 +135,8 @@ def compile_variant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    f8 = _TY[fp8_dtype]
-    sig = {"x_ptr": f"*{_TY[in_dtype]}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}",
+    f8 = SIG_TYPE[fp8_dtype]
+    sig = {"x_ptr": f"*{SIG_TYPE[in_dtype]}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}",
            "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "fp8_max": "fp32",
            "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr", "COLWISE": "constexpr", "POW2": "constexpr",
            "L": "constexpr", "LN": "constexpr", "LT": "constexpr", "T_SMEM": "constexpr"}  # fmt: skip
@@ -178,26 +150,13 @@ def compile_variant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
 
 
 def aot_check(verbose: bool = True) -> bool:
-    from .quantize_weight_gluon import inspect_compiled
+    """Compile and check every variant (``aot.check_quantizer_variants``)."""
+    from .aot import check_quantizer_variants
 
-    ok_all = True
-    for in_dt, f8, pow2, row, col in aot_variants():
-        name = f"{_TY[in_dt]}->{_TY[f8]}:pow2={int(pow2)}:row={int(row)}:col={int(col)}"
-        try:
-            info = inspect_compiled(compile_variant(in_dt, f8, pow2, row, col), f8)
-        except Exception as e:  # noqa: BLE001
-            ok_all = False
-            print(f"{name:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
-            continue
-        transposed = not col or (info["st_shared_b32"] > 0 and info["ld_shared_v4"] > 0)
-        ok = (info["spill"] == 0 and info["cvt"] > 0 and info["max_nan"] > 0 and transposed
-              and info["byte_shared"] == 0 and not info["undefined"])  # fmt: skip
-        ok_all &= ok
-        if verbose:
-            print(f"{name:40} {'OK ' if ok else 'BAD'} regs={info['regs']} spill={info['spill']} smem={info['smem']} "
-                  f"cvt={info['cvt']} st.shared.b32={info['st_shared_b32']} ld.shared.v4={info['ld_shared_v4']} "
-                  f"byte_shared={info['byte_shared']} undefined_regs={info['undefined'][:4]}")  # fmt: skip
-    return ok_all
+    def name(v):
+        return f"{SIG_TYPE[v[0]]}->{SIG_TYPE[v[1]]}:pow2={int(v[2])}:row={int(v[3])}:col={int(v[4])}"
+
+    return check_quantizer_variants(aot_variants(), compile_variant, name, lambda v: v[4], verbose)
 
 
 if __name__ == "__main__":

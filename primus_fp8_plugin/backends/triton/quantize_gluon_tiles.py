@@ -1,0 +1,90 @@
+"""The 128x128-tile machinery the two Hopper Gluon quantizers (``quantize_act_gluon.py``,
+``quantize_weight_gluon.py``) share: their register and shared-memory layouts, the tile load, the
+transposed FP8 store, the input rules, and the names their ahead-of-time checks give dtypes."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .hopper import runs_on
+from .quantize_act import MAX_DIM  # in-tile offsets are int32, tile bases int64, as in the Triton kernels
+
+# dtype -> the name Triton's signatures use (AOT compiles, fingerprints)
+SIG_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+            torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}  # fmt: skip
+
+
+@functools.cache  # built once: the wrappers' host time counts
+def transpose_tile_layouts():
+    """Layouts of both quantizers for a 128x128 tile [r, c] and 8 warps: ``L`` (registers of the
+    loaded tile), ``LN`` (the same threads and values, r-first register order, for FP8 pairs along
+    r), ``LT`` (the transposed [c, r] FP8 tile, 16 bytes of a row per thread) and ``T_SMEM`` (the
+    swizzled [c, r] buffer between LN and LT)."""
+    # [r, c]: 4 rows x (2 x 8) columns per thread; 8 lanes along c (128 contiguous bytes of bf16 per
+    # warp and row), 4 along r; warps along r, so the block amax crosses warps once
+    reg_c_first = [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [0, 64]]
+    reg_r_first = [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4], [0, 64]]
+    lanes = [[0, 8], [0, 16], [0, 32], [4, 0], [8, 0]]
+    warps = [[16, 0], [32, 0], [64, 0]]
+    block = gl.DistributedLinearLayout(reg_c_first, lanes, warps, [], [128, 128])
+    block_r_first = gl.DistributedLinearLayout(reg_r_first, lanes, warps, [], [128, 128])
+    transposed = gl.BlockedLayout([1, 16], [4, 8], [8, 1], [1, 0])  # [c, r]: 16 bytes of a row per thread
+    # [c, r] FP8 buffer: 16-byte units XOR (c // 8) % 8, so the rows 8 apart that one store
+    # instruction writes (4 lanes along r x 8 along c) fall in 32 distinct banks
+    t_smem = gl.SwizzledSharedLayout(vec=16, per_phase=8, max_phase=8, order=[1, 0])
+    return block, block_r_first, transposed, t_smem
+
+
+@gluon.jit
+def load_tile(ptr, r0, c0, R, C, stride, L: gl.constexpr):
+    """Tile ``[r0:r0+128, c0:c0+128]`` of a row-major ``[R, C]`` tensor with row stride ``stride``, in
+    fp32 and layout ``L`` (zeros outside, which never raise an amax); also returns the in-bounds
+    mask and the row and column offsets, for the stores of the same tile."""
+    B: gl.constexpr = 128
+    rr = gl.arange(0, B, layout=gl.SliceLayout(1, L))
+    rc = gl.arange(0, B, layout=gl.SliceLayout(0, L))
+    mask = gl.expand_dims(r0 + rr < R, 1) & gl.expand_dims(c0 + rc < C, 0)
+    tile = ptr + r0.to(gl.int64) * stride + c0
+    x = gl.load(tile + gl.expand_dims(rr * stride, 1) + gl.expand_dims(rc, 0), mask=mask, other=0.0)
+    return x.to(gl.float32), mask, rr, rc
+
+
+@gluon.jit
+def store_transposed(q, out_ptr, r0, c0, R, C, LT: gl.constexpr, T_SMEM: gl.constexpr):
+    """Store the FP8 tile ``q`` ([128 r, 128 c] of ``[R, C]``, layout ``LN``: 4 consecutive rows per
+    thread, FP8 pairs along r) transposed into the row-major ``[C, R]`` tensor at ``out_ptr``: 32-bit
+    words into the swizzled shared buffer, then 16 bytes of a row per thread (``LT``)."""
+    B: gl.constexpr = 128
+    t_s = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [B, B], T_SMEM)
+    t_s.permute((1, 0)).store(q)
+    gl.thread_barrier()
+    qt = t_s.load(LT)  # [B (c), B (r)]
+    tc = gl.arange(0, B, layout=gl.SliceLayout(1, LT))
+    tr = gl.arange(0, B, layout=gl.SliceLayout(0, LT))
+    t_mask = gl.expand_dims(c0 + tc < C, 1) & gl.expand_dims(r0 + tr < R, 0)
+    t_tile = out_ptr + c0.to(gl.int64) * R + r0
+    gl.store(t_tile + gl.expand_dims(tc * R, 1) + gl.expand_dims(tr, 0), qt, mask=t_mask)
+
+
+def unsupported_reason(t: torch.Tensor, what: str) -> str | None:
+    """Why the Gluon ``what`` quantizer does not take ``t`` (the Triton kernel then does), or None:
+    NVIDIA sm_90, a contiguous 2-D bf16/fp16/fp32 tensor, both dims multiples of 16 (16-byte vectors
+    of both FP8 copies) and below MAX_DIM, 16-byte aligned."""
+    if not runs_on(t.device):
+        return f"the Gluon {what} quantizer runs on NVIDIA Hopper (sm_90) only"
+    if t.dim() != 2 or not t.is_contiguous():
+        return "the input must be a contiguous 2-D tensor"
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"input dtype {t.dtype} not supported (bf16, fp16, fp32)"
+    rows, cols = t.shape
+    if rows % 16 or cols % 16:
+        return f"the input is [{rows}, {cols}]: both dims must be multiples of 16 (16-byte vectors of both copies)"
+    if max(rows, cols) >= MAX_DIM:
+        return f"the input is [{rows}, {cols}]: both dims must stay below {MAX_DIM} (32-bit in-tile offsets)"
+    if t.data_ptr() % 16:
+        return "the input must be 16-byte aligned"
+    return None
