@@ -92,33 +92,50 @@ CASES = [
 ]
 
 
+REFUSED_SHAPES = ((130, 256), (256, 136), (1, 16))  # a dim not a multiple of 16
+
+
+def _mismatches(ours, others: dict, label: str) -> int:
+    """Parts of ``ours`` whose bits differ from each of ``others`` ({who: tensor}); each printed."""
+    bad = 0
+    for who, other in others.items():
+        for part in PARTS:
+            ok, why = _bits_equal(getattr(ours, part), getattr(other, part))
+            if not ok:
+                bad += 1
+                print(f"MISMATCH {label}: {part} vs {who}: {why}")
+    return bad
+
+
+def _not_refused(quantize, unsupported: type, label: str) -> int:
+    """Shapes of REFUSED_SHAPES that ``quantize(x)`` accepted instead of raising ``unsupported``."""
+    bad = 0
+    for m, k in REFUSED_SHAPES:
+        try:
+            quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            bad += 1
+            print(f"NOT REFUSED: {label} {m}x{k}")
+        except unsupported:
+            pass
+    return bad
+
+
 def check_bits() -> int:
-    cases = CASES
     ref = ReferenceBackend()
     bad = 0
-    for i, (n, k, dt, f8, pow2, eps, special) in enumerate(cases):
+    for i, (n, k, dt, f8, pow2, eps, special) in enumerate(CASES):
         params = QuantParams(f8, 2, pow2_scales=pow2, amax_epsilon=eps)
         w = _make_input(n, k, dt, special, seed=i)
         if special and n >= 256 and k >= 256:
             w[128:256, 128:256] = 1e-30  # a tiny block: scale = the input dtype's max
         ours = quantize_weight_gluon.quantize_128x128_gluon(w, params)
-        torch.cuda.synchronize()
         others = {"triton": quantize_weight.quantize_128x128(w, params), "reference": ref.quantize_weight(w, params)}
-        for who, other in others.items():
-            for part in PARTS:
-                ok, why = _bits_equal(getattr(ours, part), getattr(other, part))
-                if not ok:
-                    bad += 1
-                    print(f"MISMATCH {n}x{k} {dt} {f8} pow2={pow2} eps={eps}: {part} vs {who}: {why}")
-    for n, k in ((130, 256), (256, 136), (1, 16)):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        try:
-            quantize_weight_gluon.quantize_128x128_gluon(w, QuantParams(E4, 2))
-            bad += 1
-            print(f"NOT REFUSED: {n}x{k}")
-        except quantize_weight_gluon.GluonWeightUnsupported:
-            pass
-    print(f"weights: {len(cases)} cases x 2 references x 4 parts, refusals: {'all OK' if bad == 0 else f'{bad} FAILED'}")
+        bad += _mismatches(ours, others, f"weight {n}x{k} {dt} {f8} pow2={pow2} eps={eps}")
+    bad += _not_refused(
+        lambda w: quantize_weight_gluon.quantize_128x128_gluon(w, QuantParams(E4, 2)),
+        quantize_weight_gluon.GluonWeightUnsupported, "weight",
+    )  # fmt: skip
+    print(f"weights: {len(CASES)} cases x 2 references x 4 parts, refusals: {'all OK' if bad == 0 else f'{bad} FAILED'}")
     return bad
 
 
@@ -135,20 +152,11 @@ def check_act_bits() -> int:
                 "triton": quantize_act.quantize_1x128_dual(x, params, rowwise=row, columnwise=col),
                 "reference": ref.quantize_act(x, params, rowwise=row, columnwise=col),
             }
-            for who, other in others.items():
-                for part in PARTS:
-                    ok, why = _bits_equal(getattr(ours, part), getattr(other, part))
-                    if not ok:
-                        bad += 1
-                        print(f"ACT MISMATCH {m}x{k} {dt} {f8} pow2={pow2} eps={eps} row={row} col={col}: {part} vs {who}: {why}")
-    for m, k in ((130, 256), (256, 136), (1, 16)):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        try:
-            quantize_act_gluon.quantize_1x128_dual_gluon(x, QuantParams(E4, 1), rowwise=True, columnwise=True)
-            bad += 1
-            print(f"NOT REFUSED: act {m}x{k}")
-        except quantize_act_gluon.GluonActUnsupported:
-            pass
+            bad += _mismatches(ours, others, f"act {m}x{k} {dt} {f8} pow2={pow2} eps={eps} row={row} col={col}")
+    bad += _not_refused(
+        lambda x: quantize_act_gluon.quantize_1x128_dual_gluon(x, QuantParams(E4, 1), rowwise=True, columnwise=True),
+        quantize_act_gluon.GluonActUnsupported, "act",
+    )  # fmt: skip
     verdict = "all OK" if bad == 0 else f"{bad} FAILED"
     print(f"activations: {len(CASES)} cases (modes cycled) x 2 references x 4 parts, refusals: {verdict}")
     return bad
