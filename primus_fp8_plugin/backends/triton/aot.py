@@ -207,8 +207,8 @@ def inspect_quantizer(kernel, fp8_dtype) -> dict:
         "smem": int(getattr(kernel.metadata, "shared", 0)),
         "cvt": len(re.findall(rf"cvt\.rn\.satfinite\.{cvt}\.f32", ptx)),
         "max_nan": len(re.findall(r"max\.NaN\.f32", ptx)),
-        # the transpose: 32-bit words into shared memory, 16-byte reads back, no byte-wise traffic
-        "st_shared_b32": len(re.findall(r"st\.shared\.(b32|v2\.b16)", ptx)),
+        # the transpose: 4- to 16-byte stores into shared memory, 16-byte reads back, no byte-wise traffic
+        "st_shared_wide": len(re.findall(r"st\.shared\.(b32|v2\.b16|v4\.b16|v2\.b32|v4\.b32)", ptx)),
         "ld_shared_v4": len(re.findall(r"ld\.shared\.v4\.b32", ptx)),
         "byte_shared": len(re.findall(r"(st|ld)\.shared(\.v[248])?\.[bu]8", ptx)),
         "undefined": sorted(undefined_registers(ptx)),
@@ -220,7 +220,7 @@ def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbo
     """Compile each Gluon quantizer variant (``compile_fn(*v)``) for sm_90 and check it: no spills,
     shared memory fits, the saturating FP8 conversion and the NaN-propagating max present, no
     byte-wise shared-memory traffic, no undefined PTX registers, and where ``transposes_fn(v)`` the
-    transposed copy's 32-bit shared stores and 16-byte reads. Prints a line per variant."""
+    transposed copy's 4- to 16-byte shared stores and 16-byte reads. Prints a line per variant."""
     from .hopper import SMEM_LIMIT
 
     ok_all = True
@@ -232,13 +232,13 @@ def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbo
             ok_all = False
             print(f"{name:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
             continue
-        transposed = not transposes_fn(v) or (info["st_shared_b32"] > 0 and info["ld_shared_v4"] > 0)
+        transposed = not transposes_fn(v) or (info["st_shared_wide"] > 0 and info["ld_shared_v4"] > 0)
         ok = (info["spill"] == 0 and info["smem"] <= SMEM_LIMIT and info["cvt"] > 0 and info["max_nan"] > 0
               and transposed and info["byte_shared"] == 0 and not info["undefined"])  # fmt: skip
         ok_all &= ok
         if verbose:
             print(f"{name:40} {'OK ' if ok else 'BAD'} regs={info['regs']} spill={info['spill']} smem={info['smem']} "
-                  f"cvt={info['cvt']} st.shared.b32={info['st_shared_b32']} ld.shared.v4={info['ld_shared_v4']} "
+                  f"cvt={info['cvt']} st.shared(wide)={info['st_shared_wide']} ld.shared.v4={info['ld_shared_v4']} "
                   f"byte_shared={info['byte_shared']} undefined_regs={info['undefined'][:4]}")  # fmt: skip
     return ok_all
 

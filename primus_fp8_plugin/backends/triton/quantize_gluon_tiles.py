@@ -1,6 +1,13 @@
 """The 128x128-tile machinery the two Hopper Gluon quantizers (``quantize_act_gluon.py``,
 ``quantize_weight_gluon.py``) share: their register and shared-memory layouts, the tile load, the
-transposed FP8 store, the input rules, and the names their ahead-of-time checks give dtypes."""
+transposes through shared memory, the input rules, and the names their ahead-of-time checks give
+dtypes.
+
+Both kernels are bound by how often their 8 warps wait for each other, more than by instructions:
+each block-wide barrier (a reduction across warps, a transpose through shared memory, a layout
+conversion that the compiler routes through shared memory) stalls the whole program while it holds
+a tile's loads. The act kernel therefore has one barrier and the weight kernel two
+(docs/PERFORMANCE.md: 8 -> 1 barriers took the act kernel from 75% to 88% of copy bandwidth)."""
 
 from __future__ import annotations
 
@@ -39,27 +46,41 @@ def transpose_tile_layouts():
     return block, block_r_first, transposed, t_smem
 
 
+@functools.cache
+def raw_transpose_layouts(element_size: int):
+    """Layouts of the input tile transposed through shared memory in its own dtype (the act
+    quantizer's columnwise copy): ``LT_RAW`` ([c, r] registers: 8 consecutive r of one column per
+    thread, 8 lanes along r, 4 along c, warps along c) and ``T_RAW`` (the swizzled [c, r] buffer
+    that ``LN`` registers are stored into: 16-byte units XOR (c // 8) % 8, as for ``T_SMEM``; each
+    store instruction writes 8 rows x 32 bytes and each read 4 rows x 128 bytes without bank
+    conflicts for 2-byte inputs (fp32 reads are 2-way conflicted; fp32 inputs are rare)."""
+    lt_raw = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    t_raw = gl.SwizzledSharedLayout(vec=16 // element_size, per_phase=8, max_phase=8, order=[1, 0])
+    return lt_raw, t_raw
+
+
 @gluon.jit
 def load_tile(ptr, r0, c0, R, C, stride, L: gl.constexpr):
     """Tile ``[r0:r0+128, c0:c0+128]`` of a row-major ``[R, C]`` tensor with row stride ``stride``, in
-    fp32 and layout ``L`` (zeros outside, which never raise an amax); also returns the in-bounds
-    mask and the row and column offsets, for the stores of the same tile."""
+    its own dtype and layout ``L`` (zeros outside, which never raise an amax); also returns the
+    in-bounds mask and the row and column offsets, for the stores of the same tile."""
     B: gl.constexpr = 128
     rr = gl.arange(0, B, layout=gl.SliceLayout(1, L))
     rc = gl.arange(0, B, layout=gl.SliceLayout(0, L))
     mask = gl.expand_dims(r0 + rr < R, 1) & gl.expand_dims(c0 + rc < C, 0)
     tile = ptr + r0.to(gl.int64) * stride + c0
     x = gl.load(tile + gl.expand_dims(rr * stride, 1) + gl.expand_dims(rc, 0), mask=mask, other=0.0)
-    return x.to(gl.float32), mask, rr, rc
+    return x, mask, rr, rc
 
 
 @gluon.jit
-def store_transposed(q, out_ptr, r0, c0, R, C, LT: gl.constexpr, T_SMEM: gl.constexpr):
+def store_transposed(q, t_s, out_ptr, r0, c0, R, C, LT: gl.constexpr):
     """Store the FP8 tile ``q`` ([128 r, 128 c] of ``[R, C]``, layout ``LN``: 4 consecutive rows per
     thread, FP8 pairs along r) transposed into the row-major ``[C, R]`` tensor at ``out_ptr``: 32-bit
-    words into the swizzled shared buffer, then 16 bytes of a row per thread (``LT``)."""
+    words into the swizzled shared buffer ``t_s`` ([128, 128], ``T_SMEM``; allocated by the caller
+    before anything else, so that no other buffer shares its bytes and needs a barrier of its own),
+    then 16 bytes of a row per thread (``LT``)."""
     B: gl.constexpr = 128
-    t_s = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [B, B], T_SMEM)
     t_s.permute((1, 0)).store(q)
     gl.thread_barrier()
     qt = t_s.load(LT)  # [B (c), B (r)]

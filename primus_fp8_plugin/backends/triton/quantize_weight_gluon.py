@@ -7,15 +7,20 @@ reads the block three times (the amax pass from HBM, one pass per copy from L2) 
 through shared memory (80-84% of copy bandwidth on the H200, docs/PERFORMANCE.md). Here the layouts
 are explicit (``quantize_gluon_tiles.py``, shared with the act quantizer), so each thread owns 4 rows
 x (2 x 8) columns of the block: its 4 FP8 values of one column of W are 4 consecutive bytes of a row
-of W^T, one 32-bit word. Per program (one 128x128 block, 8 warps):
+of W^T, one 32-bit word. Per program (one 128x128 block, 8 warps, 2-D grid, two block barriers):
 
 * load the block once into registers (16-byte loads; a warp instruction covers 4 rows x 128 bytes);
-* block amax (NaN-propagating) and the scale rule of ``scales.py``;
+* block amax (NaN-propagating): in-thread, 5 shuffles, each warp's partial into shared memory, one
+  barrier, and every thread reduces the 8 partials itself (the compiler's own cross-warp reduction
+  takes two barriers); the scale rule of ``scales.py``;
 * W: quantize and store from registers (8-byte stores along K);
 * W^T: converted again from the N-first register order ``LN`` (FP8 pairs along N; converting from
   the K-first order and repacking was miscompiled, docs/PERFORMANCE.md), stored transposed into a
   shared buffer in 32-bit words (swizzled: conflict-free), read back and stored with 16-byte stores;
 * scale_inv of both copies, including TE's padding entries (so the wrapper launches nothing else).
+
+A version that also sent the raw block through shared memory (one barrier) was no faster: the
+kernel runs at 90-91% of copy bandwidth either way (docs/PERFORMANCE.md).
 
 Edges: masked loads (zeros never raise the amax) and masked stores, so any N and K; the wrapper
 takes K % 16 == 0 and N % 16 == 0 (the recipe's weight shapes; 16-byte vectors) and leaves other
@@ -34,7 +39,6 @@ from .launch import FastLauncher
 from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_transposed, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import max_nan, scale_and_inverse
-from .tile_order import tile_coords
 
 NUM_WARPS = 8
 
@@ -43,19 +47,28 @@ class GluonWeightUnsupported(NotImplementedError):
     """Valid input that this kernel does not take (device or shape); the caller uses the Triton kernel."""
 
 
-@gluon.jit(do_not_specialize=["group_rows"])
+@gluon.jit
 def _quantize_128x128_gluon_kernel(
-    w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max, group_rows,
+    w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max,
     POW2: gl.constexpr, L: gl.constexpr, LN: gl.constexpr, LT: gl.constexpr, T_SMEM: gl.constexpr,
 ):  # fmt: skip
     B: gl.constexpr = 128
-    pid_n, pid_k = tile_coords(gl.program_id(0), gl.cdiv(N, B), gl.cdiv(K, B), group_rows)
+    NW: gl.constexpr = gl.num_warps()
+    pid_n = gl.program_id(0)  # down each column of blocks first
+    pid_k = gl.program_id(1)
     n0 = pid_n * B
     k0 = pid_k * B
+    t_s = gl.allocate_shared_memory(qt_ptr.dtype.element_ty, [B, B], T_SMEM)
 
     # ---- the block, once, in registers: [B (n), B (k)]
-    x, mask, rn, rk = load_tile(w_ptr, n0, k0, N, K, stride_wn, L)
-    amax = gl.reduce(gl.reduce(gl.abs(x), 1, max_nan), 0, max_nan)
+    xr, mask, rn, rk = load_tile(w_ptr, n0, k0, N, K, stride_wn, L)
+    x = xr.to(gl.float32)
+    # warps hold whole rows of [NW, B * B // NW]: one partial amax per warp
+    part = gl.reduce(gl.reshape(gl.abs(x), [NW, B * B // NW]), 1, max_nan)
+    p_s = gl.allocate_shared_memory(gl.float32, [NW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    p_s.store(part)
+    gl.thread_barrier()
+    amax = gl.reduce(p_s.load(gl.BlockedLayout([NW], [32], [NW], [0])), 0, max_nan)  # all partials in every thread
     scale, s_inv = scale_and_inverse(amax, fp8_max, amax_eps, in_max, POW2)
     q = (scale * x).to(q_ptr.dtype.element_ty)
 
@@ -66,13 +79,13 @@ def _quantize_128x128_gluon_kernel(
     # ---- W^T. The FP8 conversion packs register neighbours in pairs; W^T's 32-bit words need pairs
     # along N, so the transposed copy is converted from LN (same threads, N-first registers; no data moves).
     qn = (scale * gl.convert_layout(x, LN, assert_trivial=True)).to(qt_ptr.dtype.element_ty)
-    store_transposed(qn, qt_ptr, n0, k0, N, K, LT, T_SMEM)
+    store_transposed(qn, t_s, qt_ptr, n0, k0, N, K, LT)
 
     # scale_inv, and the padding entries of TE's layout (1.0, up to 3 per row) that the last block of
     # each row writes, so that the wrapper launches nothing else
-    pads = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
-    nk = gl.cdiv(K, B)
-    nn = gl.cdiv(N, B)
+    pads = gl.arange(0, 4, layout=gl.BlockedLayout([1], [32], [NW], [0]))
+    nn = gl.num_programs(0)
+    nk = gl.num_programs(1)
     gl.store(s_ptr + pid_n * stride_s + pid_k + pads, gl.where(pads == 0, s_inv, 1.0),
              mask=(pads == 0) | ((pid_k == nk - 1) & (pid_k + pads < stride_s)))  # fmt: skip
     gl.store(st_ptr + pid_k * stride_st + pid_n + pads, gl.where(pads == 0, s_inv, 1.0),
@@ -106,9 +119,8 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
     if n and k:
         lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
         _launch(
-            (ceil_div(n, BLOCK) * ceil_div(k, BLOCK),), w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
+            (ceil_div(n, BLOCK), ceil_div(k, BLOCK)), w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
             params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
-            ceil_div(n, BLOCK),  # group_rows: down each whole column of blocks first (tile_order.py)
             params.pow2_scales, lay, lay_n, lay_t, t_smem,  # POW2, L, LN, LT, T_SMEM
             num_warps=NUM_WARPS,
         )  # fmt: skip
@@ -140,7 +152,7 @@ def compile_variant(in_dtype, fp8_dtype, pow2):
     f8 = SIG_TYPE[fp8_dtype]
     sig = {"w_ptr": f"*{SIG_TYPE[in_dtype]}", "q_ptr": f"*{f8}", "qt_ptr": f"*{f8}", "s_ptr": "*fp32", "st_ptr": "*fp32",
            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
-           "amax_eps": "fp32", "in_max": "fp32", "group_rows": "i32", "POW2": "constexpr", "L": "constexpr", "LN": "constexpr",
+           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "L": "constexpr", "LN": "constexpr",
            "LT": "constexpr", "T_SMEM": "constexpr"}  # fmt: skip
     lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
     names = list(sig)
