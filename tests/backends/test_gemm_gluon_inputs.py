@@ -127,7 +127,8 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
 
 def test_config_selection_and_shared_memory():
     """128x256 tiles (the quarter-chain consumer) for bf16 outputs and accumulate_into, the 128x128
-    kernel for a plain fp32 output (the 128x256 one spills there); only 128x256 tiles stage their
+    kernel for a plain fp32 output and for a bias into accumulate_into with 1x128 B scales (the 128x256
+    one spills there); only 128x256 tiles stage their
     scales through shared memory, and their four [64, 64] output buffers take as much shared memory
     as one [128, 128] tile's."""
     from primus_fp8_plugin.backends.triton import gemm_gluon as G
@@ -137,6 +138,9 @@ def test_config_selection_and_shared_memory():
         assert G.select_config(bdim, torch.float32, True) is G.WIDE_CONFIG
         assert G.select_config(bdim, torch.float32, False).block_n == 128
         assert "spills" in G.supports(G.WIDE_CONFIG, bdim, torch.float32, False)
+    # a bias into accumulate_into with 1x128 B scales: 128x128 (the 128x256 epilogue spills there)
+    assert G.select_config(1, torch.float32, True, has_bias=True).block_n == 128
+    assert G.select_config(2, torch.float32, True, has_bias=True) is G.WIDE_CONFIG
     assert G.WIDE_CONFIG.scale_tma and not G.GluonGemmConfig().scale_tma
     assert G._c_block_n(256) == 64 and G._c_block_n(128) == 128
     # a bf16 output: 4 stages of 128x256 (48 KiB + 640 B of scales each) next to 32 KiB of output buffers

@@ -26,7 +26,7 @@ Design (DeepGEMM-like, warp specialised, persistent):
   across the K loop's back edge made ptxas serialise every wgmma (C7514, caught by the AOT check).
   The producer TMA-loads each K block's scales into the smem stage with the tiles (the A-scale [128]
   row slice; the [256] row slice of 1x128 B scales, or a [2, 16] box holding the tile's two
-  128x128-block scales), and the consumers read them with ld.shared, each issued before a wait (the
+  128x128-block scales), and the consumers read them with ld.shared a chain ahead of their use (the
   128x128 B scale as one broadcast word). Nsight Compute on the H200 showed why: with global loads
   the consumer warps stalled on each K block's scale load, 23% of their stall samples; reducing the
   [2, 16] box in registers cost another 10% (docs/PERFORMANCE.md). TE's [KB, pad4(M)] and
@@ -117,9 +117,13 @@ def default_config() -> GluonGemmConfig:
 WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
 
 
-def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool) -> GluonGemmConfig:
+def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool = False) -> GluonGemmConfig:
     """128x256 tiles (``WIDE_CONFIG``) where the kernel supports the output (bf16/fp16, or
-    accumulate_into), else 128x128 (a plain fp32 output)."""
+    accumulate_into), else 128x128 (a plain fp32 output). Also 128x128 for a bias added to an
+    accumulate_into with 1x128 B scales: the 128x256 kernel's epilogue spills 16 bytes there since
+    its scale loads moved a chain ahead (no layer GEMM takes that combination: wgrad has no bias)."""
+    if has_bias and accumulate and b_block_dim == 1:
+        return default_config()
     if supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
         return WIDE_CONFIG
     return default_config()
@@ -321,44 +325,49 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     fresh accumulators pa, pb, pa, pb, each promoted while the next runs; unless FIRST, the previous
     K block's chain 3 (retired, in ``pb``, its row scales ``sa_prev``) is promoted while chain 0 runs
     and its stage ``s_prev`` released. ``bs_scales``: the B-scale boxes as single words (B_2D: the
-    [2, SB_W] box of each stage) or as [NUM_STAGES, BLOCK_N] rows (1x128 B). Every ld.shared of a
-    scale is issued before a wait (a wgmma's or the stage's), whose latency hides it. Returns with
-    chain 3 retired, in ``pb``, and its row scales."""
+    [2, SB_W] box of each stage) or as [NUM_STAGES, BLOCK_N] rows (1x128 B). Returns with chain 3
+    retired, in ``pb``, and its row scales.
+
+    Scale loads are issued a chain ahead: the row scales right after the stage's ready wait, chains
+    0 and 1's column scales after chain 3's promotion, chain 2's after chain 0's. The wgmmas read
+    their operands from shared memory through the same queue as these loads, so a load issued just
+    before the wait of its chain (the kernel until 2026-12-01, fourth session) left the promotion's
+    FMULs waiting for it: 21% of the wgrad form's stall samples in Nsight Compute; loading earlier
+    took the wgrad form from 0.83-0.88x to 0.92-0.97x cuBLAS (docs/PERFORMANCE.md). Loading chain 0's
+    column scales before chain 3's promotion as well spills 32 bytes."""
     # Promotions go through _promote with row scales and column scales: for 128x128 B the rows carry
     # the block's B scale already (s_lo, s_hi) and the column scale is 1.0 (folded away).
     if not FIRST:  # chain 3's 1x128 B scales, from its stage (not released yet)
         sb3_prev = _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D)
     mbarrier.wait(ready.index(s), phase)
+    sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
+    if B_2D:
+        s_lo = sa * _quad_b2d_scale(bs_scales, s, kb, 0, word_layout, SB_W)
+        s_hi = sa * _quad_b2d_scale(bs_scales, s, kb, 1, word_layout, SB_W)
+    else:
+        s_lo = sa
+        s_hi = sa
     a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
     bt = b_bufs.index(s)
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
         acc3 = _promote(acc3, pb, sa_prev, sb3_prev, B_2D)
         mbarrier.arrive(empty.index(s_prev))
+    sb0 = _quad_col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
+    sb1 = _quad_col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
-    sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
-    if B_2D:  # row scales times each half's 128x128 B scale
-        s_lo = sa * _quad_b2d_scale(bs_scales, s, kb, 0, word_layout, SB_W)
-        s_hi = sa * _quad_b2d_scale(bs_scales, s, kb, 1, word_layout, SB_W)
-    else:
-        s_lo = sa
-        s_hi = sa
-    sb = _quad_col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
     # chain 0
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc0 = _promote(acc0, pa, s_lo, sb, B_2D)
-    sb = _quad_col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
+    acc0 = _promote(acc0, pa, s_lo, sb0, B_2D)
+    sb2 = _quad_col_scales(bs_scales, s, 2, Q, col_layout, B_2D)
     pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     # chain 1
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-    acc1 = _promote(acc1, pb, s_lo, sb, B_2D)
-    sb = _quad_col_scales(bs_scales, s, 2, Q, col_layout, B_2D)
+    acc1 = _promote(acc1, pb, s_lo, sb1, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     # chain 2
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc2 = _promote(acc2, pa, s_hi, sb, B_2D)
-    # chain 3 retires inside the block: a wgmma in flight across the K loop's back edge makes ptxas
-    # serialise every wgmma of the kernel (C7514)
+    acc2 = _promote(acc2, pa, s_hi, sb2, B_2D)
     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
     return pa, pb, acc0, acc1, acc2, acc3, s_hi
 
@@ -643,11 +652,11 @@ def supports(
 
 @functools.lru_cache(maxsize=64)
 def _launch_plan(
-    config: GluonGemmConfig | None, b_block_dim: int, out_dtype: torch.dtype, accumulate: bool
+    config: GluonGemmConfig | None, b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool
 ) -> tuple[GluonGemmConfig, int]:
     """(config, pipeline stages) of a call: ``config`` or ``select_config``'s pick, checked. Cached, as
     the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
-    cfg = config or select_config(b_block_dim, out_dtype, accumulate)
+    cfg = config or select_config(b_block_dim, out_dtype, accumulate, has_bias)
     _check_config(cfg, b_block_dim, out_dtype, accumulate)
     return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, b_block_dim)
 
@@ -682,7 +691,7 @@ def blockwise_gemm_gluon(
             return c.zero_()
     if m == 0 or n == 0 or k == 0:
         return c
-    cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None)
+    cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None, bias is not None)
     bm, bn = cfg.block_m, cfg.block_n
     cn = _c_block_n(bn)
     a_desc = _desc(a, [m, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
@@ -769,7 +778,7 @@ def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotV
             out.append(AotVariant(f"{cfg_name}:b2d:e5m2xe4m3:bf16", 2, torch.bfloat16, False, False,
                                   a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
     if selected_only:
-        out = [v for v in out if select_config(v.b_block_dim, v.out_dtype, v.accumulate) == v.config]
+        out = [v for v in out if select_config(v.b_block_dim, v.out_dtype, v.accumulate, v.has_bias) == v.config]
     return out
 
 
