@@ -112,8 +112,8 @@ def default_config() -> GluonGemmConfig:
 # 128x256 tiles (_consumer_quad: four n64 wgmma chains per K block, one in flight while the previous
 # one is promoted; scales staged through shared memory): 25% less L2->SM traffic per FLOP than 128x128.
 # Both B scale layouts; bf16/fp16 output or accumulate_into (a plain fp32 output spills registers).
-# On the H200 (docs/PERFORMANCE.md, 2026-12-01, second session; two bench_gemm runs): fwd 1.00-1.08x cuBLAS, dgrad
-# 0.92-1.06x, wgrad 0.85-0.94x. What select_config picks.
+# On the H200 (docs/PERFORMANCE.md, 2026-12-01, fourth session; bench_gemm, cuBLAS in the same run): fwd
+# 0.97-1.08x cuBLAS, dgrad 1.01-1.06x, wgrad 0.94-1.02x. What select_config picks.
 WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
 
 
