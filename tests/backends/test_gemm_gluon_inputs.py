@@ -141,6 +141,7 @@ def test_config_selection_and_shared_memory():
     # a bias into accumulate_into with 1x128 B scales: 128x128 (the 128x256 epilogue spills there)
     assert G.select_config(1, torch.float32, True, has_bias=True).block_n == 128
     assert G.select_config(2, torch.float32, True, has_bias=True) is G.WIDE_CONFIG
+    assert "spills" in G.supports(G.WIDE_CONFIG, 1, torch.float32, True, has_bias=True)
     assert G.WIDE_CONFIG.scale_tma and not G.GluonGemmConfig().scale_tma
     assert G._c_block_n(256) == 64 and G._c_block_n(128) == 128
     # a bf16 output: 4 stages of 128x256 (48 KiB + 640 B of scales each) next to 32 KiB of output buffers

@@ -55,6 +55,39 @@ def test_shape_and_dtype_rules(w, match, monkeypatch):
     assert match in act_mod.unsupported_reason(w, QuantParams(torch.float8_e4m3fn, 1))
 
 
+def test_dims_past_the_grid_axis_limit_go_to_the_triton_kernel(monkeypatch):
+    """Grid axis 1 holds at most 65535 programs: K blocks for activations, the larger dim's blocks for
+    weights (either tile order); longer dims are refused, so the Triton kernel's clear error applies."""
+    import primus_fp8_plugin.backends.triton.quantize_act_gluon as act_mod
+    import primus_fp8_plugin.backends.triton.quantize_gluon_tiles as tiles
+    from primus_fp8_plugin.backends.triton.quantize_act import MAX_GRID_Y
+
+    monkeypatch.setattr(tiles, "runs_on", lambda device: True)
+    long_k = torch.empty(16, MAX_GRID_Y + 16, dtype=torch.bfloat16, device="meta")
+    tall = torch.empty(MAX_GRID_Y + 16, 16, dtype=torch.bfloat16, device="meta")
+    assert "65535" in act_mod.unsupported_reason(long_k, QuantParams(torch.float8_e4m3fn, 1))
+    assert "65535" in unsupported_reason(long_k, P) and "65535" in unsupported_reason(tall, P)
+    assert "65535" not in (act_mod.unsupported_reason(tall, QuantParams(torch.float8_e4m3fn, 1)) or "")
+
+
+@pytest.mark.parametrize("n, k", [(256, 1024), (1024, 256), (512, 512), (144, 400), (2064, 1040)])
+def test_weight_tile_order_and_grid(monkeypatch, n, k):
+    """The weight kernel walks along rows of blocks first for tall weights (N > K), down columns
+    otherwise: grid axis 0 (fastest) is K blocks then, N blocks else, matching ROW_FIRST."""
+    import primus_fp8_plugin.backends.triton.quantize_gluon_tiles as tiles
+    import primus_fp8_plugin.backends.triton.quantize_weight_gluon as weight_mod
+
+    launched = []
+    monkeypatch.setattr(tiles, "runs_on", lambda device: True)
+    monkeypatch.setattr(weight_mod, "_launch", lambda grid, *args, **options: launched.append((grid, args)))
+    weight_mod.quantize_128x128_gluon(torch.empty(n, k, dtype=torch.bfloat16), P)
+    ((grid, args),) = launched
+    nb, kb = -(-n // 128), -(-k // 128)
+    row_first = args[14]  # the 13 runtime arguments, then POW2, ROW_FIRST, L, ...
+    assert isinstance(row_first, bool) and row_first == (n > k)
+    assert grid == ((kb, nb) if n > k else (nb, kb))
+
+
 def test_act_kernel_takes_1x128_tiles_only():
     import primus_fp8_plugin.backends.triton.quantize_act_gluon as act_mod
 

@@ -149,3 +149,16 @@ def test_dims_past_32_bit_offsets_are_refused():
         _act()(big, QuantParams(E4M3, 1), rowwise=True, columnwise=True)
     with pytest.raises(ValueError, match="32-bit"):
         _weight()(torch.empty(16, quantize_weight.MAX_DIM, dtype=torch.bfloat16, device="meta"), QuantParams(E4M3, 2))
+
+
+def test_k_past_the_grid_axis_limit_is_refused():
+    """K blocks run on grid axis 1 (at most 65535 programs): a longer K is refused with a clear error
+    instead of a failed launch; the same K - 128 passes the check (M and N, on axis 0, are not capped)."""
+    from primus_fp8_plugin.backends.triton import quantize_act, quantize_weight
+
+    k = quantize_act.MAX_GRID_Y + 16
+    with pytest.raises(ValueError, match="65535"):
+        quantize_act.quantize_1x128_dual(torch.empty(16, k, dtype=torch.bfloat16, device="meta"), QuantParams(E4M3, 1),
+                                         rowwise=True, columnwise=True)  # fmt: skip
+    with pytest.raises(ValueError, match="65535"):
+        quantize_weight.quantize_128x128(torch.empty(16, k, dtype=torch.bfloat16, device="meta"), QuantParams(E4M3, 2))

@@ -51,9 +51,10 @@ def test_no_register_spills_and_resources_fit(reports, target):
 # (module, variants its AOT check must pass at least): the Hopper Gluon GEMM, every variant the backend
 # selects (128x128 and 128x256 tiles: FP8 wgmma, TMA, mbarriers, setmaxnreg, no wgmma serialisation);
 # the Hopper Gluon quantizers, every variant (activations: 3 input dtypes x 2 FP8 types x pow2 on/off
-# x 3 row/column modes; weights: the same without modes): the saturating FP8 conversion, 32-bit
-# transposed shared-memory stores, no byte-wise shared traffic, no undefined PTX registers (a Triton
-# miscompile their first version hit). All: no spills, shared memory fits.
+# x 3 row/column modes; weights: the same with 2 tile orders instead of modes): the saturating FP8
+# conversion, 16 wide (4- to 16-byte) transposing shared-memory stores per thread, no byte-wise or
+# 16-bit shared traffic, no undefined PTX registers (a Triton miscompile their first version hit).
+# All: no spills, shared memory fits.
 GLUON_KERNELS = [("gemm_gluon", 19), ("quantize_act_gluon", 36), ("quantize_weight_gluon", 24)]
 
 

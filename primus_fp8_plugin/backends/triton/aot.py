@@ -210,7 +210,8 @@ def inspect_quantizer(kernel, fp8_dtype) -> dict:
         # the transpose: 4- to 16-byte stores into shared memory, 16-byte reads back, no byte-wise traffic
         "st_shared_wide": len(re.findall(r"st\.shared\.(b32|v2\.b16|v4\.b16|v2\.b32|v4\.b32)", ptx)),
         "ld_shared_v4": len(re.findall(r"ld\.shared\.v4\.b32", ptx)),
-        "byte_shared": len(re.findall(r"(st|ld)\.shared(\.v[248])?\.[bu]8", ptx)),
+        # byte-wise or single 16-bit shared accesses (a transpose done in narrow pieces)
+        "byte_shared": len(re.findall(r"(st|ld)\.shared(\.v[248])?\.[bu]8|(st|ld)\.shared\.[bu]16\b", ptx)),
         "undefined": sorted(undefined_registers(ptx)),
         "ptx": ptx, "sass": sass,
     }  # fmt: skip
@@ -219,8 +220,9 @@ def inspect_quantizer(kernel, fp8_dtype) -> dict:
 def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbose: bool = True) -> bool:
     """Compile each Gluon quantizer variant (``compile_fn(*v)``) for sm_90 and check it: no spills,
     shared memory fits, the saturating FP8 conversion and the NaN-propagating max present, no
-    byte-wise shared-memory traffic, no undefined PTX registers, and where ``transposes_fn(v)`` the
-    transposed copy's 4- to 16-byte shared stores and 16-byte reads. Prints a line per variant."""
+    byte-wise or single 16-bit shared-memory traffic, no undefined PTX registers, and where
+    ``transposes_fn(v)`` the transposed copy's 16 wide (4- to 16-byte) shared stores per thread and
+    16-byte reads. Prints a line per variant."""
     from .hopper import SMEM_LIMIT
 
     ok_all = True
@@ -232,7 +234,8 @@ def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbo
             ok_all = False
             print(f"{name:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
             continue
-        transposed = not transposes_fn(v) or (info["st_shared_wide"] > 0 and info["ld_shared_v4"] > 0)
+        # the transpose: 16 wide stores per thread (4 to 16 bytes each) and 16-byte reads back
+        transposed = not transposes_fn(v) or (info["st_shared_wide"] >= 16 and info["ld_shared_v4"] > 0)
         ok = (info["spill"] == 0 and info["smem"] <= SMEM_LIMIT and info["cvt"] > 0 and info["max_nan"] > 0
               and transposed and info["byte_shared"] == 0 and not info["undefined"])  # fmt: skip
         ok_all &= ok

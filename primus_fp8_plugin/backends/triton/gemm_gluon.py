@@ -33,10 +33,11 @@ Design (DeepGEMM-like, warp specialised, persistent):
   [NB, pad4(KB)] scale rows are 16-byte aligned as TMA needs; other layouts are copied; out-of-range
   entries are zero-filled. The epilogue stores four [64, 64] pieces through two buffers per
   warpgroup, so a piece's store overlaps the next piece's conversion. Both B scale layouts, with
-  bf16/fp16 output or ``accumulate_into`` (a plain fp32 output spills registers: the wrapper raises
-  ``NotImplementedError``, see ``supports``). Earlier 128x256 consumers (two n128 chains, each
-  waited for before its promotion; scales from global memory or smem) are in commit 94245c7: the
-  quarter chains gave bit-identical outputs 2-9% faster;
+  bf16/fp16 output or ``accumulate_into`` (a plain fp32 output, and a bias added into
+  ``accumulate_into`` with 1x128 B scales, spill registers: the wrapper raises
+  ``NotImplementedError``, see ``supports``; ``select_config`` gives them 128x128 tiles). Earlier
+  128x256 consumers (two n128 chains, each waited for before its promotion; scales from global
+  memory or smem) are in commit 94245c7: the quarter chains gave bit-identical outputs 2-9% faster;
 * 128x128 tiles (``_consumer``): the scales are prefetched into registers one K block ahead (plain
   global loads, L2 hot);
 * epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
@@ -119,12 +120,10 @@ WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
 
 def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool = False) -> GluonGemmConfig:
     """128x256 tiles (``WIDE_CONFIG``) where the kernel supports the output (bf16/fp16, or
-    accumulate_into), else 128x128 (a plain fp32 output). Also 128x128 for a bias added to an
-    accumulate_into with 1x128 B scales: the 128x256 kernel's epilogue spills 16 bytes there since
-    its scale loads moved a chain ahead (no layer GEMM takes that combination: wgrad has no bias)."""
-    if has_bias and accumulate and b_block_dim == 1:
-        return default_config()
-    if supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate) is None:
+    accumulate_into), else 128x128 (a plain fp32 output; a bias added to an accumulate_into with 1x128
+    B scales, where the 128x256 kernel's epilogue spills 16 bytes since its scale loads moved a chain
+    ahead: no layer GEMM takes that combination, wgrad has no bias)."""
+    if supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate, has_bias) is None:
         return WIDE_CONFIG
     return default_config()
 
@@ -626,12 +625,18 @@ def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, 
         raise GluonUnsupported("accumulate_into must be 16-byte aligned, with 16-byte aligned rows")
 
 
-def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False) -> None:
+def _check_config(
+    cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False,
+    has_bias: bool = False,
+) -> None:  # fmt: skip
     if cfg.block_n not in (64, 128, 256):
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
     if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
         raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
                                   "(ptxas, either B scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
+    if cfg.block_n == 256 and b_block_dim == 1 and accumulate and has_bias:
+        raise NotImplementedError("block_n=256 with 1x128 B scales, accumulate_into and a bias spills registers "
+                                  "(16 bytes, in the epilogue); use block_n=128")  # fmt: skip
     if b_block_dim == 2 and cfg.block_n < 128 and 128 % cfg.block_n != 0:
         raise ValueError("128x128-scaled B needs block_n dividing 128 (one B scale per tile and K block)")
     if cfg.consumer_regs * 256 + cfg.producer_regs * 128 > 65536 or cfg.consumer_regs % 8 or cfg.producer_regs % 8:
@@ -640,11 +645,12 @@ def _check_config(cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype
 
 
 def supports(
-    cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False
-) -> str | None:
+    cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False,
+    has_bias: bool = False,
+) -> str | None:  # fmt: skip
     """None when the wrapper runs ``cfg`` for this B scale layout (and output), else the reason it raises."""
     try:
-        _check_config(cfg, b_block_dim, out_dtype, accumulate)
+        _check_config(cfg, b_block_dim, out_dtype, accumulate, has_bias)
     except (NotImplementedError, ValueError) as e:
         return str(e)
     return None
@@ -657,7 +663,7 @@ def _launch_plan(
     """(config, pipeline stages) of a call: ``config`` or ``select_config``'s pick, checked. Cached, as
     the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
     cfg = config or select_config(b_block_dim, out_dtype, accumulate, has_bias)
-    _check_config(cfg, b_block_dim, out_dtype, accumulate)
+    _check_config(cfg, b_block_dim, out_dtype, accumulate, has_bias)
     return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, b_block_dim)
 
 
@@ -767,7 +773,8 @@ def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotV
                     out.append(AotVariant(f"{cfg_name}:b{bdim}d:{_GL_NAME[od]}:bias={int(bias)}", bdim, od, bias,
                                           False, config=cfg))  # fmt: skip
             out.append(AotVariant(f"{cfg_name}:b{bdim}d:accumulate", bdim, torch.float32, False, True, config=cfg))
-            out.append(AotVariant(f"{cfg_name}:b{bdim}d:accumulate+bias", bdim, torch.float32, True, True, config=cfg))
+            if supports(cfg, bdim, torch.float32, True, True) is None:
+                out.append(AotVariant(f"{cfg_name}:b{bdim}d:accumulate+bias", bdim, torch.float32, True, True, config=cfg))
         if supports(cfg, 1) is None:
             out.append(AotVariant(f"{cfg_name}:b1d:e5m2xe4m3:bf16", 1, torch.bfloat16, False, False,
                                   a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip

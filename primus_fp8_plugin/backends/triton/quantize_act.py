@@ -37,6 +37,7 @@ NUM_WARPS = 4
 RAGGED_SUB_M = 16
 RAGGED_NUM_WARPS = 4
 MAX_DIM = 2**31 // BLOCK  # in-tile offsets (row * K, col * M within a 128-tile) are int32
+MAX_GRID_Y = 65535 * BLOCK  # K blocks run on grid axis 1, which CUDA caps at 65535 programs
 NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
 
 
@@ -180,6 +181,9 @@ def quantize_1x128_dual(
     if max(m, k) >= MAX_DIM:
         raise ValueError(f"x is [{m}, {k}]: this kernel's in-tile offsets are 32-bit, so M and K must stay below "
                          f"{MAX_DIM}; quantize it in row blocks")  # fmt: skip
+    if k > MAX_GRID_Y:
+        raise ValueError(f"x is [{m}, {k}]: K's {ceil_div(k, BLOCK)} blocks exceed the 65535 programs of a CUDA "
+                         f"grid's second axis (K <= {MAX_GRID_Y}); quantize it in column blocks")  # fmt: skip
     f8 = params.fp8_dtype
     row_q, row_s, col_q, col_s, parts = dual_outputs(x, params, rowwise, columnwise)
     if m > 0:

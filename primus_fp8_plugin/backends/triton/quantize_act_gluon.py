@@ -18,7 +18,8 @@ along M):
 
 The earlier version reduced the columns in the ``L`` registers (across warps through shared memory)
 and sent the scales back and the FP8 tile through a second buffer: 8 block barriers, 75-77% of copy
-bandwidth on the H200, against 88-89% now (docs/PERFORMANCE.md).
+bandwidth on the H200, against 87-89% now in ``scripts/check_quant_hopper.py`` and 90% in
+``scripts/bench_quant.py`` (docs/PERFORMANCE.md).
 
 Masked loads and stores handle partial tiles; the wrapper takes M % 16 == 0 and K % 16 == 0 (16-byte
 rows of both FP8 copies) and raises ``GluonActUnsupported`` otherwise, so that the caller uses the
@@ -34,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
 from .launch import FastLauncher
-from .quantize_act import dual_outputs
+from .quantize_act import MAX_GRID_Y, dual_outputs
 from .quantize_gluon_tiles import SIG_TYPE, load_tile, raw_transpose_layouts, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import amax_nan, scale_and_inverse
@@ -91,7 +92,10 @@ def unsupported_reason(x: torch.Tensor, params: QuantParams) -> str | None:
     """Why this kernel does not take ``x`` (the Triton kernel then does), or None."""
     if params.block_dim != 1:
         return "1x128 tiles (block_dim=1) only"
-    return tile_rules(x, "activation")
+    why = tile_rules(x, "activation")
+    if why is None and x.shape[1] > MAX_GRID_Y:
+        why = f"K = {x.shape[1]} > {MAX_GRID_Y}: K blocks run on grid axis 1 (at most 65535 programs)"
+    return why
 
 
 _launch = FastLauncher(_quantize_1x128_dual_gluon_kernel)

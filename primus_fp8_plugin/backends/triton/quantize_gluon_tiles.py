@@ -7,7 +7,7 @@ Both kernels are bound by how often their 8 warps wait for each other, more than
 each block-wide barrier (a reduction across warps, a transpose through shared memory, a layout
 conversion that the compiler routes through shared memory) stalls the whole program while it holds
 a tile's loads. The act kernel therefore has one barrier and the weight kernel two
-(docs/PERFORMANCE.md: 8 -> 1 barriers took the act kernel from 75% to 88% of copy bandwidth)."""
+(docs/PERFORMANCE.md: 8 -> 1 barriers took the act kernel from 75-77% to 87-90% of copy bandwidth)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ SIG_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"
 
 @functools.cache  # built once: the wrappers' host time counts
 def transpose_tile_layouts():
-    """Layouts of both quantizers for a 128x128 tile [r, c] and 8 warps: ``L`` (registers of the
-    loaded tile), ``LN`` (the same threads and values, r-first register order, for FP8 pairs along
-    r), ``LT`` (the transposed [c, r] FP8 tile, 16 bytes of a row per thread) and ``T_SMEM`` (the
-    swizzled [c, r] buffer between LN and LT)."""
+    """Layouts for a 128x128 tile [r, c] and 8 warps: ``L`` (registers of the loaded tile) and ``LN``
+    (the same threads and values, r-first register order: FP8 pairs along r, or 4 consecutive rows
+    of a column), used by both quantizers; ``LT`` (the transposed [c, r] FP8 tile, 16 bytes of a row
+    per thread) and ``T_SMEM`` (the swizzled [c, r] FP8 buffer between LN and LT), used by the
+    weight quantizer's ``store_transposed`` (the act quantizer transposes the raw tile instead:
+    ``raw_transpose_layouts``)."""
     # [r, c]: 4 rows x (2 x 8) columns per thread; 8 lanes along c (128 contiguous bytes of bf16 per
     # warp and row), 4 along r; warps along r, so the block amax crosses warps once
     reg_c_first = [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0], [0, 64]]

@@ -17,6 +17,7 @@ import triton.language as tl
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher
+from .quantize_act import MAX_GRID_Y  # K blocks run on grid axis 1, as in the act kernel
 from .scales import max_nan, scale_and_inverse
 
 SUB_M = 128  # the whole block per pass, with NUM_WARPS: fastest of a sweep on the H200 (docs/PERFORMANCE.md)
@@ -94,6 +95,9 @@ def quantize_128x128(
     if max(n, k) >= MAX_DIM:
         raise ValueError(f"weight is [{n}, {k}]: this kernel's in-block offsets are 32-bit, so N and K must stay "
                          f"below {MAX_DIM}")  # fmt: skip
+    if k > MAX_GRID_Y:
+        raise ValueError(f"weight is [{n}, {k}]: K's {ceil_div(k, BLOCK)} blocks exceed the 65535 programs of a "
+                         f"CUDA grid's second axis (K <= {MAX_GRID_Y})")  # fmt: skip
     dev, f8 = w.device, params.fp8_dtype
     q = torch.empty(n, k, dtype=f8, device=dev)
     qt = torch.empty(k, n, dtype=f8, device=dev)

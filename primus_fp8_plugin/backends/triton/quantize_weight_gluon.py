@@ -36,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher
+from .quantize_act import MAX_GRID_Y
 from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_transposed, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import max_nan, scale_and_inverse
@@ -103,7 +104,10 @@ def _quantize_128x128_gluon_kernel(
 
 def unsupported_reason(w: torch.Tensor, params: QuantParams) -> str | None:
     """Why this kernel does not take ``w`` (the Triton kernel then does), or None."""
-    return tile_rules(w, "weight")
+    why = tile_rules(w, "weight")
+    if why is None and max(w.shape) > MAX_GRID_Y:
+        why = f"the weight is {list(w.shape)}: the larger dim's blocks run on grid axis 1 (at most 65535 programs)"
+    return why
 
 
 _launch = FastLauncher(_quantize_128x128_gluon_kernel)
