@@ -3,8 +3,8 @@
 
     python scripts/bench_quant.py [--json out.json] [--plot out.png] [--graph]
 
-"ours" is what the triton backend runs (weights: the Gluon kernel on Hopper, else the Triton kernel,
-which is also timed on its own as "ours (Triton kernel)").
+"ours" is what the triton backend runs (the Gluon kernels on Hopper, else the Triton kernels, which
+are also timed on their own as "ours (Triton kernel)").
 
 For each M x K: the dual 1x128 activation quantization (bf16 X -> rowwise + columnwise FP8 with
 scales) and the 128x128 weight quantization (W -> W and W^T). Bandwidth counts bytes read plus
@@ -148,7 +148,7 @@ def plot(rows: list[dict], path: str) -> None:
             ]
             ax.bar([i + 0.2 * j for i in range(len(shapes))], vals, width=0.2, label=impl)
         ax.axhline(85, color="gray", ls="--", lw=1, label="85% of copy (goal)")
-        ax.set_xticks([i + 0.25 for i in range(len(shapes))], shapes)
+        ax.set_xticks([i + 0.1 * (len(impls) - 1) for i in range(len(shapes))], shapes)  # under each group
         ax.set_title(op)
         ax.set_ylabel("% of device-copy bandwidth")
         ax.legend()

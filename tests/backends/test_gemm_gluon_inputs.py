@@ -146,3 +146,24 @@ def test_config_selection_and_shared_memory():
     assert G._c_block_n(256) == 64 and G._c_block_n(128) == 128
     # a bf16 output: 4 stages of 128x256 (48 KiB + 640 B of scales each) next to 32 KiB of output buffers
     assert G.stages_that_fit(256, torch.bfloat16, 0, 2) == 4
+
+
+@pytest.mark.parametrize("bias, acc, out_dtype", [(True, True, torch.float32), (False, False, torch.float32)])
+def test_an_explicit_128x256_config_that_spills_is_refused(monkeypatch, bias, acc, out_dtype):
+    """An explicit ``config=WIDE_CONFIG`` where the 128x256 kernel spills (a plain fp32 output; a bias
+    into accumulate_into with 1x128 B scales) raises NotImplementedError before launching; with no
+    config the same call takes the 128x128 kernel."""
+    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+
+    launched = []
+    monkeypatch.setattr(G, "runs_on", lambda device: True)
+    monkeypatch.setattr(G, "num_sms", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(G, "_launch", lambda grid, *args, **options: launched.append(args))
+    a, a_s, b, b_s = operands(130, 136, 256, b_block_dim=1)
+    kw = {"bias": torch.zeros(136) if bias else None, "accumulate_into": torch.zeros(130, 136) if acc else None}
+    with pytest.raises(NotImplementedError, match="spills"):
+        call(a, a_s, b, b_s, b_block_dim=1, out_dtype=out_dtype, config=G.WIDE_CONFIG, **kw)
+    assert not launched
+    call(a, a_s, b, b_s, b_block_dim=1, out_dtype=out_dtype, **kw)
+    assert len(launched) == 1

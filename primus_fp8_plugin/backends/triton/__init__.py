@@ -51,38 +51,34 @@ def device_availability(device: torch.device) -> Availability:
     return Availability(True)
 
 
-def hopper_or_portable_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs) -> torch.Tensor:
-    """``blockwise_gemm``'s contract: the Gluon kernel on Hopper where it applies (it raises
-    GluonUnsupported, before launching anything, for valid inputs it does not take: TMA alignment,
-    K % 16, N % 8), else the portable one. Wrong inputs raise from the Gluon wrapper's checks."""
-    if runs_on_hopper(a.device):
+def _hopper_or_portable(device, hopper_fn, unsupported: type[Exception], portable_fn, *args, **kwargs):
+    """``hopper_fn(*args, **kwargs)`` on Hopper unless it raises ``unsupported`` (each Gluon wrapper
+    raises it before launching anything, for valid inputs it does not take), else ``portable_fn``
+    with the same arguments and contract. Wrong inputs raise from the wrappers' own checks."""
+    if runs_on_hopper(device):
         try:
-            return blockwise_gemm_gluon(a, a_scale_inv, b, b_scale_inv, **kwargs)
-        except GluonUnsupported:
+            return hopper_fn(*args, **kwargs)
+        except unsupported:
             pass
-    return blockwise_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs)
+    return portable_fn(*args, **kwargs)
+
+
+def hopper_or_portable_gemm(a, a_scale_inv, b, b_scale_inv, **kwargs) -> torch.Tensor:
+    """``blockwise_gemm``: the Gluon kernel where it applies (TMA alignment, K % 16, N % 8), else the
+    portable one."""
+    return _hopper_or_portable(a.device, blockwise_gemm_gluon, GluonUnsupported, blockwise_gemm,
+                               a, a_scale_inv, b, b_scale_inv, **kwargs)  # fmt: skip
 
 
 def hopper_or_portable_act_quant(x, params, *, rowwise, columnwise):
-    """``quantize_1x128_dual``'s contract: the Gluon kernel on Hopper where it applies (it raises
-    GluonActUnsupported before launching anything otherwise), else the Triton kernel."""
-    if runs_on_hopper(x.device):
-        try:
-            return quantize_1x128_dual_gluon(x, params, rowwise=rowwise, columnwise=columnwise)
-        except GluonActUnsupported:
-            pass
-    return quantize_1x128_dual(x, params, rowwise=rowwise, columnwise=columnwise)
+    """``quantize_1x128_dual``: the Gluon kernel where it applies (dims % 16), else the Triton one."""
+    return _hopper_or_portable(x.device, quantize_1x128_dual_gluon, GluonActUnsupported, quantize_1x128_dual,
+                               x, params, rowwise=rowwise, columnwise=columnwise)  # fmt: skip
 
 
 def hopper_or_portable_weight_quant(w, params):
-    """``quantize_128x128``'s contract: the Gluon kernel on Hopper where it applies (it raises
-    GluonWeightUnsupported before launching anything otherwise), else the Triton kernel."""
-    if runs_on_hopper(w.device):
-        try:
-            return quantize_128x128_gluon(w, params)
-        except GluonWeightUnsupported:
-            pass
-    return quantize_128x128(w, params)
+    """``quantize_128x128``: the Gluon kernel where it applies (dims % 16), else the Triton one."""
+    return _hopper_or_portable(w.device, quantize_128x128_gluon, GluonWeightUnsupported, quantize_128x128, w, params)
 
 
 class TritonBackend(Backend):

@@ -36,7 +36,7 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
 from .launch import FastLauncher
 from .quantize_act import MAX_GRID_Y, dual_outputs
-from .quantize_gluon_tiles import SIG_TYPE, load_tile, raw_transpose_layouts, transpose_tile_layouts
+from .quantize_gluon_tiles import SIG_TYPE, load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import amax_nan, scale_and_inverse
 
@@ -59,7 +59,7 @@ def _quantize_1x128_dual_gluon_kernel(
     m0 = pid_m * B
     k0 = pid_k * B
 
-    xr, mask, rm, rk = load_tile(x_ptr, m0, k0, M, K, K, L)
+    xr = load_tile(x_ptr, m0, k0, M, K, K, L)
 
     if COLWISE:
         t_raw = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [B, B], T_RAW)
@@ -68,23 +68,16 @@ def _quantize_1x128_dual_gluon_kernel(
     if ROWWISE:
         x = xr.to(gl.float32)
         scale, s_inv = scale_and_inverse(amax_nan(x, 1), fp8_max, amax_eps, in_max, POW2)
-        q = (gl.expand_dims(scale, 1) * x).to(row_q_ptr.dtype.element_ty)
-        rq_tile = row_q_ptr + m0.to(gl.int64) * K + k0
-        gl.store(rq_tile + gl.expand_dims(rm * K, 1) + gl.expand_dims(rk, 0), q, mask=mask)
-        rows = m0 + rm
+        store_tile((gl.expand_dims(scale, 1) * x).to(row_q_ptr.dtype.element_ty), row_q_ptr, m0, k0, M, K, L)
+        rows = m0 + gl.arange(0, B, layout=gl.SliceLayout(1, L))
         gl.store(row_s_ptr + pid_k * M_PAD + rows, gl.where(rows < M, s_inv, 1.0), mask=rows < M_PAD)
 
     if COLWISE:
         gl.thread_barrier()  # the only one: the transposed tile is complete
         xt = t_raw.load(LT_RAW).to(gl.float32)  # [B (k), B (m)]: each column of X inside one warp
         cscale, cs_inv = scale_and_inverse(amax_nan(xt, 1), fp8_max, amax_eps, in_max, POW2)
-        qt = (gl.expand_dims(cscale, 1) * xt).to(col_q_ptr.dtype.element_ty)
-        tk = gl.arange(0, B, layout=gl.SliceLayout(1, LT_RAW))
-        tm = gl.arange(0, B, layout=gl.SliceLayout(0, LT_RAW))
-        t_mask = gl.expand_dims(k0 + tk < K, 1) & gl.expand_dims(m0 + tm < M, 0)
-        t_tile = col_q_ptr + k0.to(gl.int64) * M + m0
-        gl.store(t_tile + gl.expand_dims(tk * M, 1) + gl.expand_dims(tm, 0), qt, mask=t_mask)
-        cols = k0 + tk
+        store_tile((gl.expand_dims(cscale, 1) * xt).to(col_q_ptr.dtype.element_ty), col_q_ptr, k0, m0, K, M, LT_RAW)
+        cols = k0 + gl.arange(0, B, layout=gl.SliceLayout(1, LT_RAW))
         gl.store(col_s_ptr + pid_m * K_PAD + cols, gl.where(cols < K, cs_inv, 1.0), mask=cols < K_PAD)
 
 

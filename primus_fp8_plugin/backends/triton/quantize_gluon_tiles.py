@@ -1,7 +1,7 @@
 """The 128x128-tile machinery the two Hopper Gluon quantizers (``quantize_act_gluon.py``,
-``quantize_weight_gluon.py``) share: their register and shared-memory layouts, the tile load, the
-transposes through shared memory, the input rules, and the names their ahead-of-time checks give
-dtypes.
+``quantize_weight_gluon.py``) share: their register and shared-memory layouts, the tile load and
+store, the weight kernel's FP8 transpose through shared memory, the input rules, and the names their
+ahead-of-time checks give dtypes.
 
 Both kernels are bound by how often their 8 warps wait for each other, more than by instructions:
 each block-wide barrier (a reduction across warps, a transpose through shared memory, a layout
@@ -64,15 +64,26 @@ def raw_transpose_layouts(element_size: int):
 @gluon.jit
 def load_tile(ptr, r0, c0, R, C, stride, L: gl.constexpr):
     """Tile ``[r0:r0+128, c0:c0+128]`` of a row-major ``[R, C]`` tensor with row stride ``stride``, in
-    its own dtype and layout ``L`` (zeros outside, which never raise an amax); also returns the
-    in-bounds mask and the row and column offsets, for the stores of the same tile."""
+    its own dtype and layout ``L`` (zeros outside, which never raise an amax)."""
     B: gl.constexpr = 128
     rr = gl.arange(0, B, layout=gl.SliceLayout(1, L))
     rc = gl.arange(0, B, layout=gl.SliceLayout(0, L))
     mask = gl.expand_dims(r0 + rr < R, 1) & gl.expand_dims(c0 + rc < C, 0)
     tile = ptr + r0.to(gl.int64) * stride + c0
-    x = gl.load(tile + gl.expand_dims(rr * stride, 1) + gl.expand_dims(rc, 0), mask=mask, other=0.0)
-    return x, mask, rr, rc
+    return gl.load(tile + gl.expand_dims(rr * stride, 1) + gl.expand_dims(rc, 0), mask=mask, other=0.0)
+
+
+@gluon.jit
+def store_tile(vals, ptr, r0, c0, R, C, L: gl.constexpr):
+    """Store ``vals`` ([128, 128], layout ``L``) as the tile ``[r0:r0+128, c0:c0+128]`` of the
+    contiguous row-major ``[R, C]`` tensor at ``ptr``, masked at the edges. Every FP8 copy of both
+    quantizers goes out through it (rowwise from ``L``, transposed from ``LT`` / ``LT_RAW``)."""
+    B: gl.constexpr = 128
+    rr = gl.arange(0, B, layout=gl.SliceLayout(1, L))
+    rc = gl.arange(0, B, layout=gl.SliceLayout(0, L))
+    mask = gl.expand_dims(r0 + rr < R, 1) & gl.expand_dims(c0 + rc < C, 0)
+    tile = ptr + r0.to(gl.int64) * C + c0
+    gl.store(tile + gl.expand_dims(rr * C, 1) + gl.expand_dims(rc, 0), vals, mask=mask)
 
 
 @gluon.jit
@@ -82,15 +93,9 @@ def store_transposed(q, t_s, out_ptr, r0, c0, R, C, LT: gl.constexpr):
     words into the swizzled shared buffer ``t_s`` ([128, 128], ``T_SMEM``; allocated by the caller
     before anything else, so that no other buffer shares its bytes and needs a barrier of its own),
     then 16 bytes of a row per thread (``LT``)."""
-    B: gl.constexpr = 128
     t_s.permute((1, 0)).store(q)
     gl.thread_barrier()
-    qt = t_s.load(LT)  # [B (c), B (r)]
-    tc = gl.arange(0, B, layout=gl.SliceLayout(1, LT))
-    tr = gl.arange(0, B, layout=gl.SliceLayout(0, LT))
-    t_mask = gl.expand_dims(c0 + tc < C, 1) & gl.expand_dims(r0 + tr < R, 0)
-    t_tile = out_ptr + c0.to(gl.int64) * R + r0
-    gl.store(t_tile + gl.expand_dims(tc * R, 1) + gl.expand_dims(tr, 0), qt, mask=t_mask)
+    store_tile(t_s.load(LT), out_ptr, c0, r0, C, R, LT)  # [128 (c), 128 (r)] of [C, R]
 
 
 def unsupported_reason(t: torch.Tensor, what: str) -> str | None:

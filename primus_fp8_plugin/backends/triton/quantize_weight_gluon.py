@@ -37,7 +37,7 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher
 from .quantize_act import MAX_GRID_Y
-from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_transposed, transpose_tile_layouts
+from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_tile, store_transposed, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import max_nan, scale_and_inverse
 
@@ -73,8 +73,7 @@ def _quantize_128x128_gluon_kernel(
     t_s = gl.allocate_shared_memory(qt_ptr.dtype.element_ty, [B, B], T_SMEM)
 
     # ---- the block, once, in registers: [B (n), B (k)]
-    xr, mask, rn, rk = load_tile(w_ptr, n0, k0, N, K, stride_wn, L)
-    x = xr.to(gl.float32)
+    x = load_tile(w_ptr, n0, k0, N, K, stride_wn, L).to(gl.float32)
     # warps hold whole rows of [NW, B * B // NW]: one partial amax per warp
     part = gl.reduce(gl.reshape(gl.abs(x), [NW, B * B // NW]), 1, max_nan)
     p_s = gl.allocate_shared_memory(gl.float32, [NW], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -82,11 +81,9 @@ def _quantize_128x128_gluon_kernel(
     gl.thread_barrier()
     amax = gl.reduce(p_s.load(gl.BlockedLayout([NW], [32], [NW], [0])), 0, max_nan)  # all partials in every thread
     scale, s_inv = scale_and_inverse(amax, fp8_max, amax_eps, in_max, POW2)
-    q = (scale * x).to(q_ptr.dtype.element_ty)
 
     # ---- W
-    q_blk = q_ptr + n0.to(gl.int64) * K + k0
-    gl.store(q_blk + gl.expand_dims(rn * K, 1) + gl.expand_dims(rk, 0), q, mask=mask)
+    store_tile((scale * x).to(q_ptr.dtype.element_ty), q_ptr, n0, k0, N, K, L)
 
     # ---- W^T. The FP8 conversion packs register neighbours in pairs; W^T's 32-bit words need pairs
     # along N, so the transposed copy is converted from LN (same threads, N-first registers; no data moves).
