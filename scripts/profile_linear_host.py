@@ -44,6 +44,61 @@ def host_us(fn, calls: int = 20, batches: int = 10) -> float:
     return per[len(per) // 2]
 
 
+def step_breakdown(layer, backend, x, dy, steps: int) -> dict[str, float]:
+    """Host time of each part of eager steps: the layer's forward and backward calls, and inside them
+    the backend's calls (timed by wrapping the backend's methods; a wrapper costs ~1 us). The steps
+    run back to back, synchronised every 10 steps so that the launch queue never fills. The
+    backward's own Python runs on autograd's device thread; it is timed from the calling thread as
+    ``backward()``'s duration."""
+    names = ("quantize_act", "quantize_weight", "gemm_fwd", "gemm_dgrad", "gemm_wgrad")
+    originals = {n: getattr(backend, n) for n in names}
+    phase = ["forward"]
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                key = f"{phase[0]}: {name}"
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+
+        return call
+
+    for n in names:
+        setattr(backend, n, timed(n, originals[n]))
+    rows: dict[str, list[float]] = {}
+    try:
+        for i in range(steps + 5):
+            spent.clear()
+            layer.weight.grad = None
+            layer.is_first_microbatch = True
+            phase[0] = "forward"
+            t0 = time.perf_counter()
+            y = layer(x)
+            t1 = time.perf_counter()
+            phase[0] = "backward"
+            y.backward(dy)
+            t2 = time.perf_counter()
+            if i % 10 == 0:
+                torch.cuda.synchronize()
+            if i < 5:
+                continue
+            sample = {"step": t2 - t0, "forward": t1 - t0}
+            sample.update({k: v for k, v in spent.items() if k.startswith("forward")})
+            sample["forward: the rest"] = (t1 - t0) - sum(v for k, v in spent.items() if k.startswith("forward"))
+            sample["backward"] = t2 - t1
+            sample.update({k: v for k, v in spent.items() if k.startswith("backward")})
+            sample["backward: the rest"] = (t2 - t1) - sum(v for k, v in spent.items() if k.startswith("backward"))
+            for k, v in sample.items():
+                rows.setdefault(k, []).append(v)
+    finally:
+        for n in names:
+            setattr(backend, n, originals[n])
+    return {k: sorted(v)[len(v) // 2] * 1e6 for k, v in rows.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="4096x4096x4096", help="MxNxK")
@@ -91,6 +146,10 @@ def main() -> int:
     print(f"host time per call, {m}x{n}x{k}, backend {args.backend}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for name, fn in pieces.items():
         print(f"  {name:34} {host_us(fn):8.1f} us", flush=True)
+
+    print(f"\ninside a step (fwd+bwd, weight refreshed), host us per step, median of {args.steps} steps:")
+    for name, us in step_breakdown(layer, backend, x, dy, args.steps).items():
+        print(f"  {name:34} {us:8.1f} us")
 
     run = step(layer, True)
     run()

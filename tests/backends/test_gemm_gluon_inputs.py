@@ -6,6 +6,8 @@ falls back), all before anything is allocated or launched. The kernel itself is 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
     monkeypatch.setattr(G, "runs_on", lambda device: True)
     monkeypatch.setattr(G, "num_sms", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(G, "_launch", lambda grid, *args, **options: launched.append(args))
+    monkeypatch.setattr(G, "_launch", SimpleNamespace(hinted=lambda hint, grid, *args, **options: launched.append(args)))
     a, a_s, b, b_s = operands(m, n, k, bdim)
     if scales == "unpadded":
         a_s = a_s[:, :m].contiguous()
@@ -159,7 +161,7 @@ def test_an_explicit_128x256_config_that_spills_is_refused(monkeypatch, bias, ac
     monkeypatch.setattr(G, "runs_on", lambda device: True)
     monkeypatch.setattr(G, "num_sms", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(G, "_launch", lambda grid, *args, **options: launched.append(args))
+    monkeypatch.setattr(G, "_launch", SimpleNamespace(hinted=lambda hint, grid, *args, **options: launched.append(args)))
     a, a_s, b, b_s = operands(130, 136, 256, b_block_dim=1)
     kw = {"bias": torch.zeros(136) if bias else None, "accumulate_into": torch.zeros(130, 136) if acc else None}
     with pytest.raises(NotImplementedError, match="spills"):

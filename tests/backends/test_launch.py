@@ -52,3 +52,20 @@ def test_a_wrong_argument_count_is_refused_before_launching(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert "TypeError: kernel takes 3 arguments (x_ptr, n, BLOCK), got 2" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_int_class_separates_what_triton_specialises():
+    """Launch hints name ints by ``int_class``: two ints with the same class must get the same
+    specialisation from Triton (equal to 1, divisible by 16, 32 or 64 bits), checked against Triton's
+    own rule on a spread of values."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from primus_fp8_plugin.backends.triton.launch import int_class
+
+    values = [1, 2, 4, 15, 16, 17, 32, 48, 100, 4096, 29568, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**31 + 16, 2**40, -16, -1]
+    by_class: dict[int, set] = {}
+    for v in values:
+        by_class.setdefault(int_class(v), set()).add(native_specialize_impl(BaseBackend, v, False, True, True))
+    assert all(len(specs) == 1 for specs in by_class.values()), by_class
+    assert len({next(iter(s)) for s in by_class.values()}) == len(by_class)  # and distinct classes differ

@@ -6,6 +6,8 @@ scripts/check_quant_hopper.py) and compiled in CI (test_triton_aot.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -79,7 +81,9 @@ def test_weight_tile_order_and_grid(monkeypatch, n, k):
 
     launched = []
     monkeypatch.setattr(tiles, "runs_on", lambda device: True)
-    monkeypatch.setattr(weight_mod, "_launch", lambda grid, *args, **options: launched.append((grid, args)))
+    monkeypatch.setattr(
+        weight_mod, "_launch", SimpleNamespace(hinted=lambda hint, grid, *args, **options: launched.append((grid, args)))
+    )
     weight_mod.quantize_128x128_gluon(torch.empty(n, k, dtype=torch.bfloat16), P)
     ((grid, args),) = launched
     nb, kb = -(-n // 128), -(-k // 128)

@@ -5,6 +5,17 @@ import os
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="session")
+def verify_launch_hints():
+    """Every hinted launch of the GPU suite recomputes Triton's full specialisation key and raises if a
+    wrapper's hint stood for two specialisations (backends/triton/launch.py)."""
+    from primus_fp8_plugin.backends.triton.launch import FastLauncher
+
+    FastLauncher.verify_hints = True
+    yield
+    FastLauncher.verify_hints = False
+
+
 @pytest.fixture(scope="module")
 def nccl_world():
     """A one-process NCCL world with Megatron's model-parallel state (TP=1) and its CUDA RNG tracker."""

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole, backend_availability, get_backend
 from primus_fp8_plugin.backends.triton import launch as launch_mod
 from primus_fp8_plugin.backends.triton import quantize_act
 
 pytestmark = pytest.mark.gpu
+
+
+@triton.jit
+def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
 @pytest.fixture
@@ -120,3 +128,46 @@ def test_gluon_gemm_fast_launch_matches_plain_launch(b_block_dim, out_dtype, acc
     finally:
         launch_mod.FastLauncher.enabled = True
     assert torch.equal(fast1, plain) and torch.equal(fast2, plain)
+
+
+def test_hinted_launches_reuse_one_binary_per_hint_and_match_plain_launches():
+    """The Gluon act quantizer goes through ``FastLauncher.hinted``: a repeated call finds its binary by
+    hint (no new specialisation), and the bits equal the ordinary ``kernel[grid]`` launch."""
+    from primus_fp8_plugin.backends.triton import quantize_act_gluon
+    from primus_fp8_plugin.backends.triton.hopper import runs_on
+
+    if not runs_on(torch.device("cuda")):
+        pytest.skip("the Gluon quantizer runs on sm_90 only")
+    p = BlockwiseRecipe().params(TensorRole.INPUT)
+    x = torch.randn(272, 400, device="cuda", dtype=torch.bfloat16) * 5
+    launcher = quantize_act_gluon._launch
+    first = quantize_act_gluon.quantize_1x128_dual_gluon(x, p, rowwise=True, columnwise=True)
+    hints, misses = len(launcher._hinted), launcher.misses
+    again = quantize_act_gluon.quantize_1x128_dual_gluon(x * 1.0, p, rowwise=True, columnwise=True)
+    assert (len(launcher._hinted), launcher.misses) == (hints, misses)
+    launch_mod.FastLauncher.enabled = False
+    try:
+        plain = quantize_act_gluon.quantize_1x128_dual_gluon(x, p, rowwise=True, columnwise=True)
+    finally:
+        launch_mod.FastLauncher.enabled = True
+    _same_bits(first, plain)
+    _same_bits(again, plain)
+
+
+def test_a_hint_that_misses_a_varying_property_is_caught_when_verifying(triton_backend):
+    """A hint that stands for two specialisations (here: it ignores whether N is divisible by 16) is a
+    wrapper bug; with hint verification on (as in this GPU suite) the second call raises before
+    launching the wrong binary."""
+    launcher = launch_mod.FastLauncher(_copy)
+    x = torch.randn(512, device="cuda")
+    y = torch.zeros_like(x)
+    launcher.hinted(("copy",), (4,), x, y, 512, 128)  # first call of the hint: the full path
+    launcher.hinted(("copy",), (4,), x, y, 512, 128)  # found by hint
+    assert torch.equal(x, y)
+    verify = launch_mod.FastLauncher.verify_hints
+    launch_mod.FastLauncher.verify_hints = True
+    try:
+        with pytest.raises(RuntimeError, match="stands for two specialisations"):
+            launcher.hinted(("copy",), (4,), x, y, 500, 128)  # 500: not divisible by 16, another binary
+    finally:
+        launch_mod.FastLauncher.verify_hints = verify

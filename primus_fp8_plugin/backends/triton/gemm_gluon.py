@@ -73,7 +73,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...tensor import ceil_div
 from .gemm import check_operands
 from .hopper import SMEM_LIMIT, TORCH_TO_GL, num_sms, runs_on
-from .launch import FastLauncher
+from .launch import FastLauncher, int_class
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
 
@@ -716,8 +716,16 @@ def blockwise_gemm_gluon(
             bs_desc = _scale_desc(b_scale_inv, n, [1, bn])
     num_tiles = ceil_div(m, bm) * ceil_div(n, bn)
     grid = (min(num_tiles, num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())),)
-    _launch(
-        grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
+    # what can vary between calls with this config: dtypes (the descriptors' layouts follow from them and
+    # the config), the ints' and the plain pointers' specialisation (the operands are 16-byte aligned)
+    hint = (
+        a.dtype, b.dtype, c.dtype, None if bias is None else bias.dtype, b_block_dim, accumulate_into is not None,
+        cfg, stages, int_class(m), int_class(n), int_class(k), int_class(a_scale_inv.stride(0)),
+        int_class(b_scale_inv.stride(0)), int_class(c.stride(0)), a_scale_inv.data_ptr() % 16 == 0,
+        b_scale_inv.data_ptr() % 16 == 0, bias is None or bias.data_ptr() % 16 == 0, c.data_ptr() % 16 == 0,
+    )  # fmt: skip
+    _launch.hinted(
+        hint, grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
         stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs,

@@ -13,6 +13,13 @@ picked the same one. A miss (first call of a new specialisation) goes through ``
 which compiles and launches, and the binary it returns is kept. Where Triton's launch hooks are set
 (profilers such as proton use them) every call takes the ordinary path.
 
+Computing that key is itself most of the remaining cost where a kernel takes many arguments (the
+GEMM: 24, five of them tensor descriptors whose specialisation formats their layout into a string;
+~40 us per launch on the H200's host). ``FastLauncher.hinted`` lets a wrapper that knows which of
+its arguments can vary name them in a short ``hint`` tuple instead; the binary is found once per
+hint through the full key. ``PRIMUS_FP8_VERIFY_LAUNCH_HINTS=1`` recomputes the full key on every
+hinted call and raises if a hint ever stands for two specialisations (the GPU tests run so).
+
 Arguments are passed positionally in the kernel's signature order, constexprs included.
 ``PRIMUS_FP8_FAST_LAUNCH=0`` (or ``FastLauncher.enabled = False``) sends every call the ordinary way.
 """
@@ -37,12 +44,29 @@ def _launch_hooks_set() -> bool:
     return False
 
 
+def int_class(v: int) -> int:
+    """What Triton's specialisation of an int argument depends on, for launch hints: 1 for the value 1,
+    16 for a multiple of 16, 0 otherwise; plus 2 where the value needs 64 bits."""
+    cls = 1 if v == 1 else (16 if v % 16 == 0 else 0)
+    return cls if -(2**31) <= v < 2**31 else cls + 2
+
+
+def _run(kernel, device: int, grid: tuple[int, ...], args: Sequence) -> None:
+    """Launch a compiled kernel on the current stream (what ``JITFunction.run`` does after its lookup,
+    without launch metadata: no hooks are set)."""
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+
+
 class FastLauncher:
     """``launcher(grid, *args, **options)`` == ``fn[grid](*args, **options)``; ``options`` are launch
     options (``num_warps``, ``num_stages``, ``maxnreg``, ...). Works for Triton and Gluon kernels (Gluon's
     host-side ``TensorDescriptor`` arguments are specialised by Triton like any other argument)."""
 
     enabled = os.environ.get("PRIMUS_FP8_FAST_LAUNCH", "1") != "0"
+    verify_hints = os.environ.get("PRIMUS_FP8_VERIFY_LAUNCH_HINTS", "0") == "1"
 
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
@@ -58,6 +82,7 @@ class FastLauncher:
         ]
         self._constexpr = [p.num for p in params if p.is_constexpr]
         self._compiled: dict[tuple, object] = {}
+        self._hinted: dict[tuple, tuple] = {}  # (device, knobs, hint) -> (compiled kernel, full key)
         self._backend: dict[int, object] = {}  # device -> Triton backend (its specialisation rules)
         self.misses = 0  # compiled-kernel lookups that went through JITFunction.run
 
@@ -89,7 +114,32 @@ class FastLauncher:
                 self._backend[device] = self.fn.device_caches[device][3]
             self._compiled[self._key(device, args, options)] = kernel
             return
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+        _run(kernel, device, grid, args)
+
+    def hinted(self, hint: tuple, grid: tuple[int, ...], *args, **options) -> None:
+        """``self(grid, *args, **options)`` with the binary looked up by ``hint`` instead of by Triton's
+        specialisation of every argument.
+
+        ``hint`` is the caller's promise that two calls with equal hints specialise identically: the same
+        dtypes, the same 16-byte alignment of every pointer, the same ints equal to 1, divisible by 16 or
+        64-bit, the same constexprs and launch options. The first call of a hint takes the full path and
+        records its key; with ``verify_hints`` every call recomputes the full key and raises
+        ``RuntimeError`` if it differs (a wrapper whose hint misses something that varies)."""
+        if not (self._jit and FastLauncher.enabled) or _launch_hooks_set():
+            self(grid, *args, **options)
+            return
+        device = torch.cuda.current_device()
+        lookup = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, hint)
+        entry = self._hinted.get(lookup)
+        if entry is None:
+            self(grid, *args, **options)  # compiles or finds the binary, and keeps it under its full key
+            key = self._key(device, args, options)
+            self._hinted[lookup] = (self._compiled[key], key)
+            return
+        kernel, key = entry
+        if FastLauncher.verify_hints and self._key(device, args, options) != key:
+            raise RuntimeError(
+                f"{self.fn.__name__}: launch hint {hint} stands for two specialisations: it was first seen with "
+                f"key {key}, now {self._key(device, args, options)}; the wrapper's hint misses an argument property"
+            )
+        _run(kernel, device, grid, args)

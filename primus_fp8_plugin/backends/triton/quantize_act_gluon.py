@@ -112,11 +112,15 @@ def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: 
         lay, lay_n, lt_raw, t_raw = _layouts(x.element_size())
         q_any = row_q if row_q is not None else col_q
         s_any = row_s if row_s is not None else col_s
-        _launch(
-            (ceil_div(m, BLOCK), ceil_div(k, BLOCK)), x, row_q if rowwise else q_any, row_s if rowwise else s_any,
-            col_q if columnwise else q_any, col_s if columnwise else s_any, m, k, pad4(m), pad4(k),
-            params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
-            rowwise, columnwise, params.pow2_scales, lay, lay_n, lt_raw, t_raw,
+        pow2 = bool(params.pow2_scales)
+        # what can vary between calls (unsupported_reason fixes the rest: 16-byte aligned x, M and K
+        # multiples of 16 below MAX_DIM, so pad4(M) == M; fresh outputs; float scalars)
+        hint = (x.dtype, params.fp8_dtype, rowwise, columnwise, pow2)
+        _launch.hinted(
+            hint, (ceil_div(m, BLOCK), ceil_div(k, BLOCK)), x, row_q if rowwise else q_any,
+            row_s if rowwise else s_any, col_q if columnwise else q_any, col_s if columnwise else s_any, m, k,
+            pad4(m), pad4(k), params.fp8_max, float(params.amax_epsilon), torch.finfo(x.dtype).max,
+            rowwise, columnwise, pow2, lay, lay_n, lt_raw, t_raw,
             num_warps=NUM_WARPS,
         )  # fmt: skip
     elif m == 0 and columnwise:

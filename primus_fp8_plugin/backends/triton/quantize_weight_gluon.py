@@ -36,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher
+from .launch import int_class as _int_class
 from .quantize_act import MAX_GRID_Y
 from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_tile, store_transposed, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
@@ -130,10 +131,15 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
         lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
         row_first = n > k
         nb, kb = ceil_div(n, BLOCK), ceil_div(k, BLOCK)
-        _launch(
-            (kb, nb) if row_first else (nb, kb), w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
-            params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
-            params.pow2_scales, row_first, lay, lay_n, lay_t, t_smem,  # POW2, ROW_FIRST, L, LN, LT, T_SMEM
+        pow2 = bool(params.pow2_scales)
+        # what can vary between calls, with what specialises the scale strides (pad4(ceil(dim / 128)):
+        # 1 or divisible by 16 or neither); unsupported_reason fixes the rest (16-byte aligned contiguous
+        # w, N and K multiples of 16 below MAX_DIM; fresh outputs; float scalars)
+        hint = (w.dtype, f8, pow2, row_first, _int_class(s.stride(0)), _int_class(st.stride(0)))
+        _launch.hinted(
+            hint, (kb, nb) if row_first else (nb, kb), w, q, qt, s, st, n, k, w.stride(0), s.stride(0),
+            st.stride(0), params.fp8_max, float(params.amax_epsilon), torch.finfo(w.dtype).max,
+            pow2, row_first, lay, lay_n, lay_t, t_smem,  # POW2, ROW_FIRST, L, LN, LT, T_SMEM
             num_warps=NUM_WARPS,
         )  # fmt: skip
     return BlockwiseFp8Tensor(
