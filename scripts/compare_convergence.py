@@ -6,7 +6,8 @@
         -- model=gpt_125m train=convergence        # overrides common to every run
 
 Writes DIR/loss_curves.png (training loss per run, and its relative gap to the baseline run),
-DIR/summary.md (final loss, gap to baseline, validation loss, tokens/s, step time) and
+DIR/summary.md (final loss, gap to baseline, the smoothed gap's range over the second half and its
+largest excursion after the first 10% of steps, validation loss, tokens/s, step time) and
 DIR/summary.json. A run whose metrics already exist is not trained again unless --retrain.
 A run that fails (for instance TE not installed) is reported and left out of the plot.
 """
@@ -51,6 +52,37 @@ def _speed(m: dict) -> float:
     return float(np.median(m["tokens_per_s"][1:] if len(m["tokens_per_s"]) > 1 else m["tokens_per_s"]))
 
 
+def smoothed_gap(m: dict, base: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, per-step gap %, smoothed steps, smoothed gap %) of ``m``'s training loss relative to
+    ``base`` over their common logged steps; smoothed: moving mean of SMOOTH logged steps (per-step
+    gaps are noisy)."""
+    common = np.intersect1d(m["steps"], base["steps"])
+    a = m["loss"][np.isin(m["steps"], common)]
+    b = base["loss"][np.isin(base["steps"], common)]
+    gap = 100 * (a - b) / b
+    w = min(SMOOTH, len(gap))
+    return common, gap, common[w - 1 :], np.convolve(gap, np.ones(w) / w, mode="valid")
+
+
+def gap_ranges(m: dict, base: dict) -> dict:
+    """The smoothed gap's range over the second half of the common steps, and its largest excursion
+    after the first 10% (warm-up; step 200 of 2000): how far two runs drift apart, beyond the final
+    value."""
+    _, _, steps, gap = smoothed_gap(m, base)
+    if len(steps) == 0:
+        return {}
+    last = steps[-1]
+    half = gap[steps > last / 2]
+    late = steps > last / 10
+    out = {}
+    if len(half):
+        out["gap_second_half_pct"] = [float(half.min()), float(half.max())]
+    if late.any():
+        i = int(np.argmax(np.abs(np.where(late, gap, 0.0))))
+        out["gap_largest_after_10pct"] = {"pct": float(gap[i]), "step": int(steps[i])}
+    return out
+
+
 def summarize(runs: dict[str, dict], baseline: str) -> list[dict]:
     rows = []
     base = runs.get(baseline)
@@ -67,6 +99,8 @@ def summarize(runs: dict[str, dict], baseline: str) -> list[dict]:
             row["speed_vs_baseline"] = row["tokens_per_s"] / float(
                 np.median(base["tokens_per_s"][1:] if len(base["tokens_per_s"]) > 1 else base["tokens_per_s"])
             )
+            if name != baseline:
+                row.update(gap_ranges(m, base))
         rows.append(row)
     return rows
 
@@ -84,14 +118,9 @@ def plot(runs: dict[str, dict], baseline: str, path: Path) -> None:
         ax1.plot(m["steps"], m["loss"], label=name, lw=1.2, color=color)
         if base is None or name == baseline:
             continue
-        common = np.intersect1d(m["steps"], base["steps"])
-        a = m["loss"][np.isin(m["steps"], common)]
-        b = base["loss"][np.isin(base["steps"], common)]
-        gap = 100 * (a - b) / b
+        common, gap, s_steps, s_gap = smoothed_gap(m, base)
         ax2.plot(common, gap, lw=0.6, alpha=0.35, color=color)
-        w = min(SMOOTH, len(gap))  # per-step gaps are noisy: a moving mean shows the trend
-        ax2.plot(common[w - 1 :], np.convolve(gap, np.ones(w) / w, mode="valid"), lw=2, color=color,
-                 label=f"{name} vs {baseline} (mean of {w} logged steps)")  # fmt: skip
+        ax2.plot(s_steps, s_gap, lw=2, color=color, label=f"{name} vs {baseline} (mean of {min(SMOOTH, len(gap))} logged steps)")
         vb = dict(base["valid"])
         vg = [(s, 100 * (v - vb[s]) / vb[s]) for s, v in m["valid"] if s in vb]
         if vg:
@@ -115,17 +144,23 @@ def plot(runs: dict[str, dict], baseline: str, path: Path) -> None:
 
 
 def markdown(rows: list[dict], baseline: str) -> str:
-    lines = [f"| run | steps | final loss | gap to {baseline} | valid loss | tokens/s | speed vs {baseline} | step time (s) |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"| run | steps | final loss | gap to {baseline} | smoothed gap, 2nd half | largest smoothed gap after 10% "
+             f"| valid loss | tokens/s | speed vs {baseline} | step time (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         gap = f"{r['gap_to_baseline_pct']:+.3f}%" if "gap_to_baseline_pct" in r else "-"
         speed = f"{r['speed_vs_baseline']:.2f}x" if "speed_vs_baseline" in r else "-"
         valid = f"{r['valid_loss']:.4f}" if r["valid_loss"] is not None else "-"
+        half = "{:+.2f} .. {:+.2f}%".format(*r["gap_second_half_pct"]) if "gap_second_half_pct" in r else "-"
+        big = r.get("gap_largest_after_10pct")
+        largest = f"{big['pct']:+.2f}% (step {big['step']})" if big else "-"
         cells = [
             r["run"],
             r["steps"],
             f"{r['final_loss']:.4f}",
             gap,
+            half,
+            largest,
             valid,
             f"{r['tokens_per_s']:.0f}",
             speed,

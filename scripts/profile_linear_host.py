@@ -99,12 +99,49 @@ def step_breakdown(layer, backend, x, dy, steps: int) -> dict[str, float]:
     return {k: sorted(v)[len(v) // 2] * 1e6 for k, v in rows.items()}
 
 
+def ab_hints(ours, bf16, rounds: int) -> None:
+    """Eager steps with and without launch hints, interleaved (batches of 20 steps, synchronised
+    between batches), so that the host's drift hits both alike; BF16's step as the anchor. Wall
+    time per step, host-bound at small shapes."""
+    from primus_fp8_plugin.backends.triton.launch import FastLauncher
+
+    def per_step(fn, calls=20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    times: dict[str, list[float]] = {"hints on": [], "hints off": [], "bf16 nn.Linear": []}
+    for use in (True, False):
+        FastLauncher.use_hints = use
+        per_step(ours, 5)
+    for _ in range(rounds):
+        for name, use in (("hints on", True), ("hints off", False)):
+            FastLauncher.use_hints = use
+            times[name].append(per_step(ours))
+        times["bf16 nn.Linear"].append(per_step(bf16))
+    FastLauncher.use_hints = True
+    print(f"eager step wall time (us), {rounds} interleaved rounds of 20 steps: median [min, max]")
+    for name, v in times.items():
+        v.sort()
+        print(f"  {name:16} {v[len(v) // 2]:8.1f}  [{v[0]:.1f}, {v[-1]:.1f}]")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="4096x4096x4096", help="MxNxK")
     ap.add_argument("--backend", default="cublas")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--ab-hints",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only an A/B of launch hints (FastLauncher.use_hints) on eager steps, ROUNDS interleaved rounds",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_linear_host: needs a CUDA GPU")
@@ -143,6 +180,9 @@ def main() -> int:
         "step: fwd+bwd, cached weight": step(layer, False),
         "bf16 nn.Linear step": step(bf16),
     }
+    if args.ab_hints:
+        ab_hints(step(layer, True), step(bf16), args.ab_hints)
+        return 0
     print(f"host time per call, {m}x{n}x{k}, backend {args.backend}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for name, fn in pieces.items():
         print(f"  {name:34} {host_us(fn):8.1f} us", flush=True)

@@ -18,7 +18,8 @@ GEMM: 24, five of them tensor descriptors whose specialisation formats their lay
 ~40 us per launch on the H200's host). ``FastLauncher.hinted`` lets a wrapper that knows which of
 its arguments can vary name them in a short ``hint`` tuple instead; the binary is found once per
 hint through the full key. ``PRIMUS_FP8_VERIFY_LAUNCH_HINTS=1`` recomputes the full key on every
-hinted call and raises if a hint ever stands for two specialisations (the GPU tests run so).
+hinted call and raises if a hint ever stands for two specialisations (the GPU tests run so);
+``PRIMUS_FP8_LAUNCH_HINTS=0`` (or ``FastLauncher.use_hints = False``) makes hinted calls take the full key.
 
 Arguments are passed positionally in the kernel's signature order, constexprs included.
 ``PRIMUS_FP8_FAST_LAUNCH=0`` (or ``FastLauncher.enabled = False``) sends every call the ordinary way.
@@ -67,6 +68,7 @@ class FastLauncher:
 
     enabled = os.environ.get("PRIMUS_FP8_FAST_LAUNCH", "1") != "0"
     verify_hints = os.environ.get("PRIMUS_FP8_VERIFY_LAUNCH_HINTS", "0") == "1"
+    use_hints = os.environ.get("PRIMUS_FP8_LAUNCH_HINTS", "1") != "0"  # 0: hinted calls take the full key
 
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
@@ -125,7 +127,7 @@ class FastLauncher:
         64-bit, the same constexprs and launch options. The first call of a hint takes the full path and
         records its key; with ``verify_hints`` every call recomputes the full key and raises
         ``RuntimeError`` if it differs (a wrapper whose hint misses something that varies)."""
-        if not (self._jit and FastLauncher.enabled) or _launch_hooks_set():
+        if not (self._jit and FastLauncher.enabled and FastLauncher.use_hints) or _launch_hooks_set():
             self(grid, *args, **options)
             return
         device = torch.cuda.current_device()
