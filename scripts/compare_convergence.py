@@ -60,6 +60,8 @@ def smoothed_gap(m: dict, base: dict) -> tuple[np.ndarray, np.ndarray, np.ndarra
     a = m["loss"][np.isin(m["steps"], common)]
     b = base["loss"][np.isin(base["steps"], common)]
     gap = 100 * (a - b) / b
+    if len(gap) == 0:  # no common logged step
+        return common, gap, common, gap
     w = min(SMOOTH, len(gap))
     return common, gap, common[w - 1 :], np.convolve(gap, np.ones(w) / w, mode="valid")
 

@@ -95,7 +95,7 @@ def step_breakdown(layer, backend, x, dy, steps: int) -> dict[str, float]:
                 rows.setdefault(k, []).append(v)
     finally:
         for n in names:
-            setattr(backend, n, originals[n])
+            delattr(backend, n)  # back to the class's methods
     return {k: sorted(v)[len(v) // 2] * 1e6 for k, v in rows.items()}
 
 
@@ -114,15 +114,18 @@ def ab_hints(ours, bf16, rounds: int) -> None:
         return (time.perf_counter() - t0) / calls * 1e6
 
     times: dict[str, list[float]] = {"hints on": [], "hints off": [], "bf16 nn.Linear": []}
-    for use in (True, False):
-        FastLauncher.use_hints = use
-        per_step(ours, 5)
-    for _ in range(rounds):
-        for name, use in (("hints on", True), ("hints off", False)):
+    before = FastLauncher.use_hints
+    try:
+        for use in (True, False):
             FastLauncher.use_hints = use
-            times[name].append(per_step(ours))
-        times["bf16 nn.Linear"].append(per_step(bf16))
-    FastLauncher.use_hints = True
+            per_step(ours, 5)
+        for _ in range(rounds):
+            for name, use in (("hints on", True), ("hints off", False)):
+                FastLauncher.use_hints = use
+                times[name].append(per_step(ours))
+            times["bf16 nn.Linear"].append(per_step(bf16))
+    finally:
+        FastLauncher.use_hints = before
     print(f"eager step wall time (us), {rounds} interleaved rounds of 20 steps: median [min, max]")
     for name, v in times.items():
         v.sort()

@@ -41,11 +41,11 @@ def test_nothing_to_compare_is_an_error(tmp_path):
     assert proc.returncode == 2 and "give at least one --run or --read" in proc.stderr
 
 
-def test_gap_ranges_follow_the_smoothed_gap(tmp_path):
+def test_gap_ranges_follow_the_smoothed_gap(monkeypatch):
     """The second-half range and the largest excursion after the first 10% of steps: a run 2% above
     the baseline with a 5% bump at steps 20-29 (its smoothed trace ends inside the first half) reads +2 .. +2% over the second
     half and its largest smoothed excursion at the bump's end, 5%."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     from compare_convergence import gap_ranges
 
     steps = np.arange(1, 101)
@@ -55,3 +55,4 @@ def test_gap_ranges_follow_the_smoothed_gap(tmp_path):
     ranges = gap_ranges({"steps": steps, "loss": loss}, base)
     assert np.allclose(ranges["gap_second_half_pct"], [2.0, 2.0])
     assert abs(ranges["gap_largest_after_10pct"]["pct"] - 5.0) < 1e-9 and ranges["gap_largest_after_10pct"]["step"] == 29
+    assert gap_ranges({"steps": steps + 1000, "loss": loss}, base) == {}  # no common step: nothing, no crash

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from triton import knobs
 
 from primus_fp8_plugin.backends.triton.launch import _launch_hooks_set
@@ -63,9 +64,42 @@ def test_int_class_separates_what_triton_specialises():
 
     from primus_fp8_plugin.backends.triton.launch import int_class
 
-    values = [1, 2, 4, 15, 16, 17, 32, 48, 100, 4096, 29568, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 1, 2**31 + 16, 2**40, -16, -1]
+    values = [
+        0,
+        1,
+        2,
+        4,
+        15,
+        16,
+        17,
+        32,
+        48,
+        100,
+        4096,
+        29568,
+        2**31 - 16,
+        2**31 - 1,
+        2**31,
+        2**31 + 1,
+        2**31 + 16,
+        2**40,
+        2**63 - 1,
+        2**63,
+        2**63 + 16,
+        2**64 - 1,
+        -16,
+        -1,
+        -(2**31),
+        -(2**31) - 1,
+        -(2**31) - 16,
+        -(2**63),
+    ]
     by_class: dict[int, set] = {}
     for v in values:
         by_class.setdefault(int_class(v), set()).add(native_specialize_impl(BaseBackend, v, False, True, True))
     assert all(len(specs) == 1 for specs in by_class.values()), by_class
     assert len({next(iter(s)) for s in by_class.values()}) == len(by_class)  # and distinct classes differ
+
+    for bad in (True, False, 2**64, -(2**63) - 1):  # bools are Triton's u1; past 64 bits Triton refuses
+        with pytest.raises(TypeError):
+            int_class(bad)

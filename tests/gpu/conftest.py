@@ -11,9 +11,10 @@ def verify_launch_hints():
     wrapper's hint stood for two specialisations (backends/triton/launch.py)."""
     from primus_fp8_plugin.backends.triton.launch import FastLauncher
 
+    before = FastLauncher.verify_hints
     FastLauncher.verify_hints = True
     yield
-    FastLauncher.verify_hints = False
+    FastLauncher.verify_hints = before
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ def test_gluon_gemm_fast_launch_matches_plain_launch(b_block_dim, out_dtype, acc
     assert torch.equal(fast1, plain) and torch.equal(fast2, plain)
 
 
-def test_hinted_launches_reuse_one_binary_per_hint_and_match_plain_launches():
+def test_hinted_launches_reuse_one_binary_per_hint_and_match_plain_launches(monkeypatch):
     """The Gluon act quantizer goes through ``FastLauncher.hinted``: a repeated call finds its binary by
     hint (no new specialisation), and the bits equal the ordinary ``kernel[grid]`` launch."""
     from primus_fp8_plugin.backends.triton import quantize_act_gluon
@@ -142,9 +142,18 @@ def test_hinted_launches_reuse_one_binary_per_hint_and_match_plain_launches():
     x = torch.randn(272, 400, device="cuda", dtype=torch.bfloat16) * 5
     launcher = quantize_act_gluon._launch
     first = quantize_act_gluon.quantize_1x128_dual_gluon(x, p, rowwise=True, columnwise=True)
+    assert any(key[-1][:5] == (torch.bfloat16, p.fp8_dtype, True, True, bool(p.pow2_scales)) for key in launcher._hinted)
     hints, misses = len(launcher._hinted), launcher.misses
+
+    def full_path(*args, **kwargs):
+        raise AssertionError("a repeated hinted call took the full-key path")
+
+    monkeypatch.setattr(launch_mod.FastLauncher, "__call__", full_path)  # hinted() falls back to self(...)
+    monkeypatch.setattr(launch_mod.FastLauncher, "use_hints", True)
+    monkeypatch.setattr(launch_mod.FastLauncher, "verify_hints", False)  # verification computes the key only
     again = quantize_act_gluon.quantize_1x128_dual_gluon(x * 1.0, p, rowwise=True, columnwise=True)
     assert (len(launcher._hinted), launcher.misses) == (hints, misses)
+    monkeypatch.undo()
     launch_mod.FastLauncher.enabled = False
     try:
         plain = quantize_act_gluon.quantize_1x128_dual_gluon(x, p, rowwise=True, columnwise=True)

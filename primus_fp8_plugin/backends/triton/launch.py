@@ -47,9 +47,15 @@ def _launch_hooks_set() -> bool:
 
 def int_class(v: int) -> int:
     """What Triton's specialisation of an int argument depends on, for launch hints: 1 for the value 1,
-    16 for a multiple of 16, 0 otherwise; plus 2 where the value needs 64 bits."""
+    16 for a multiple of 16, 0 otherwise; plus 2 where the value needs 64 signed bits, plus 4 where it
+    needs 64 unsigned bits (Triton's ``i32`` / ``i64`` / ``u64``). Bools (Triton's ``u1``) and values
+    outside 64 bits raise: no wrapper passes them as ints."""
+    if isinstance(v, bool) or not -(2**63) <= v < 2**64:
+        raise TypeError(f"int_class takes an int within 64 bits, got {v!r}")
     cls = 1 if v == 1 else (16 if v % 16 == 0 else 0)
-    return cls if -(2**31) <= v < 2**31 else cls + 2
+    if -(2**31) <= v < 2**31:
+        return cls
+    return cls + (2 if v < 2**63 else 4)
 
 
 def _run(kernel, device: int, grid: tuple[int, ...], args: Sequence) -> None:
@@ -93,7 +99,9 @@ class FastLauncher:
         spec = tuple(native_specialize_impl(backend, args[i], c, s, a) for i, c, s, a in self._runtime)
         # the compile options JITFunction.run adds from Triton's knobs belong to its key as well
         knob_opts = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
-        return (device, tuple(sorted(options.items())), knob_opts, spec, tuple(args[i] for i in self._constexpr))
+        # constexprs by type and value: True == 1 == 1.0, but Triton compiles them apart
+        constexprs = tuple((type(args[i]), args[i]) for i in self._constexpr)
+        return (device, tuple(sorted(options.items())), knob_opts, spec, constexprs)
 
     def __call__(self, grid: tuple[int, ...], *args, **options) -> None:
         if not (self._jit and FastLauncher.enabled):

@@ -107,15 +107,18 @@ def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: 
     if why is not None:
         raise GluonActUnsupported(why)
     m, k = x.shape
+    rowwise, columnwise = bool(rowwise), bool(columnwise)  # constexprs: 1 and True would compile apart
     row_q, row_s, col_q, col_s, parts = dual_outputs(x, params, rowwise, columnwise)
     if m > 0 and k > 0 and (rowwise or columnwise):
         lay, lay_n, lt_raw, t_raw = _layouts(x.element_size())
         q_any = row_q if row_q is not None else col_q
         s_any = row_s if row_s is not None else col_s
         pow2 = bool(params.pow2_scales)
-        # what can vary between calls (unsupported_reason fixes the rest: 16-byte aligned x, M and K
-        # multiples of 16 below MAX_DIM, so pad4(M) == M; fresh outputs; float scalars)
-        hint = (x.dtype, params.fp8_dtype, rowwise, columnwise, pow2)
+        # what can vary between calls, with the outputs' alignment (16 bytes from torch's caching
+        # allocator, checked for other allocators); unsupported_reason fixes the rest: 16-byte aligned
+        # x, M and K multiples of 16 below MAX_DIM, so pad4(M) == M; float scalars
+        aligned = all(t.data_ptr() % 16 == 0 for t in (row_q, row_s, col_q, col_s) if t is not None)
+        hint = (x.dtype, params.fp8_dtype, rowwise, columnwise, pow2, aligned)
         _launch.hinted(
             hint, (ceil_div(m, BLOCK), ceil_div(k, BLOCK)), x, row_q if rowwise else q_any,
             row_s if rowwise else s_any, col_q if columnwise else q_any, col_s if columnwise else s_any, m, k,

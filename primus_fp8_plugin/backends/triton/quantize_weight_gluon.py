@@ -133,9 +133,11 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
         nb, kb = ceil_div(n, BLOCK), ceil_div(k, BLOCK)
         pow2 = bool(params.pow2_scales)
         # what can vary between calls, with what specialises the scale strides (pad4(ceil(dim / 128)):
-        # 1 or divisible by 16 or neither); unsupported_reason fixes the rest (16-byte aligned contiguous
-        # w, N and K multiples of 16 below MAX_DIM; fresh outputs; float scalars)
-        hint = (w.dtype, f8, pow2, row_first, _int_class(s.stride(0)), _int_class(st.stride(0)))
+        # divisible by 16 or not) and the outputs' alignment (16 bytes from torch's caching allocator,
+        # checked for other allocators); unsupported_reason fixes the rest (16-byte aligned contiguous
+        # w, N and K multiples of 16 below MAX_DIM; float scalars)
+        aligned = all(t.data_ptr() % 16 == 0 for t in (q, qt, s, st))
+        hint = (w.dtype, f8, pow2, row_first, _int_class(s.stride(0)), _int_class(st.stride(0)), aligned)
         _launch.hinted(
             hint, (kb, nb) if row_first else (nb, kb), w, q, qt, s, st, n, k, w.stride(0), s.stride(0),
             st.stride(0), params.fp8_max, float(params.amax_epsilon), torch.finfo(w.dtype).max,
