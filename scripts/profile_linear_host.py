@@ -2,13 +2,17 @@
 """Host (CPU) cost of our FP8 linear layer's step, piece by piece, on a GPU machine.
 
     python scripts/profile_linear_host.py [--shape 4096x4096x4096] [--backend cublas] [--steps 200] [--top 25]
+    python scripts/profile_linear_host.py --backend triton --ab-hints 15
 
 At 4096^3 the GPU work of a forward+backward step is about 0.5 ms; when the host needs longer to
 issue it, the step is host-bound (docs/PERFORMANCE.md, issue 5). This prints
 (a) the host time per call of each piece (no synchronisation inside the timed loop: the GPU queue
-    absorbs the launches; batches of 20 calls, synchronised between batches), and
-(b) a cProfile of whole eager steps (forward + backward, weight refreshed as in bench_linear's
+    absorbs the launches; batches of 20 calls, synchronised between batches),
+(b) the host time of each part inside eager steps (the backend's calls and what is left around
+    them, forward and backward), and
+(c) a cProfile of whole eager steps (forward + backward, weight refreshed as in bench_linear's
     "step"), sorted by own time, to show which Python functions the host time goes to.
+With ``--ab-hints N`` it prints only an interleaved A/B of the launch hints (launch.py) instead.
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ from primus_fp8_plugin.backends import get_backend  # noqa: E402
 from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole  # noqa: E402
 
 
+def _middle(values: list[float]) -> float:
+    """The median (the upper middle value of an even count)."""
+    return sorted(values)[len(values) // 2]
+
+
 def host_us(fn, calls: int = 20, batches: int = 10) -> float:
     """Median over batches of the host time per call of ``fn`` (us)."""
     fn()
@@ -40,8 +49,7 @@ def host_us(fn, calls: int = 20, batches: int = 10) -> float:
             fn()
         per.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
-    per.sort()
-    return per[len(per) // 2]
+    return _middle(per)
 
 
 def step_breakdown(layer, backend, x, dy, steps: int) -> dict[str, float]:
@@ -96,7 +104,7 @@ def step_breakdown(layer, backend, x, dy, steps: int) -> dict[str, float]:
     finally:
         for n in names:
             delattr(backend, n)  # back to the class's methods
-    return {k: sorted(v)[len(v) // 2] * 1e6 for k, v in rows.items()}
+    return {k: _middle(v) * 1e6 for k, v in rows.items()}
 
 
 def ab_hints(ours, bf16, rounds: int) -> None:
@@ -128,8 +136,7 @@ def ab_hints(ours, bf16, rounds: int) -> None:
         FastLauncher.use_hints = before
     print(f"eager step wall time (us), {rounds} interleaved rounds of 20 steps: median [min, max]")
     for name, v in times.items():
-        v.sort()
-        print(f"  {name:16} {v[len(v) // 2]:8.1f}  [{v[0]:.1f}, {v[-1]:.1f}]")
+        print(f"  {name:16} {_middle(v):8.1f}  [{min(v):.1f}, {max(v):.1f}]")
 
 
 def main() -> int:

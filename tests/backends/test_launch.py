@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from triton import knobs
 
 from primus_fp8_plugin.backends.triton.launch import _launch_hooks_set
@@ -103,3 +104,18 @@ def test_int_class_separates_what_triton_specialises():
     for bad in (True, False, 2**64, -(2**63) - 1):  # bools are Triton's u1; past 64 bits Triton refuses
         with pytest.raises(TypeError):
             int_class(bad)
+
+
+def test_aligned_names_each_pointer_as_triton_does():
+    """Launch hints name pointers by ``aligned``: per tensor (two tensors misaligned in turn give
+    different hints), agreeing with Triton's 16-byte rule; None stays None."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from primus_fp8_plugin.backends.triton.launch import aligned
+
+    buf = torch.zeros(64)
+    a, b = buf[:16], buf[1:17]  # 0 and 4 bytes in
+    assert aligned(a, b, None) == (True, False, None) and aligned(b, a) != aligned(a, b)
+    for t in (a, b, buf[4:20]):
+        assert aligned(t)[0] == (native_specialize_impl(BaseBackend, t, False, True, True)[1] == "D")

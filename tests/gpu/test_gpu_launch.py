@@ -43,6 +43,16 @@ def _same_bits(a, b):
         assert torch.equal(xb, yb)
 
 
+def _plain_launch(call):
+    """``call()`` with every launch going the ordinary ``kernel[grid]`` way (FastLauncher off)."""
+    before = launch_mod.FastLauncher.enabled
+    launch_mod.FastLauncher.enabled = False
+    try:
+        return call()
+    finally:
+        launch_mod.FastLauncher.enabled = before
+
+
 @pytest.mark.parametrize("m, k, offset", [(1, 256, 0), (17, 144, 0), (256, 384, 0), (130, 256, 1), (16, 128, 3)])
 def test_fast_launch_matches_plain_launch(triton_backend, m, k, offset):
     """The Triton act kernel (on Hopper the backend sends aligned shapes to the Gluon kernel): ragged M,
@@ -57,11 +67,7 @@ def test_fast_launch_matches_plain_launch(triton_backend, m, k, offset):
         misses = launcher.misses
         fast2 = quantize_act.quantize_1x128_dual(x, p, rowwise=rowwise, columnwise=columnwise)  # the cached binary
         assert launcher.misses == misses, "a repeated call with the same specialisation recompiled or re-bound"
-        launch_mod.FastLauncher.enabled = False
-        try:
-            plain = quantize_act.quantize_1x128_dual(x, p, rowwise=rowwise, columnwise=columnwise)
-        finally:
-            launch_mod.FastLauncher.enabled = True
+        plain = _plain_launch(lambda: quantize_act.quantize_1x128_dual(x, p, rowwise=rowwise, columnwise=columnwise))
         _same_bits(fast1, plain)
         _same_bits(fast2, plain)
 
@@ -122,11 +128,7 @@ def test_gluon_gemm_fast_launch_matches_plain_launch(b_block_dim, out_dtype, acc
     misses = gemm_gluon._launch.misses
     fast2 = run()
     assert gemm_gluon._launch.misses == misses
-    launch_mod.FastLauncher.enabled = False
-    try:
-        plain = run()
-    finally:
-        launch_mod.FastLauncher.enabled = True
+    plain = _plain_launch(run)
     assert torch.equal(fast1, plain) and torch.equal(fast2, plain)
 
 
@@ -154,16 +156,12 @@ def test_hinted_launches_reuse_one_binary_per_hint_and_match_plain_launches(monk
     again = quantize_act_gluon.quantize_1x128_dual_gluon(x * 1.0, p, rowwise=True, columnwise=True)
     assert (len(launcher._hinted), launcher.misses) == (hints, misses)
     monkeypatch.undo()
-    launch_mod.FastLauncher.enabled = False
-    try:
-        plain = quantize_act_gluon.quantize_1x128_dual_gluon(x, p, rowwise=True, columnwise=True)
-    finally:
-        launch_mod.FastLauncher.enabled = True
+    plain = _plain_launch(lambda: quantize_act_gluon.quantize_1x128_dual_gluon(x, p, rowwise=True, columnwise=True))
     _same_bits(first, plain)
     _same_bits(again, plain)
 
 
-def test_a_hint_that_misses_a_varying_property_is_caught_when_verifying(triton_backend):
+def test_a_hint_that_misses_a_varying_property_is_caught_when_verifying(triton_backend, monkeypatch):
     """A hint that stands for two specialisations (here: it ignores whether N is divisible by 16) is a
     wrapper bug; with hint verification on (as in this GPU suite) the second call raises before
     launching the wrong binary."""
@@ -173,10 +171,6 @@ def test_a_hint_that_misses_a_varying_property_is_caught_when_verifying(triton_b
     launcher.hinted(("copy",), (4,), x, y, 512, 128)  # first call of the hint: the full path
     launcher.hinted(("copy",), (4,), x, y, 512, 128)  # found by hint
     assert torch.equal(x, y)
-    verify = launch_mod.FastLauncher.verify_hints
-    launch_mod.FastLauncher.verify_hints = True
-    try:
-        with pytest.raises(RuntimeError, match="stands for two specialisations"):
-            launcher.hinted(("copy",), (4,), x, y, 500, 128)  # 500: not divisible by 16, another binary
-    finally:
-        launch_mod.FastLauncher.verify_hints = verify
+    monkeypatch.setattr(launch_mod.FastLauncher, "verify_hints", True)
+    with pytest.raises(RuntimeError, match="stands for two specialisations"):
+        launcher.hinted(("copy",), (4,), x, y, 500, 128)  # 500: not divisible by 16, another binary

@@ -73,7 +73,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ...tensor import ceil_div
 from .gemm import check_operands
 from .hopper import SMEM_LIMIT, TORCH_TO_GL, num_sms, runs_on
-from .launch import FastLauncher, int_class
+from .launch import FastLauncher, aligned, int_class
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
 
@@ -721,8 +721,7 @@ def blockwise_gemm_gluon(
     hint = (
         a.dtype, b.dtype, c.dtype, None if bias is None else bias.dtype, b_block_dim, accumulate_into is not None,
         cfg, stages, int_class(m), int_class(n), int_class(k), int_class(a_scale_inv.stride(0)),
-        int_class(b_scale_inv.stride(0)), int_class(c.stride(0)), a_scale_inv.data_ptr() % 16 == 0,
-        b_scale_inv.data_ptr() % 16 == 0, bias is None or bias.data_ptr() % 16 == 0, c.data_ptr() % 16 == 0,
+        int_class(b_scale_inv.stride(0)), int_class(c.stride(0)), aligned(a_scale_inv, b_scale_inv, bias, c),
     )  # fmt: skip
     _launch.hinted(
         hint, grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,

@@ -15,7 +15,7 @@ which compiles and launches, and the binary it returns is kept. Where Triton's l
 
 Computing that key is itself most of the remaining cost where a kernel takes many arguments (the
 GEMM: 24, five of them tensor descriptors whose specialisation formats their layout into a string;
-~40 us per launch on the H200's host). ``FastLauncher.hinted`` lets a wrapper that knows which of
+~40 us per launch on the H200's host under cProfile). ``FastLauncher.hinted`` lets a wrapper that knows which of
 its arguments can vary name them in a short ``hint`` tuple instead; the binary is found once per
 hint through the full key. ``PRIMUS_FP8_VERIFY_LAUNCH_HINTS=1`` recomputes the full key on every
 hinted call and raises if a hint ever stands for two specialisations (the GPU tests run so);
@@ -56,6 +56,12 @@ def int_class(v: int) -> int:
     if -(2**31) <= v < 2**31:
         return cls
     return cls + (2 if v < 2**63 else 4)
+
+
+def aligned(*tensors) -> tuple:
+    """What Triton's specialisation of pointer arguments depends on, for launch hints: whether each
+    tensor's data is 16-byte aligned (None for an absent tensor)."""
+    return tuple(None if t is None else t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _run(kernel, device: int, grid: tuple[int, ...], args: Sequence) -> None:

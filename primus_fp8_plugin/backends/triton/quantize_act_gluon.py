@@ -34,7 +34,7 @@ from triton.experimental.gluon import language as gl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
-from .launch import FastLauncher
+from .launch import FastLauncher, aligned
 from .quantize_act import MAX_GRID_Y, dual_outputs
 from .quantize_gluon_tiles import SIG_TYPE, load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
@@ -117,8 +117,7 @@ def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: 
         # what can vary between calls, with the outputs' alignment (16 bytes from torch's caching
         # allocator, checked for other allocators); unsupported_reason fixes the rest: 16-byte aligned
         # x, M and K multiples of 16 below MAX_DIM, so pad4(M) == M; float scalars
-        aligned = all(t.data_ptr() % 16 == 0 for t in (row_q, row_s, col_q, col_s) if t is not None)
-        hint = (x.dtype, params.fp8_dtype, rowwise, columnwise, pow2, aligned)
+        hint = (x.dtype, params.fp8_dtype, rowwise, columnwise, pow2, aligned(row_q, row_s, col_q, col_s))
         _launch.hinted(
             hint, (ceil_div(m, BLOCK), ceil_div(k, BLOCK)), x, row_q if rowwise else q_any,
             row_s if rowwise else s_any, col_q if columnwise else q_any, col_s if columnwise else s_any, m, k,
@@ -159,8 +158,8 @@ def compile_variant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
            "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr"}  # fmt: skip
     lay, lay_n, lt_raw, t_raw = _layouts(torch.finfo(in_dtype).bits // 8)
     names = list(sig)
-    aligned = ("x_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "M", "K", "M_PAD", "K_PAD")
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in aligned}
+    divisible_by_16 = ("x_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "M", "K", "M_PAD", "K_PAD")
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
     cons = {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "L": lay, "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw}
     src = GluonASTSource(fn=_quantize_1x128_dual_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})

@@ -35,8 +35,7 @@ from triton.experimental.gluon import language as gl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
-from .launch import FastLauncher
-from .launch import int_class as _int_class
+from .launch import FastLauncher, aligned, int_class
 from .quantize_act import MAX_GRID_Y
 from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_tile, store_transposed, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
@@ -136,8 +135,7 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
         # divisible by 16 or not) and the outputs' alignment (16 bytes from torch's caching allocator,
         # checked for other allocators); unsupported_reason fixes the rest (16-byte aligned contiguous
         # w, N and K multiples of 16 below MAX_DIM; float scalars)
-        aligned = all(t.data_ptr() % 16 == 0 for t in (q, qt, s, st))
-        hint = (w.dtype, f8, pow2, row_first, _int_class(s.stride(0)), _int_class(st.stride(0)), aligned)
+        hint = (w.dtype, f8, pow2, row_first, int_class(s.stride(0)), int_class(st.stride(0)), aligned(q, qt, s, st))
         _launch.hinted(
             hint, (kb, nb) if row_first else (nb, kb), w, q, qt, s, st, n, k, w.stride(0), s.stride(0),
             st.stride(0), params.fp8_max, float(params.amax_epsilon), torch.finfo(w.dtype).max,
@@ -177,8 +175,8 @@ def compile_variant(in_dtype, fp8_dtype, pow2, row_first=False):
            "LN": "constexpr", "LT": "constexpr", "T_SMEM": "constexpr"}  # fmt: skip
     lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
     names = list(sig)
-    aligned = ("w_ptr", "q_ptr", "qt_ptr", "s_ptr", "st_ptr", "N", "K", "stride_wn")
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in aligned}
+    divisible_by_16 = ("w_ptr", "q_ptr", "qt_ptr", "s_ptr", "st_ptr", "N", "K", "stride_wn")
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
     cons = {"POW2": pow2, "ROW_FIRST": row_first, "L": lay, "LN": lay_n, "LT": lay_t, "T_SMEM": t_smem}
     src = GluonASTSource(fn=_quantize_128x128_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
