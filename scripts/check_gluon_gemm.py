@@ -159,10 +159,11 @@ def correctness(cfg_name: str, cfg: GluonGemmConfig, shapes, first_outputs: dict
     for m, n, k, bdim, od, has_bias, accumulate, a_dtype in cases:
         tag = (f"M={m:5} N={n:5} K={k:5} b{bdim}d out={str(od).split('.')[-1]:8} bias={int(has_bias)} "
                f"acc={int(accumulate)} a={str(a_dtype).split('.')[-1]}")  # fmt: skip
-        why = gemm_gluon.supports(cfg, bdim, od, accumulate)
+        why = gemm_gluon.supports(cfg, bdim, od, accumulate, has_bias)
         if why is not None:  # the config does not handle this case (the wrapper raises NotImplementedError)
             if why not in skipped:
-                print(f"  SKIP (b{bdim}d out={str(od).split('.')[-1]} acc={int(accumulate)} and alike): {why}")
+                print(f"  SKIP (b{bdim}d out={str(od).split('.')[-1]} acc={int(accumulate)} bias={int(has_bias)} "
+                      f"and alike): {why}")  # fmt: skip
                 skipped.add(why)
             continue
 

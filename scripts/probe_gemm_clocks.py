@@ -1,0 +1,194 @@
+#!/usr/bin/env python
+"""Sustained GEMM throughput with the SM clock and board power seen while it runs (H100/H200).
+
+    python scripts/probe_gemm_clocks.py                                  # ours vs cuBLAS, 3 shapes
+    python scripts/probe_gemm_clocks.py --configs n256,n256_areg --seconds 3 --rounds 3 --json out.json
+
+Why: a short ``do_bench`` (60 ms) of an FP8 GEMM on the H200 can run at a clock the card does not
+hold under sustained load (the power limit pulls the SM clock down from ~1.98 GHz to ~1.5 GHz), and
+our kernel's throughput moved by ~10% between runs where cuBLAS's moved 2-4% (docs/PERFORMANCE.md,
+2026-12-01, fifth session). Here each contender runs back to back for ``--seconds`` per round, the
+rounds interleaved, on operands drawn afresh each round (so that their placement in memory varies
+too), while ``nvidia-smi`` samples the SM clock and power every 50 ms. Printed per contender: TFLOPS,
+median SM clock and power over its window, TFLOPS per GHz (work per clock: how good the kernel's
+schedule is, apart from the clock) and TFLOPS per kW (energy per FLOP: what the clock follows once
+the card is at its power limit).
+
+Contenders: cuBLAS blockwise (``torch.nn.functional.scaled_mm``), the Gluon kernel in each of
+``--configs`` (``gemm_gluon.BENCH_CONFIGS``) that takes the form, and for the fwd form two ceilings:
+cuBLAS FP8 with per-tensor scales (no promotion) and BF16; forms: fwd (128x128 B scales, bf16
+out, also what dgrad runs) and wgrad (1x128 B scales, bf16 out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from check_gluon_gemm import cublas_fn, make_inputs  # noqa: E402
+
+from primus_fp8_plugin.backends.triton import gemm_gluon  # noqa: E402
+
+SHAPES = [(8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568)]
+FORMS = {"fwd": (2, torch.bfloat16), "wgrad": (1, torch.bfloat16)}
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+class SmiLog:
+    """nvidia-smi sampling in the background; ``window(t0, t1)`` gives the samples in a time window."""
+
+    def __init__(self, interval_ms: int = 50):
+        # into a file, not a pipe: nothing reads a pipe until the end, and a full one stops nvidia-smi
+        self.file = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", f"-lms={interval_ms}"],
+            stdout=self.file, text=True,
+        )  # fmt: skip
+        self.samples: list[tuple[float, float, float, float, str]] = []
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.file.seek(0)
+        for line in self.file.read().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != 5:
+                continue
+            try:  # 2026/12/01 07:30:00.123
+                t = time.mktime(time.strptime(parts[0][:19], "%Y/%m/%d %H:%M:%S")) + float("0" + parts[0][19:])
+                self.samples.append((t, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
+            except ValueError:
+                continue
+
+    def window(self, t0: float, t1: float) -> dict:
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not inside:
+            return {"sm_mhz": float("nan"), "power_w": float("nan"), "temp_c": float("nan"), "throttle": "", "n": 0}
+        return {
+            "sm_mhz": statistics.median(s[1] for s in inside),
+            "power_w": statistics.median(s[2] for s in inside),
+            "temp_c": max(s[3] for s in inside),
+            "throttle": ",".join(sorted({s[4] for s in inside})),
+            "n": len(inside),
+        }
+
+
+def ceiling_fns(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """The same GEMM without blockwise scaling: FP8 with one scale per tensor (cuBLAS, no promotion:
+    the best an FP8 GEMM did here) and BF16 (cuBLAS)."""
+    one = torch.ones((), device=a.device)
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    return {
+        "FP8-tensor": lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16),
+        "BF16": lambda: a16 @ b16.t(),
+    }
+
+
+def sustained(fn, seconds: float) -> tuple[float, float, float]:
+    """Runs ``fn`` back to back for about ``seconds``; returns (ms per call, wall start, wall end)."""
+    fn()
+    torch.cuda.synchronize()
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    per_call = (time.perf_counter() - t) / 3
+    calls = max(10, int(seconds / max(per_call, 1e-6)))
+    t0 = time.time()
+    start_ev.record()
+    for _ in range(calls):
+        fn()
+    end_ev.record()
+    end_ev.synchronize()
+    t1 = time.time()
+    return start_ev.elapsed_time(end_ev) / calls, t0, t1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="n256", help="comma list of gemm_gluon.BENCH_CONFIGS names")
+    ap.add_argument("--shapes", nargs="*", default=None, help="MxNxK GEMM shapes (default: 3 of bench_gemm's)")
+    ap.add_argument("--forms", default="fwd,wgrad")
+    ap.add_argument("--seconds", type=float, default=2.0, help="sustained run per contender and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-ceilings", dest="ceilings", action="store_false",
+                    help="leave out the FP8 tensorwise and BF16 cuBLAS GEMMs (fwd form)")  # fmt: skip
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs an NVIDIA GPU")
+        return 1
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    configs = {c: gemm_gluon.BENCH_CONFIGS[c] for c in args.configs.split(",")}
+    now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  {now}")
+    smi = SmiLog()
+    runs = []  # (shape, form, label, round, ms, t0, t1)
+    try:
+        for m, n, k in shapes:
+            for form in args.forms.split(","):
+                bdim, od = FORMS[form]
+                for r in range(args.rounds):
+                    a, a_s, b, b_s = make_inputs(m, n, k, bdim, seed=1000 + r)  # fresh operands each round
+                    contenders = {"cuBLAS": cublas_fn(a, a_s, b, b_s, bdim, od)}
+                    if form == "fwd" and args.ceilings:
+                        contenders.update(ceiling_fns(a, b))
+                    for name, cfg in configs.items():
+                        if gemm_gluon.supports(cfg, bdim, od) is None:
+                            contenders[name] = functools.partial(gemm_gluon.blockwise_gemm_gluon, a, a_s, b, b_s,
+                                                                 b_block_dim=bdim, out_dtype=od, config=cfg)  # fmt: skip
+                    order = list(contenders)
+                    if r % 2:  # alternate who goes first (a first-in-round bias was seen before)
+                        order.reverse()
+                    for label in order:
+                        ms, t0, t1 = sustained(contenders[label], args.seconds)
+                        runs.append(((m, n, k), form, label, r, ms, t0, t1))
+                    del a, a_s, b, b_s, contenders
+                    torch.cuda.empty_cache()
+    finally:
+        smi.stop()
+    rows = []
+    for shape, form, label, r, ms, t0, t1 in runs:
+        tf = 2.0 * shape[0] * shape[1] * shape[2] / ms * 1e-9
+        w = smi.window(t0 + 0.2 * (t1 - t0), t1)  # skip the first fifth: the clock settles
+        rows.append({"shape": list(shape), "form": form, "contender": label, "round": r, "ms": ms, "tflops": tf, **w})
+    print(
+        f"\nsustained {args.seconds:g} s per contender and round, {args.rounds} rounds interleaved; median (min-max) over rounds"
+    )
+    print(f"{'form':6} {'M':>6} {'N':>6} {'K':>6} {'contender':>11} {'TFLOPS':>18} {'ratio':>6} {'SM MHz':>7} {'W':>6}"
+          f" {'TF/GHz':>7} {'TF/kW':>7} {'maxC':>5} throttle")  # fmt: skip
+    for shape in shapes:
+        for form in args.forms.split(","):
+            sel = [x for x in rows if tuple(x["shape"]) == shape and x["form"] == form]
+            base = statistics.median(x["tflops"] for x in sel if x["contender"] == "cuBLAS") if sel else float("nan")
+            for label in dict.fromkeys(x["contender"] for x in sel):
+                mine = [x for x in sel if x["contender"] == label]
+                tfs = [x["tflops"] for x in mine]
+                tf = statistics.median(tfs)
+                mhz = statistics.median(x["sm_mhz"] for x in mine)
+                pw = statistics.median(x["power_w"] for x in mine)
+                thr = ",".join(sorted({x["throttle"] for x in mine}))
+                print(f"{form:6} {shape[0]:6} {shape[1]:6} {shape[2]:6} {label:>11} {tf:7.0f} ({min(tfs):4.0f}-{max(tfs):4.0f})"
+                      f" {tf / base:6.3f} {mhz:7.0f} {pw:6.0f} {tf / (mhz / 1000):7.0f} {tf / (pw / 1000):7.0f}"
+                      f" {max(x['temp_c'] for x in mine):5.0f} {thr}")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "seconds": args.seconds, "rows": rows}, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
