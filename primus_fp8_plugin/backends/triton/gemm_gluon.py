@@ -94,7 +94,7 @@ class GluonGemmConfig:
     producer_regs: int = 40
     # 128x256 tiles only: each K block's A tile [64, 128] is loaded into registers once and fed to the
     # four n64 wgmma chains (register-sourced A), instead of every chain re-reading it from smem
-    a_in_registers: bool = False
+    a_in_registers: int = 0  # 1: loaded at the start of each K block; 2: during the K block before
 
     @property
     def block_m(self) -> int:
@@ -320,7 +320,7 @@ def _quad_col_scales(bs_scales, s, J: gl.constexpr, Q: gl.constexpr, col_layout:
 
 @gluon.jit
 def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
-                as_rows, bs_scales, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
+                as_rows, bs_scales, a_in, has_next, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
                 row_layout: gl.constexpr, col_layout: gl.constexpr, word_layout: gl.constexpr, SB_W: gl.constexpr,
                 B_2D: gl.constexpr, FIRST: gl.constexpr, A_REGS: gl.constexpr):  # fmt: skip
     """One K block of _consumer_quad: chains 0-3 (B rows 0-63, ..., 192-255 of stage ``s``) into the
@@ -339,6 +339,7 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     column scales before chain 3's promotion as well spills 32 bytes."""
     # Promotions go through _promote with row scales and column scales: for 128x128 B the rows carry
     # the block's B scale already (s_lo, s_hi) and the column scale is 1.0 (folded away).
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     if not FIRST:  # chain 3's 1x128 B scales, from its stage (not released yet)
         sb3_prev = _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D)
     mbarrier.wait(ready.index(s), phase)
@@ -349,9 +350,12 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     else:
         s_lo = sa
         s_hi = sa
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pa.type.layout, k_width=4)
     a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
-    if A_REGS:  # one smem read of the warpgroup's A rows per K block, not one per chain
-        a_op = a_op.load(gl.DotOperandLayout(operand_index=0, parent=pa.type.layout, k_width=4))
+    if A_REGS == 1:  # one smem read of the warpgroup's A rows per K block, not one per chain
+        a_op = a_op.load(a_layout)
+    elif A_REGS == 2:  # ... loaded during the previous K block
+        a_op = a_in
     bt = b_bufs.index(s)
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
@@ -369,11 +373,20 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
     acc1 = _promote(acc1, pb, s_lo, sb1, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
+    a_next = a_in
+    if A_REGS == 2:  # the next K block's A rows (this CTA's next stage), while chains 2 and 3 finish
+        # past this CTA's last K block: a dummy load from this block's stage (no branch: a region
+        # around the load made ptxas spill ~1 KB)
+        s_next = (s + 1) % NUM_STAGES
+        s_pf = gl.where(has_next, s_next, s)
+        phase_pf = gl.where(has_next, phase ^ (s_next == 0).to(gl.int32), phase)
+        mbarrier.wait(ready.index(s_pf), phase_pf)
+        a_next = a_bufs.index(s_pf).slice(WG * HALF_M, HALF_M).load(a_layout)
     # chain 2
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
     acc2 = _promote(acc2, pa, s_hi, sb2, B_2D)
     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
-    return pa, pb, acc0, acc1, acc2, acc3, s_hi
+    return pa, pb, acc0, acc1, acc2, acc3, s_hi, a_next
 
 
 @gluon.jit
@@ -443,6 +456,14 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     # the fresh accumulators: own registers, never read by anything but the wgmma that overwrites them
     pa = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     pb = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
+    # K blocks this CTA runs (the grid has no more CTAs than tiles); A_REGS == 2 loads each one's A
+    # rows during the one before, the first here
+    total = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0)) * nk
+    a_regs = 0
+    if A_REGS == 2:
+        mbarrier.wait(ready.index(0), 0)
+        a_regs = a_bufs.index(0).slice(WG * HALF_M, HALF_M).load(
+            gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4))
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M + WG * HALF_M
@@ -451,19 +472,19 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
         m_mask = offs_m < M
 
         s = it % NUM_STAGES
-        pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
+        pa, pb, acc0, acc1, acc2, acc3, sa3, a_regs = _quad_block(
             a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, 0, s, pa, pb, zero, zero, zero, zero,
-            gl.zeros([HALF_M], gl.float32, row_layout), as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout,
-            word_layout, SB_W, B_2D, True, A_REGS,
+            gl.zeros([HALF_M], gl.float32, row_layout), as_rows, bs_scales, a_regs, it + 1 < total, WG, HALF_M, Q,
+            row_layout, col_layout, word_layout, SB_W, B_2D, True, A_REGS,
         )  # fmt: skip
         s_prev = s
         it += 1
         for kb in range(1, nk):
             s = it % NUM_STAGES
-            pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
+            pa, pb, acc0, acc1, acc2, acc3, sa3, a_regs = _quad_block(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, kb, s_prev, pa, pb, acc0, acc1, acc2,
-                acc3, sa3, as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout, word_layout, SB_W, B_2D, False,
-                A_REGS,
+                acc3, sa3, as_rows, bs_scales, a_regs, it + 1 < total, WG, HALF_M, Q, row_layout, col_layout,
+                word_layout, SB_W, B_2D, False, A_REGS,
             )  # fmt: skip
             s_prev = s
             it += 1
@@ -817,7 +838,8 @@ BENCH_CONFIGS = {
     # 128x256 tiles, four n64 chains per K block (what select_config picks)
     "n256": WIDE_CONFIG,
     # the same with each K block's A rows in registers (register-sourced wgmma A)
-    "n256_areg": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, a_in_registers=True),
+    "n256_areg": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, a_in_registers=1),
+    "n256_apre": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, a_in_registers=2),
 }
 
 
