@@ -2,6 +2,7 @@
 """Blockwise FP8 GEMM throughput on the GPU: ours vs cuBLAS blockwise, BF16 cuBLAS and TE.
 
     python scripts/bench_gemm.py [--json out.json] [--plot out.png] [--tune] [--gluon-configs n256 ...]
+    python scripts/bench_gemm.py --sustained 1.5 --json out.json   # power-limited, as in training
 
 ``ours`` is what the ``triton`` backend runs: on Hopper the warp-specialised Gluon kernel
 (backends/triton/gemm_gluon.py), elsewhere the portable Triton kernel; ``portable`` is the portable
@@ -10,12 +11,17 @@ Triton kernel (backends/triton/gemm.py) on every GPU. ``--gluon-configs`` adds G
 
 For each layer shape (M, N, K) and each GEMM of a linear layer (fwd Y=XW^T, dgrad dX=dYW,
 wgrad dW=dY^T X; 2*M*N*K FLOPs each), every contender is timed in the same run on the same
-quantized operands. ``--tune`` first sweeps the Triton kernel's launch configs per shape and
-writes the best into primus_fp8_plugin/backends/triton/gemm_configs.json (the committed table).
+quantized operands. ``--sustained S`` times each contender run back to back for S seconds instead of
+``do_bench``'s 150 ms, and records the SM clock and board power over each run (nvidia-smi): on the
+H200 every FP8 GEMM then runs at the 700 W power limit, at 1.3-1.5 GHz, as in training, where the
+short timing catches part of the boost clock (docs/PERFORMANCE.md, "Ceilings"). ``--tune`` first
+sweeps the Triton kernel's launch configs per shape and writes the best into
+primus_fp8_plugin/backends/triton/gemm_configs.json (the committed table).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -23,6 +29,7 @@ import sys
 
 import torch
 from benchlib import (
+    PowerLog,
     bench_ms,
     bench_parser,
     environment,
@@ -31,6 +38,7 @@ from benchlib import (
     save_figure,
     save_json,
     shapes_or,
+    sustained_ms,
     try_import_te,
 )
 
@@ -117,6 +125,8 @@ def main() -> int:
     ap = bench_parser(__doc__, "MxNxK, e.g. 8192x8192x8192")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs and write the config table first")
     ap.add_argument("--gluon-configs", nargs="*", default=[], choices=sorted(BENCH_CONFIGS), help="extra Gluon configs")
+    ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
+                    help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi)")  # fmt: skip
     args = ap.parse_args()
     if not require_cuda("bench_gemm"):
         return 2
@@ -131,6 +141,27 @@ def main() -> int:
     cublas = CublasBackend()
     have_cublas = bool(cublas.availability(torch.device("cuda")))
     rows, te_reason = [], ""
+    windows = []  # (row, contender, t0, t1) of the sustained runs
+    power = PowerLog() if args.sustained > 0 else contextlib.nullcontext()
+    with power:
+        _run(args, shapes, recipe, te, tex, cublas, have_cublas, rows, windows)
+    if args.sustained > 0:
+        for row, name, t0, t1 in windows:
+            w = power.window(t0, t1)
+            row[f"{name} MHz"] = w["sm_mhz"]
+            row[f"{name} W"] = w["power_w"]
+            row.setdefault("throttle", set()).add(w["throttle"])
+        for row in rows:
+            row["throttle"] = ",".join(sorted(row.get("throttle", ())))
+    if te is not None:
+        te_reason = next((r.pop("_te_reason") for r in rows if r.get("_te_reason")), "")
+    for r in rows:
+        r.pop("_te_reason", None)
+    _report(args, rows, te, te_reason)
+    return 0
+
+
+def _run(args, shapes, recipe, te, tex, cublas, have_cublas, rows, windows) -> None:
     for m, n, k in shapes:
         for direction in ("fwd", "dgrad", "wgrad"):
             meta, (a, sa, b, sb, bdim) = operands(m, n, k, direction, recipe)
@@ -154,12 +185,21 @@ def main() -> int:
                     "dgrad": lambda: cublas.gemm_dgrad(meta["a"], meta["b"], torch.bfloat16),
                     "wgrad": lambda: cublas.gemm_wgrad(meta["a"], meta["b"], torch.bfloat16, None),
                 }[direction]
+            te_reason = ""
             if te is not None:
                 fn, te_reason = te_gemm_fn(te, tex, direction, m, n, k)
                 if fn is not None:
                     fns["TE"] = fn
-            tflops = {name: flops / bench_ms(fn) / 1e9 for name, fn in fns.items()}
-            row = {"shape": f"{m}x{n}x{k}", "gemm": direction, **{f"{kk} TF": v for kk, v in tflops.items()}}
+            row = {"shape": f"{m}x{n}x{k}", "gemm": direction, "_te_reason": te_reason}
+            tflops = {}
+            for name, fn in fns.items():
+                if args.sustained > 0:
+                    ms, t0, t1 = sustained_ms(fn, args.sustained)
+                    windows.append((row, name, t0, t1))
+                else:
+                    ms = bench_ms(fn)
+                tflops[name] = flops / ms / 1e9
+            row.update({f"{kk} TF": v for kk, v in tflops.items()})
             if "cublas" in tflops:
                 row["ours/cublas"] = tflops["ours"] / tflops["cublas"]
                 for name in args.gluon_configs:
@@ -171,12 +211,20 @@ def main() -> int:
             rows.append(row)
             print(f"{direction:5} {gm}x{gn}x{gk}: " + "  ".join(f"{kk} {v:.0f}" for kk, v in tflops.items()), flush=True)
             torch.cuda.empty_cache()
+
+
+def _report(args, rows, te, te_reason) -> None:
     env = environment()
+    if args.sustained > 0:
+        env["timing"] = f"sustained {args.sustained:g} s per contender (SM clock and power: median over each run)"
     print(f"\n# bench_gemm  {env}")
     cols = [("shape", ""), ("gemm", ""), ("ours TF", ".0f"), ("portable TF", ".0f"), ("cublas TF", ".0f"), ("TE TF", ".0f"),
             ("bf16 TF", ".0f"), ("ours/cublas", ".2f"), ("ours/TE", ".2f"), ("ours/bf16", ".2f")]  # fmt: skip
     for name in args.gluon_configs:
         cols += [(f"gluon {name} TF", ".0f"), (f"gluon {name}/cublas", ".2f")]
+    if args.sustained > 0:
+        cols += [("ours MHz", ".0f"), ("cublas MHz", ".0f"), ("bf16 MHz", ".0f"), ("ours W", ".0f"), ("cublas W", ".0f"),
+                 ("throttle", "")]  # fmt: skip
     print_table(rows, cols)
     summary = {}
     for direction in ("fwd", "dgrad", "wgrad"):
@@ -191,7 +239,6 @@ def main() -> int:
         save_json(args.json, {"env": env, "rows": rows, "summary": summary})
     if args.plot:
         plot(rows, args.plot)
-    return 0
 
 
 def plot(rows, path):

@@ -14,6 +14,10 @@ Two measurements per shape (M tokens, N out, K in; 6*M*N*K FLOPs per forward+bac
 ``torch.cuda.make_graphed_callables``: forward and backward each replay one graph, so the host cost
 per call disappears. Under capture our weight cache always quantizes (weight_cache.py), so a graphed
 microbatch always includes the weight quantization.
+
+``--sustained S`` runs each contender's step (and its four microbatches) back to back for S seconds
+instead of ``do_bench``'s 150 ms, and records the SM clock and board power over the one-step run: the
+H200 then sits at its 700 W limit, as in training (docs/PERFORMANCE.md, "Ceilings").
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import sys
 
 import torch
 from benchlib import (
+    PowerLog,
     bench_ms,
     bench_parser,
     environment,
@@ -30,6 +35,7 @@ from benchlib import (
     save_figure,
     save_json,
     shapes_or,
+    sustained_ms,
     try_import_te,
 )
 
@@ -59,12 +65,19 @@ def main() -> int:
     ap = bench_parser(__doc__, "MxNxK")
     ap.add_argument("--backends", nargs="*", default=["cublas", "triton"])
     ap.add_argument("--cuda-graph", action="store_true", help="also BF16 and ours captured in CUDA graphs")
+    ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
+                    help="time each contender's step over S seconds back to back (the power-limited clock of "
+                         "training), with SM clock and power (nvidia-smi)")  # fmt: skip
     args = ap.parse_args()
     if not require_cuda("bench_linear"):
         return 2
     shapes = shapes_or(args, SHAPES)
     te, tex = try_import_te()
     rows = []
+    windows = []  # (row, t0, t1) of each sustained one-step run
+    power = PowerLog()
+    if args.sustained > 0:
+        power.__enter__()
     for m, n, k in shapes:
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -103,7 +116,7 @@ def main() -> int:
                 lay = Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=ours[0])
                 contenders[f"ours-{ours[0]} graph"] = (torch.cuda.make_graphed_callables(lay, (x,)), plain)
         flops = 6 * m * n * k
-        times = {}
+        times, span = {}, {}
         for name, (layer, call) in contenders.items():
             if name == "bf16" or name.endswith(" graph"):
                 single, four = step_fns(layer, x, dy, lambda lay, inp, f: lay(inp))
@@ -113,7 +126,12 @@ def main() -> int:
                 _, four = step_fns(layer, x, dy, call)
             else:
                 single, four = step_fns(layer, x, dy, call)
-            times[name] = (bench_ms(single), bench_ms(four) / 4)
+            if args.sustained > 0:
+                t1, w0, w1 = sustained_ms(single, args.sustained)
+                span[name] = (w0, w1)
+                times[name] = (t1, sustained_ms(four, args.sustained)[0] / 4)
+            else:
+                times[name] = (bench_ms(single), bench_ms(four) / 4)
         bf16 = times["bf16"]
         for name, (t1, t4) in times.items():
             row = {"shape": f"{m}x{n}x{k}", "impl": name, "step ms": t1, "step TF": flops / t1 / 1e9,
@@ -121,13 +139,23 @@ def main() -> int:
             if "TE" in times and name != "TE":
                 row["vs TE"] = times["TE"][0] / t1
                 row["4mb vs TE"] = times["TE"][1] / t4
+            if name in span:
+                windows.append((row, *span[name]))
             rows.append(row)
         print("  ".join(f"{nme} {t1:.3f}/{t4:.3f} ms" for nme, (t1, t4) in times.items()), f"({m}x{n}x{k})", flush=True)
         torch.cuda.empty_cache()
     env = environment()
+    cols = [("shape", ""), ("impl", ""), ("step ms", ".3f"), ("step TF", ".0f"), ("vs bf16", ".2f"), ("vs TE", ".2f"),
+            ("4mb ms/mb", ".3f"), ("4mb vs bf16", ".2f"), ("4mb vs TE", ".2f")]  # fmt: skip
+    if args.sustained > 0:
+        power.__exit__(None, None, None)
+        for row, w0, w1 in windows:
+            w = power.window(w0, w1)
+            row.update({"step MHz": w["sm_mhz"], "step W": w["power_w"], "throttle": w["throttle"]})
+        env["timing"] = f"sustained {args.sustained:g} s per contender and timing (SM clock and power: one-step runs)"
+        cols += [("step MHz", ".0f"), ("step W", ".0f"), ("throttle", "")]
     print(f"\n# bench_linear  {env}")
-    print_table(rows, [("shape", ""), ("impl", ""), ("step ms", ".3f"), ("step TF", ".0f"), ("vs bf16", ".2f"), ("vs TE", ".2f"),
-                       ("4mb ms/mb", ".3f"), ("4mb vs bf16", ".2f"), ("4mb vs TE", ".2f")])  # fmt: skip
+    print_table(rows, cols)
     if te is None:
         print(f"(TE not installed: {tex})")
     if args.json:

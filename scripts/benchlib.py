@@ -6,7 +6,11 @@ import argparse
 import datetime as _dt
 import json
 import platform
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +41,81 @@ def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / (calls * replays)
+
+
+def sustained_ms(fn, seconds: float) -> tuple[float, float, float]:
+    """GPU time per call of ``fn`` run back to back for about ``seconds`` (CUDA events around the
+    whole run), and the run's wall-clock start and end (``time.time()``, to match ``PowerLog``).
+    Unlike ``bench_ms`` (150 ms), long enough for the H200's power limit to pull the SM clock down
+    to where a training run holds it (docs/PERFORMANCE.md, "Ceilings")."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    calls = max(10, int(seconds / max((time.perf_counter() - t) / 3, 1e-6)))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.time()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls, t0, time.time()
+
+
+class PowerLog:
+    """SM clock, board power, temperature and clock-throttle reasons sampled by ``nvidia-smi`` in the
+    background (every ``interval_ms``); ``window(t0, t1)`` summarises the samples of a time window.
+    Use as a context manager. Without ``nvidia-smi`` it records nothing (``window`` gives NaNs)."""
+
+    FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+    def __init__(self, interval_ms: int = 50):
+        self.interval_ms = interval_ms
+        self.samples: list[tuple[float, float, float, float, str]] = []
+        self.proc = None
+
+    def __enter__(self) -> PowerLog:
+        # into a file, not a pipe: nothing reads a pipe until the end, and a full one stops nvidia-smi
+        self.file = tempfile.TemporaryFile(mode="w+")
+        cmd = ["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"]
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.file.seek(0)
+        for line in self.file.read().splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            try:  # 2026/12/01 07:30:00.123, 1980, 690.5, 60, 0x0000000000000004
+                t = time.mktime(time.strptime(parts[0][:19], "%Y/%m/%d %H:%M:%S")) + float("0" + parts[0][19:])
+                self.samples.append((t, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
+            except (ValueError, IndexError):
+                continue
+        self.file.close()
+
+    def window(self, t0: float, t1: float, settle: float = 0.2) -> dict:
+        """Median SM clock (MHz) and power (W), peak temperature and the throttle reasons seen over
+        [t0, t1], leaving out its first ``settle`` fraction (the clock is still falling there)."""
+        t0 = t0 + settle * (t1 - t0)
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not inside:
+            return {"sm_mhz": float("nan"), "power_w": float("nan"), "temp_c": float("nan"), "throttle": ""}
+        return {
+            "sm_mhz": statistics.median(s[1] for s in inside),
+            "power_w": statistics.median(s[2] for s in inside),
+            "temp_c": max(s[3] for s in inside),
+            # 0x4: software power cap, 0x20/0x40: thermal slowdown (nvidia-smi -q -d PERFORMANCE)
+            "throttle": ",".join(sorted({s[4] for s in inside})),
+        }
 
 
 def environment() -> dict:

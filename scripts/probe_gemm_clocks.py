@@ -2,7 +2,7 @@
 """Sustained GEMM throughput with the SM clock and board power seen while it runs (H100/H200).
 
     python scripts/probe_gemm_clocks.py                                  # ours vs cuBLAS, 3 shapes
-    python scripts/probe_gemm_clocks.py --configs n256,n256_areg --seconds 3 --rounds 3 --json out.json
+    python scripts/probe_gemm_clocks.py --configs n256 --seconds 3 --rounds 3 --json out.json
 
 Why: a short ``do_bench`` (60 ms) of an FP8 GEMM on the H200 can run at a clock the card does not
 hold under sustained load (the power limit pulls the SM clock down from ~1.98 GHz to ~1.5 GHz), and
@@ -26,9 +26,7 @@ import argparse
 import functools
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,52 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchlib import PowerLog, sustained_ms  # noqa: E402
 from check_gluon_gemm import cublas_fn, make_inputs  # noqa: E402
 
 from primus_fp8_plugin.backends.triton import gemm_gluon  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568)]
 FORMS = {"fwd": (2, torch.bfloat16), "wgrad": (1, torch.bfloat16)}
-SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
-
-
-class SmiLog:
-    """nvidia-smi sampling in the background; ``window(t0, t1)`` gives the samples in a time window."""
-
-    def __init__(self, interval_ms: int = 50):
-        # into a file, not a pipe: nothing reads a pipe until the end, and a full one stops nvidia-smi
-        self.file = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(
-            ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits", f"-lms={interval_ms}"],
-            stdout=self.file, text=True,
-        )  # fmt: skip
-        self.samples: list[tuple[float, float, float, float, str]] = []
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-        self.file.seek(0)
-        for line in self.file.read().splitlines():
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) != 5:
-                continue
-            try:  # 2026/12/01 07:30:00.123
-                t = time.mktime(time.strptime(parts[0][:19], "%Y/%m/%d %H:%M:%S")) + float("0" + parts[0][19:])
-                self.samples.append((t, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
-            except ValueError:
-                continue
-
-    def window(self, t0: float, t1: float) -> dict:
-        inside = [s for s in self.samples if t0 <= s[0] <= t1]
-        if not inside:
-            return {"sm_mhz": float("nan"), "power_w": float("nan"), "temp_c": float("nan"), "throttle": "", "n": 0}
-        return {
-            "sm_mhz": statistics.median(s[1] for s in inside),
-            "power_w": statistics.median(s[2] for s in inside),
-            "temp_c": max(s[3] for s in inside),
-            "throttle": ",".join(sorted({s[4] for s in inside})),
-            "n": len(inside),
-        }
 
 
 def ceiling_fns(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -94,27 +53,6 @@ def ceiling_fns(a: torch.Tensor, b: torch.Tensor) -> dict:
         "FP8-tensor": lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16),
         "BF16": lambda: a16 @ b16.t(),
     }
-
-
-def sustained(fn, seconds: float) -> tuple[float, float, float]:
-    """Runs ``fn`` back to back for about ``seconds``; returns (ms per call, wall start, wall end)."""
-    fn()
-    torch.cuda.synchronize()
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t = time.perf_counter()
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    per_call = (time.perf_counter() - t) / 3
-    calls = max(10, int(seconds / max(per_call, 1e-6)))
-    t0 = time.time()
-    start_ev.record()
-    for _ in range(calls):
-        fn()
-    end_ev.record()
-    end_ev.synchronize()
-    t1 = time.time()
-    return start_ev.elapsed_time(end_ev) / calls, t0, t1
 
 
 def main(argv=None) -> int:
@@ -135,9 +73,8 @@ def main(argv=None) -> int:
     configs = {c: gemm_gluon.BENCH_CONFIGS[c] for c in args.configs.split(",")}
     now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  {now}")
-    smi = SmiLog()
     runs = []  # (shape, form, label, round, ms, t0, t1)
-    try:
+    with PowerLog() as smi:
         for m, n, k in shapes:
             for form in args.forms.split(","):
                 bdim, od = FORMS[form]
@@ -154,16 +91,14 @@ def main(argv=None) -> int:
                     if r % 2:  # alternate who goes first (a first-in-round bias was seen before)
                         order.reverse()
                     for label in order:
-                        ms, t0, t1 = sustained(contenders[label], args.seconds)
+                        ms, t0, t1 = sustained_ms(contenders[label], args.seconds)
                         runs.append(((m, n, k), form, label, r, ms, t0, t1))
                     del a, a_s, b, b_s, contenders
                     torch.cuda.empty_cache()
-    finally:
-        smi.stop()
     rows = []
     for shape, form, label, r, ms, t0, t1 in runs:
         tf = 2.0 * shape[0] * shape[1] * shape[2] / ms * 1e-9
-        w = smi.window(t0 + 0.2 * (t1 - t0), t1)  # skip the first fifth: the clock settles
+        w = smi.window(t0, t1)
         rows.append({"shape": list(shape), "form": form, "contender": label, "round": r, "ms": ms, "tflops": tf, **w})
     print(
         f"\nsustained {args.seconds:g} s per contender and round, {args.rounds} rounds interleaved; median (min-max) over rounds"

@@ -92,9 +92,6 @@ class GluonGemmConfig:
     group_m: int = 8
     consumer_regs: int = 232
     producer_regs: int = 40
-    # 128x256 tiles only: each K block's A tile [64, 128] is loaded into registers once and fed to the
-    # four n64 wgmma chains (register-sourced A), instead of every chain re-reading it from smem
-    a_in_registers: int = 0  # 1: loaded at the start of each K block; 2: during the K block before
 
     @property
     def block_m(self) -> int:
@@ -320,9 +317,9 @@ def _quad_col_scales(bs_scales, s, J: gl.constexpr, Q: gl.constexpr, col_layout:
 
 @gluon.jit
 def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
-                as_rows, bs_scales, a_in, has_next, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
+                as_rows, bs_scales, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
                 row_layout: gl.constexpr, col_layout: gl.constexpr, word_layout: gl.constexpr, SB_W: gl.constexpr,
-                B_2D: gl.constexpr, FIRST: gl.constexpr, A_REGS: gl.constexpr):  # fmt: skip
+                B_2D: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
     """One K block of _consumer_quad: chains 0-3 (B rows 0-63, ..., 192-255 of stage ``s``) into the
     fresh accumulators pa, pb, pa, pb, each promoted while the next runs; unless FIRST, the previous
     K block's chain 3 (retired, in ``pb``, its row scales ``sa_prev``) is promoted while chain 0 runs
@@ -339,7 +336,6 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     column scales before chain 3's promotion as well spills 32 bytes."""
     # Promotions go through _promote with row scales and column scales: for 128x128 B the rows carry
     # the block's B scale already (s_lo, s_hi) and the column scale is 1.0 (folded away).
-    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     if not FIRST:  # chain 3's 1x128 B scales, from its stage (not released yet)
         sb3_prev = _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D)
     mbarrier.wait(ready.index(s), phase)
@@ -350,12 +346,7 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     else:
         s_lo = sa
         s_hi = sa
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=pa.type.layout, k_width=4)
     a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
-    if A_REGS == 1:  # one smem read of the warpgroup's A rows per K block, not one per chain
-        a_op = a_op.load(a_layout)
-    elif A_REGS == 2:  # ... loaded during the previous K block
-        a_op = a_in
     bt = b_bufs.index(s)
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
@@ -373,20 +364,11 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
     acc1 = _promote(acc1, pb, s_lo, sb1, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
-    a_next = a_in
-    if A_REGS == 2:  # the next K block's A rows (this CTA's next stage), while chains 2 and 3 finish
-        # past this CTA's last K block: a dummy load from this block's stage (no branch: a region
-        # around the load made ptxas spill ~1 KB)
-        s_next = (s + 1) % NUM_STAGES
-        s_pf = gl.where(has_next, s_next, s)
-        phase_pf = gl.where(has_next, phase ^ (s_next == 0).to(gl.int32), phase)
-        mbarrier.wait(ready.index(s_pf), phase_pf)
-        a_next = a_bufs.index(s_pf).slice(WG * HALF_M, HALF_M).load(a_layout)
     # chain 2
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
     acc2 = _promote(acc2, pa, s_hi, sb2, B_2D)
     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
-    return pa, pb, acc0, acc1, acc2, acc3, s_hi, a_next
+    return pa, pb, acc0, acc1, acc2, acc3, s_hi
 
 
 @gluon.jit
@@ -415,7 +397,7 @@ def _quad_store(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_
 @gluon.jit
 def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
                    WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
-                   GROUP_M: gl.constexpr, A_REGS: gl.constexpr):  # fmt: skip
+                   GROUP_M: gl.constexpr):  # fmt: skip
     """BLOCK_N = 4 x 64 tile with smem-staged scales: each K block runs four m64n64k32 wgmma chains
     (B rows 0-63, ..., 192-255) alternately into two fresh accumulators (``pa``, ``pb``), so that while
     chain j is promoted into its running accumulator ``acc_j`` chain j+1 runs (chain 3 is promoted
@@ -456,14 +438,6 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     # the fresh accumulators: own registers, never read by anything but the wgmma that overwrites them
     pa = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     pb = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
-    # K blocks this CTA runs (the grid has no more CTAs than tiles); A_REGS == 2 loads each one's A
-    # rows during the one before, the first here
-    total = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0)) * nk
-    a_regs = 0
-    if A_REGS == 2:
-        mbarrier.wait(ready.index(0), 0)
-        a_regs = a_bufs.index(0).slice(WG * HALF_M, HALF_M).load(
-            gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=4))
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M + WG * HALF_M
@@ -472,19 +446,18 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
         m_mask = offs_m < M
 
         s = it % NUM_STAGES
-        pa, pb, acc0, acc1, acc2, acc3, sa3, a_regs = _quad_block(
+        pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
             a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, 0, s, pa, pb, zero, zero, zero, zero,
-            gl.zeros([HALF_M], gl.float32, row_layout), as_rows, bs_scales, a_regs, it + 1 < total, WG, HALF_M, Q,
-            row_layout, col_layout, word_layout, SB_W, B_2D, True, A_REGS,
+            gl.zeros([HALF_M], gl.float32, row_layout), as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout,
+            word_layout, SB_W, B_2D, True,
         )  # fmt: skip
         s_prev = s
         it += 1
         for kb in range(1, nk):
             s = it % NUM_STAGES
-            pa, pb, acc0, acc1, acc2, acc3, sa3, a_regs = _quad_block(
+            pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, kb, s_prev, pa, pb, acc0, acc1, acc2,
-                acc3, sa3, as_rows, bs_scales, a_regs, it + 1 < total, WG, HALF_M, Q, row_layout, col_layout,
-                word_layout, SB_W, B_2D, False, A_REGS,
+                acc3, sa3, as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout, word_layout, SB_W, B_2D, False,
             )  # fmt: skip
             s_prev = s
             it += 1
@@ -512,7 +485,6 @@ def _blockwise_gemm_gluon_kernel(
     M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
     B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
     NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    A_REGS: gl.constexpr,
 ):  # fmt: skip
     # as_desc / bs_desc: TMA descriptors of the A and B scales ([1, BLOCK_M] and [1, BLOCK_N] boxes;
     # [2, 16] B-scale boxes for 128x128 B scales) for 128x256 tiles, else None
@@ -552,9 +524,9 @@ def _blockwise_gemm_gluon_kernel(
     if QUAD:
         gl.warp_specialize([
             (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
-                              as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M, A_REGS)),
+                              as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
-                              as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M, A_REGS)),
+                              as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
                          GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
@@ -659,11 +631,6 @@ def _check_config(
 ) -> None:  # fmt: skip
     if cfg.block_n not in (64, 128, 256):
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
-    if cfg.a_in_registers and cfg.block_n != 256:
-        raise NotImplementedError("a_in_registers is implemented for block_n=256 (the four-chain consumer) only")
-    if cfg.a_in_registers and b_block_dim == 1:
-        raise NotImplementedError("a_in_registers with 1x128 B scales spills registers (88-104 bytes: the column "
-                                  "scales of three chains are live); use a_in_registers=False")  # fmt: skip
     if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
         raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
                                   "(ptxas, either B scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
@@ -760,7 +727,7 @@ def blockwise_gemm_gluon(
         hint, grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
-        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs, cfg.a_in_registers,
+        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
         num_warps=4, maxnreg=_maxnreg(cfg),
     )  # fmt: skip
     return c
@@ -837,9 +804,6 @@ BENCH_CONFIGS = {
     "n128": GluonGemmConfig(),
     # 128x256 tiles, four n64 chains per K block (what select_config picks)
     "n256": WIDE_CONFIG,
-    # the same with each K block's A rows in registers (register-sourced wgmma A)
-    "n256_areg": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, a_in_registers=1),
-    "n256_apre": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, a_in_registers=2),
 }
 
 
@@ -870,12 +834,10 @@ def compile_variant(v: AotVariant):
         "as_desc": "constexpr", "bs_desc": "constexpr",
         "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr",
         "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
-        "A_REGS": "constexpr",
     }  # fmt: skip
     cons = {"as_desc": None, "bs_desc": None, "B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias,
             "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
-            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
-            "A_REGS": cfg.a_in_registers}  # fmt: skip
+            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
     if cfg.scale_tma:
         kbs = ceil_div(k, BLOCK_K)
         b_box = list(_B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
