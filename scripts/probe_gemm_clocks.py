@@ -17,7 +17,9 @@ the card is at its power limit).
 Contenders: cuBLAS blockwise (``torch.nn.functional.scaled_mm``), the Gluon kernel in each of
 ``--configs`` (``gemm_gluon.BENCH_CONFIGS``) that takes the form, and for the fwd form two ceilings:
 cuBLAS FP8 with per-tensor scales (no promotion) and BF16; forms: fwd (128x128 B scales, bf16
-out, also what dgrad runs) and wgrad (1x128 B scales, bf16 out).
+out, also what dgrad runs), wgrad (1x128 B scales, bf16 out) and wgrad_acc (1x128 B scales, added
+into an fp32 ``main_grad``: ours in the epilogue, cuBLAS as an fp32 product plus an ``add_`` pass,
+as the ``cublas`` backend does).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from check_gluon_gemm import cublas_fn, make_inputs  # noqa: E402
 from primus_fp8_plugin.backends.triton import gemm_gluon  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568)]
-FORMS = {"fwd": (2, torch.bfloat16), "wgrad": (1, torch.bfloat16)}
+# form: (B scale layout, output dtype, accumulate into an fp32 tensor)
+FORMS = {"fwd": (2, torch.bfloat16, False), "wgrad": (1, torch.bfloat16, False), "wgrad_acc": (1, torch.float32, True)}
 
 
 def ceiling_fns(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -77,23 +80,29 @@ def main(argv=None) -> int:
     with PowerLog() as smi:
         for m, n, k in shapes:
             for form in args.forms.split(","):
-                bdim, od = FORMS[form]
+                bdim, od, accumulate = FORMS[form]
                 for r in range(args.rounds):
                     a, a_s, b, b_s = make_inputs(m, n, k, bdim, seed=1000 + r)  # fresh operands each round
-                    contenders = {"cuBLAS": cublas_fn(a, a_s, b, b_s, bdim, od)}
+                    acc = torch.zeros(m, n, device="cuda") if accumulate else None
+                    cublas = cublas_fn(a, a_s, b, b_s, bdim, od)
+                    if accumulate:  # cuBLAS writes the fp32 product, a second pass adds it (backends/cublas.py)
+                        contenders = {"cuBLAS": lambda cublas=cublas, acc=acc: acc.add_(cublas())}
+                    else:
+                        contenders = {"cuBLAS": cublas}
                     if form == "fwd" and args.ceilings:
                         contenders.update(ceiling_fns(a, b))
                     for name, cfg in configs.items():
-                        if gemm_gluon.supports(cfg, bdim, od) is None:
+                        if gemm_gluon.supports(cfg, bdim, od, accumulate) is None:
                             contenders[name] = functools.partial(gemm_gluon.blockwise_gemm_gluon, a, a_s, b, b_s,
-                                                                 b_block_dim=bdim, out_dtype=od, config=cfg)  # fmt: skip
+                                                                 b_block_dim=bdim, out_dtype=od, config=cfg,
+                                                                 accumulate_into=acc)  # fmt: skip
                     order = list(contenders)
                     if r % 2:  # alternate who goes first (a first-in-round bias was seen before)
                         order.reverse()
                     for label in order:
                         ms, t0, t1 = sustained_ms(contenders[label], args.seconds)
                         runs.append(((m, n, k), form, label, r, ms, t0, t1))
-                    del a, a_s, b, b_s, contenders
+                    del a, a_s, b, b_s, contenders, acc
                     torch.cuda.empty_cache()
     rows = []
     for shape, form, label, r, ms, t0, t1 in runs:

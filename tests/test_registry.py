@@ -85,3 +85,27 @@ def test_operands_on_different_devices_are_refused():
             rowwise_data=wq.rowwise_data,
             rowwise_scale_inv=wq.rowwise_scale_inv.to("meta"),
         )
+
+
+def test_hopper_backend_routes_each_gemm(monkeypatch):
+    """``hopper``: Gluon (Triton backend) for fwd, dgrad and accumulating wgrad, cuBLAS for plain wgrad."""
+    from primus_fp8_plugin.backends.cublas import CublasBackend
+    from primus_fp8_plugin.backends.hopper import HopperBackend
+    from primus_fp8_plugin.backends.triton import TritonBackend
+
+    calls = []
+    for cls in (TritonBackend, CublasBackend):
+        for op in ("gemm_fwd", "gemm_dgrad", "gemm_wgrad"):
+            monkeypatch.setattr(cls, op, lambda self, *a, _who=(cls.name, op): calls.append(_who) or _who)
+    hopper = HopperBackend()
+    acc = torch.zeros(2, 2)
+    assert hopper.gemm_fwd("x", "w", None, torch.bfloat16) == ("triton", "gemm_fwd")
+    assert hopper.gemm_dgrad("dy", "w", torch.bfloat16) == ("triton", "gemm_dgrad")
+    assert hopper.gemm_wgrad("dy", "x", torch.bfloat16, None) == ("cublas", "gemm_wgrad")
+    assert hopper.gemm_wgrad("dy", "x", torch.float32, acc) == ("triton", "gemm_wgrad")
+    assert len(calls) == 4
+
+
+def test_hopper_backend_needs_hopper():
+    avail = backend_availability("hopper", "cpu")
+    assert not avail and avail.reason

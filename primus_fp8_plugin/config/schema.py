@@ -11,7 +11,7 @@ from typing import Any
 
 FP8_MODES = ("bf16", "blockwise", "te_blockwise", "te_bf16", "te_spec_blockwise")
 TE_MODES = ("te_blockwise", "te_bf16", "te_spec_blockwise")  # built from TE's layer spec
-BACKENDS = ("auto", "triton", "cublas", "flydsl", "reference")
+BACKENDS = ("auto", "triton", "cublas", "hopper", "flydsl", "reference")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from primus_fp8_plugin.validate import rel_frobenius
 from ..conftest import GOLDEN_DIR, make_input
 
 pytestmark = pytest.mark.gpu
-GPU_BACKENDS = ["triton", "cublas", "flydsl"]  # each skipped where unavailable
+GPU_BACKENDS = ["triton", "cublas", "hopper", "flydsl"]  # each skipped where unavailable
 
 
 @pytest.fixture(params=GPU_BACKENDS)

@@ -14,7 +14,7 @@ from ..conftest import make_input
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=["triton", "cublas", "flydsl"])  # each skipped where unavailable
+@pytest.fixture(params=["triton", "cublas", "hopper", "flydsl"])  # each skipped where unavailable
 def gpu_backend(request):
     avail = backend_availability(request.param, "cuda")
     if not avail:

@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 SHAPE = dict(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, seq_length=256, micro_batch_size=4)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cublas"])
+@pytest.mark.parametrize("backend", ["triton", "cublas", "hopper"])
 def test_gpt_on_gpu_matches_bf16(nccl_world, backend):
     if not backend_availability(backend, "cuda"):
         pytest.skip(backend_availability(backend, "cuda").reason)
@@ -34,7 +34,7 @@ def test_gpt_on_gpu_matches_bf16(nccl_world, backend):
     assert worst[1] < 0.15
 
 
-@pytest.fixture(params=["triton", "cublas"])
+@pytest.fixture(params=["triton", "cublas", "hopper"])
 def backend_with_te(request):
     """A GPU backend, with Transformer Engine importable (skipped otherwise)."""
     pytest.importorskip("transformer_engine.pytorch")
