@@ -3,6 +3,7 @@
 
     python scripts/profile_linear_host.py [--shape 4096x4096x4096] [--backend cublas] [--steps 200] [--top 25]
     python scripts/profile_linear_host.py --backend triton --ab-hints 15
+    python scripts/profile_linear_host.py --ab-backends cublas,hopper,triton,bf16 --shape 2048x1024x1024
 
 At 4096^3 the GPU work of a forward+backward step is about 0.5 ms; when the host needs longer to
 issue it, the step is host-bound (docs/PERFORMANCE.md, issue 5). This prints
@@ -12,7 +13,8 @@ issue it, the step is host-bound (docs/PERFORMANCE.md, issue 5). This prints
     them, forward and backward), and
 (c) a cProfile of whole eager steps (forward + backward, weight refreshed as in bench_linear's
     "step"), sorted by own time, to show which Python functions the host time goes to.
-With ``--ab-hints N`` it prints only an interleaved A/B of the launch hints (launch.py) instead.
+With ``--ab-hints N`` it prints only an interleaved A/B of the launch hints (launch.py) instead, and
+with ``--ab-backends`` one of the named backends' layers (``bf16``: torch's nn.Linear).
 """
 
 from __future__ import annotations
@@ -139,6 +141,30 @@ def ab_hints(ours, bf16, rounds: int) -> None:
         print(f"  {name:16} {_middle(v):8.1f}  [{min(v):.1f}, {max(v):.1f}]")
 
 
+def ab_backends(names: list[str], make_step, rounds: int) -> None:
+    """Eager steps of one layer per backend, interleaved (batches of 20 steps, the order reversed every
+    other round), so that the host's drift hits all alike. Wall time per step."""
+
+    def per_step(fn, calls=20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls * 1e6
+
+    steps = {name: make_step(name) for name in names}
+    for fn in steps.values():
+        per_step(fn, 3)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(per_step(steps[name]))
+    print(f"eager step wall time (us), {rounds} interleaved rounds of 20 steps: median [min, max]")
+    for name, v in times.items():
+        print(f"  {name:16} {_middle(v):8.1f}  [{min(v):.1f}, {max(v):.1f}]")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="4096x4096x4096", help="MxNxK")
@@ -152,6 +178,9 @@ def main() -> int:
         metavar="ROUNDS",
         help="only an A/B of launch hints (FastLauncher.use_hints) on eager steps, ROUNDS interleaved rounds",
     )
+    ap.add_argument("--ab-backends", default="", metavar="A,B,...",
+                    help="only an A/B of these backends' eager steps (with --rounds interleaved rounds)")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=15, help="rounds of --ab-backends")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_linear_host: needs a CUDA GPU")
@@ -192,6 +221,16 @@ def main() -> int:
     }
     if args.ab_hints:
         ab_hints(step(layer, True), step(bf16), args.ab_hints)
+        return 0
+    if args.ab_backends:
+        names = [b.strip() for b in args.ab_backends.split(",") if b.strip()]
+
+        def make_step(name):
+            if name == "bf16":
+                return step(bf16)
+            return step(Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=name), True)
+
+        ab_backends(names, make_step, args.rounds)
         return 0
     print(f"host time per call, {m}x{n}x{k}, backend {args.backend}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for name, fn in pieces.items():
