@@ -92,7 +92,6 @@ class GluonGemmConfig:
     group_m: int = 8
     consumer_regs: int = 232
     producer_regs: int = 40
-    early_release: bool = False  # experiment: release the previous stage before chain 3's promotion
 
     @property
     def block_m(self) -> int:
@@ -320,7 +319,7 @@ def _quad_col_scales(bs_scales, s, J: gl.constexpr, Q: gl.constexpr, col_layout:
 def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
                 as_rows, bs_scales, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
                 row_layout: gl.constexpr, col_layout: gl.constexpr, word_layout: gl.constexpr, SB_W: gl.constexpr,
-                B_2D: gl.constexpr, FIRST: gl.constexpr, EARLY: gl.constexpr):  # fmt: skip
+                B_2D: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
     """One K block of _consumer_quad: chains 0-3 (B rows 0-63, ..., 192-255 of stage ``s``) into the
     fresh accumulators pa, pb, pa, pb, each promoted while the next runs; unless FIRST, the previous
     K block's chain 3 (retired, in ``pb``, its row scales ``sa_prev``) is promoted while chain 0 runs
@@ -351,11 +350,8 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     bt = b_bufs.index(s)
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
-        if EARLY:
-            mbarrier.arrive(empty.index(s_prev))
         acc3 = _promote(acc3, pb, sa_prev, sb3_prev, B_2D)
-        if not EARLY:
-            mbarrier.arrive(empty.index(s_prev))
+        mbarrier.arrive(empty.index(s_prev))
     sb0 = _quad_col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
     sb1 = _quad_col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
@@ -401,7 +397,7 @@ def _quad_store(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_
 @gluon.jit
 def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
                    WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
-                   GROUP_M: gl.constexpr, EARLY_RELEASE: gl.constexpr):  # fmt: skip
+                   GROUP_M: gl.constexpr):  # fmt: skip
     """BLOCK_N = 4 x 64 tile with smem-staged scales: each K block runs four m64n64k32 wgmma chains
     (B rows 0-63, ..., 192-255) alternately into two fresh accumulators (``pa``, ``pb``), so that while
     chain j is promoted into its running accumulator ``acc_j`` chain j+1 runs (chain 3 is promoted
@@ -426,8 +422,6 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     num_pid_n = gl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     nk = gl.cdiv(K, BK)
-    # only with 128x128 B scales: chain 3's promotion then reads nothing from its stage
-    EARLY: gl.constexpr = EARLY_RELEASE and B_2D
     zero = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     cols = gl.arange(0, Q, layout=col_layout)
     # the TMA boxes (unswizzled) seen as plain fp32 rows per stage (A scales, 1x128 B scales) or, for
@@ -455,7 +449,7 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
         pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
             a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, 0, s, pa, pb, zero, zero, zero, zero,
             gl.zeros([HALF_M], gl.float32, row_layout), as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout,
-            word_layout, SB_W, B_2D, True, EARLY,
+            word_layout, SB_W, B_2D, True,
         )  # fmt: skip
         s_prev = s
         it += 1
@@ -464,7 +458,6 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
             pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, kb, s_prev, pa, pb, acc0, acc1, acc2,
                 acc3, sa3, as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout, word_layout, SB_W, B_2D, False,
-                EARLY,
             )  # fmt: skip
             s_prev = s
             it += 1
@@ -492,7 +485,6 @@ def _blockwise_gemm_gluon_kernel(
     M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
     B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
     NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    EARLY_RELEASE: gl.constexpr,
 ):  # fmt: skip
     # as_desc / bs_desc: TMA descriptors of the A and B scales ([1, BLOCK_M] and [1, BLOCK_N] boxes;
     # [2, 16] B-scale boxes for 128x128 B scales) for 128x256 tiles, else None
@@ -532,9 +524,9 @@ def _blockwise_gemm_gluon_kernel(
     if QUAD:
         gl.warp_specialize([
             (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
-                              as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M, EARLY_RELEASE)),
+                              as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
-                              as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M, EARLY_RELEASE)),
+                              as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
                          GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
@@ -735,7 +727,7 @@ def blockwise_gemm_gluon(
         hint, grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
-        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs, cfg.early_release,
+        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
         num_warps=4, maxnreg=_maxnreg(cfg),
     )  # fmt: skip
     return c
@@ -812,7 +804,6 @@ BENCH_CONFIGS = {
     "n128": GluonGemmConfig(),
     # 128x256 tiles, four n64 chains per K block (what select_config picks)
     "n256": WIDE_CONFIG,
-    "n256_early": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, early_release=True),
 }
 
 
@@ -843,12 +834,10 @@ def compile_variant(v: AotVariant):
         "as_desc": "constexpr", "bs_desc": "constexpr",
         "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr",
         "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
-        "EARLY_RELEASE": "constexpr",
     }  # fmt: skip
     cons = {"as_desc": None, "bs_desc": None, "B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias,
             "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
-            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs,
-            "EARLY_RELEASE": cfg.early_release}  # fmt: skip
+            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
     if cfg.scale_tma:
         kbs = ceil_div(k, BLOCK_K)
         b_box = list(_B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
