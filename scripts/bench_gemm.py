@@ -13,8 +13,8 @@ For each layer shape (M, N, K) and each GEMM of a linear layer (fwd Y=XW^T, dgra
 wgrad dW=dY^T X; 2*M*N*K FLOPs each), every contender is timed in the same run on the same
 quantized operands. ``--sustained S`` times each contender run back to back for S seconds instead of
 ``do_bench``'s 150 ms, and records the SM clock and board power over each run (nvidia-smi): on the
-H200 every FP8 GEMM then runs at the 700 W power limit, at 1.3-1.5 GHz, as in training, where the
-short timing catches part of the boost clock (docs/PERFORMANCE.md, "Ceilings"). ``--tune`` first
+H200 every FP8 GEMM then runs at the 700 W power limit (fwd/dgrad at 1.3-1.5 GHz, wgrad at 1.5-1.75),
+as in training, where the short timing catches part of the boost clock (docs/PERFORMANCE.md, "Ceilings"). ``--tune`` first
 sweeps the Triton kernel's launch configs per shape and writes the best into
 primus_fp8_plugin/backends/triton/gemm_configs.json (the committed table).
 """
@@ -29,6 +29,7 @@ import sys
 
 import torch
 from benchlib import (
+    SETTLE_S,
     PowerLog,
     bench_ms,
     bench_parser,
@@ -140,19 +141,15 @@ def main() -> int:
     te, tex = try_import_te()
     cublas = CublasBackend()
     have_cublas = bool(cublas.availability(torch.device("cuda")))
-    rows, te_reason = [], ""
-    windows = []  # (row, contender, t0, t1) of the sustained runs
     power = PowerLog() if args.sustained > 0 else contextlib.nullcontext()
     with power:
-        _run(args, shapes, recipe, te, tex, cublas, have_cublas, rows, windows)
-    if args.sustained > 0:
-        for row, name, t0, t1 in windows:
-            w = power.window(t0, t1)
-            row[f"{name} MHz"] = w["sm_mhz"]
-            row[f"{name} W"] = w["power_w"]
-            row.setdefault("throttle", set()).add(w["throttle"])
-        for row in rows:
-            row["throttle"] = ",".join(sorted(row.get("throttle", ())))
+        rows, windows = _run(args, shapes, recipe, te, tex, cublas, have_cublas)
+    for row, name, t0, t1 in windows:  # sustained runs: clock, power and throttle reasons of each contender
+        w = power.window(t0, t1)
+        row[f"{name} MHz"] = w["sm_mhz"]
+        row[f"{name} W"] = w["power_w"]
+        row[f"{name} throttle"] = w["throttle"]
+    te_reason = ""
     if te is not None:
         te_reason = next((r.pop("_te_reason") for r in rows if r.get("_te_reason")), "")
     for r in rows:
@@ -161,7 +158,10 @@ def main() -> int:
     return 0
 
 
-def _run(args, shapes, recipe, te, tex, cublas, have_cublas, rows, windows) -> None:
+def _run(args, shapes, recipe, te, tex, cublas, have_cublas) -> tuple[list[dict], list[tuple]]:
+    """Times every contender on every (shape, GEMM); returns the rows and, for sustained runs, the
+    (row, contender, wall start, wall end) of each timed run."""
+    rows, windows = [], []
     for m, n, k in shapes:
         for direction in ("fwd", "dgrad", "wgrad"):
             meta, (a, sa, b, sb, bdim) = operands(m, n, k, direction, recipe)
@@ -192,14 +192,18 @@ def _run(args, shapes, recipe, te, tex, cublas, have_cublas, rows, windows) -> N
                     fns["TE"] = fn
             row = {"shape": f"{m}x{n}x{k}", "gemm": direction, "_te_reason": te_reason}
             tflops = {}
-            for name, fn in fns.items():
+            # sustained: the order alternates, so that no contender always runs first (after the pause
+            # for building the operands, the clock starts higher)
+            order = list(fns) if len(rows) % 2 == 0 or args.sustained <= 0 else list(fns)[::-1]
+            for name in order:
+                fn = fns[name]
                 if args.sustained > 0:
                     ms, t0, t1 = sustained_ms(fn, args.sustained)
                     windows.append((row, name, t0, t1))
                 else:
                     ms = bench_ms(fn)
                 tflops[name] = flops / ms / 1e9
-            row.update({f"{kk} TF": v for kk, v in tflops.items()})
+            row.update({f"{kk} TF": tflops[kk] for kk in fns})
             if "cublas" in tflops:
                 row["ours/cublas"] = tflops["ours"] / tflops["cublas"]
                 for name in args.gluon_configs:
@@ -209,14 +213,16 @@ def _run(args, shapes, recipe, te, tex, cublas, have_cublas, rows, windows) -> N
             if "TE" in tflops:
                 row["ours/TE"] = tflops["ours"] / tflops["TE"]
             rows.append(row)
-            print(f"{direction:5} {gm}x{gn}x{gk}: " + "  ".join(f"{kk} {v:.0f}" for kk, v in tflops.items()), flush=True)
+            print(f"{direction:5} {gm}x{gn}x{gk}: " + "  ".join(f"{kk} {tflops[kk]:.0f}" for kk in fns), flush=True)
             torch.cuda.empty_cache()
+    return rows, windows
 
 
 def _report(args, rows, te, te_reason) -> None:
     env = environment()
     if args.sustained > 0:
-        env["timing"] = f"sustained {args.sustained:g} s per contender (SM clock and power: median over each run)"
+        env["timing"] = (f"sustained {args.sustained:g} s per contender after {SETTLE_S:g} s untimed, order alternating "
+                         "(SM clock and power: median over each timed run)")  # fmt: skip
     print(f"\n# bench_gemm  {env}")
     cols = [("shape", ""), ("gemm", ""), ("ours TF", ".0f"), ("portable TF", ".0f"), ("cublas TF", ".0f"), ("TE TF", ".0f"),
             ("bf16 TF", ".0f"), ("ours/cublas", ".2f"), ("ours/TE", ".2f"), ("ours/bf16", ".2f")]  # fmt: skip
@@ -224,7 +230,7 @@ def _report(args, rows, te, te_reason) -> None:
         cols += [(f"gluon {name} TF", ".0f"), (f"gluon {name}/cublas", ".2f")]
     if args.sustained > 0:
         cols += [("ours MHz", ".0f"), ("cublas MHz", ".0f"), ("bf16 MHz", ".0f"), ("ours W", ".0f"), ("cublas W", ".0f"),
-                 ("throttle", "")]  # fmt: skip
+                 ("ours throttle", ""), ("cublas throttle", "")]  # fmt: skip
     print_table(rows, cols)
     summary = {}
     for direction in ("fwd", "dgrad", "wgrad"):

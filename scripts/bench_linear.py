@@ -22,10 +22,12 @@ H200 then sits at its 700 W limit, as in training (docs/PERFORMANCE.md, "Ceiling
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 from benchlib import (
+    SETTLE_S,
     PowerLog,
     bench_ms,
     bench_parser,
@@ -73,12 +75,35 @@ def main() -> int:
         return 2
     shapes = shapes_or(args, SHAPES)
     te, tex = try_import_te()
-    rows = []
-    windows = []  # (row, t0, t1) of each sustained one-step run
-    power = PowerLog()
+    power = PowerLog() if args.sustained > 0 else contextlib.nullcontext()
+    with power:
+        rows, windows = _run(args, shapes, te)
+    env = environment()
+    cols = [("shape", ""), ("impl", ""), ("step ms", ".3f"), ("step TF", ".0f"), ("vs bf16", ".2f"), ("vs TE", ".2f"),
+            ("4mb ms/mb", ".3f"), ("4mb vs bf16", ".2f"), ("4mb vs TE", ".2f")]  # fmt: skip
     if args.sustained > 0:
-        power.__enter__()
-    for m, n, k in shapes:
+        for row, w0, w1 in windows:
+            w = power.window(w0, w1)
+            row.update({"step MHz": w["sm_mhz"], "step W": w["power_w"], "throttle": w["throttle"]})
+        env["timing"] = (f"sustained {args.sustained:g} s per contender and timing after {SETTLE_S:g} s untimed, order "
+                         "alternating by shape (SM clock and power: the one-step runs)")  # fmt: skip
+        cols += [("step MHz", ".0f"), ("step W", ".0f"), ("throttle", "")]
+    print(f"\n# bench_linear  {env}")
+    print_table(rows, cols)
+    if te is None:
+        print(f"(TE not installed: {tex})")
+    if args.json:
+        save_json(args.json, {"env": env, "rows": rows})
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+def _run(args, shapes, te) -> tuple[list[dict], list[tuple]]:
+    """Times every contender on every shape; returns the rows and, for sustained runs, the (row, wall
+    start, wall end) of each one-step run."""
+    rows, windows = [], []
+    for i_shape, (m, n, k) in enumerate(shapes):
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -117,7 +142,10 @@ def main() -> int:
                 contenders[f"ours-{ours[0]} graph"] = (torch.cuda.make_graphed_callables(lay, (x,)), plain)
         flops = 6 * m * n * k
         times, span = {}, {}
-        for name, (layer, call) in contenders.items():
+        # sustained: the order alternates by shape, so that no contender always runs first
+        order = list(contenders) if i_shape % 2 == 0 or args.sustained <= 0 else list(contenders)[::-1]
+        for name in order:
+            layer, call = contenders[name]
             if name == "bf16" or name.endswith(" graph"):
                 single, four = step_fns(layer, x, dy, lambda lay, inp, f: lay(inp))
             elif name == "TE":
@@ -127,13 +155,14 @@ def main() -> int:
             else:
                 single, four = step_fns(layer, x, dy, call)
             if args.sustained > 0:
-                t1, w0, w1 = sustained_ms(single, args.sustained)
+                step_ms, w0, w1 = sustained_ms(single, args.sustained)
                 span[name] = (w0, w1)
-                times[name] = (t1, sustained_ms(four, args.sustained)[0] / 4)
+                times[name] = (step_ms, sustained_ms(four, args.sustained)[0] / 4)
             else:
                 times[name] = (bench_ms(single), bench_ms(four) / 4)
         bf16 = times["bf16"]
-        for name, (t1, t4) in times.items():
+        for name in contenders:
+            t1, t4 = times[name]
             row = {"shape": f"{m}x{n}x{k}", "impl": name, "step ms": t1, "step TF": flops / t1 / 1e9,
                    "vs bf16": bf16[0] / t1, "4mb ms/mb": t4, "4mb vs bf16": bf16[1] / t4}  # fmt: skip
             if "TE" in times and name != "TE":
@@ -144,25 +173,7 @@ def main() -> int:
             rows.append(row)
         print("  ".join(f"{nme} {t1:.3f}/{t4:.3f} ms" for nme, (t1, t4) in times.items()), f"({m}x{n}x{k})", flush=True)
         torch.cuda.empty_cache()
-    env = environment()
-    cols = [("shape", ""), ("impl", ""), ("step ms", ".3f"), ("step TF", ".0f"), ("vs bf16", ".2f"), ("vs TE", ".2f"),
-            ("4mb ms/mb", ".3f"), ("4mb vs bf16", ".2f"), ("4mb vs TE", ".2f")]  # fmt: skip
-    if args.sustained > 0:
-        power.__exit__(None, None, None)
-        for row, w0, w1 in windows:
-            w = power.window(w0, w1)
-            row.update({"step MHz": w["sm_mhz"], "step W": w["power_w"], "throttle": w["throttle"]})
-        env["timing"] = f"sustained {args.sustained:g} s per contender and timing (SM clock and power: one-step runs)"
-        cols += [("step MHz", ".0f"), ("step W", ".0f"), ("throttle", "")]
-    print(f"\n# bench_linear  {env}")
-    print_table(rows, cols)
-    if te is None:
-        print(f"(TE not installed: {tex})")
-    if args.json:
-        save_json(args.json, {"env": env, "rows": rows})
-    if args.plot:
-        plot(rows, args.plot)
-    return 0
+    return rows, windows
 
 
 def plot(rows, path):

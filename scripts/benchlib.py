@@ -43,21 +43,30 @@ def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
     return start.elapsed_time(end) / (calls * replays)
 
 
+SETTLE_S = 0.3  # untimed run before a sustained timing: the clock takes ~0.1-0.2 s to reach the power cap
+
+
 def sustained_ms(fn, seconds: float) -> tuple[float, float, float]:
-    """GPU time per call of ``fn`` run back to back for about ``seconds`` (CUDA events around the
-    whole run), and the run's wall-clock start and end (``time.time()``, to match ``PowerLog``).
-    Unlike ``bench_ms`` (150 ms), long enough for the H200's power limit to pull the SM clock down
-    to where a training run holds it (docs/PERFORMANCE.md, "Ceilings")."""
+    """Mean GPU time per call of ``fn`` run back to back for about ``seconds`` after an untimed
+    ``SETTLE_S`` of the same, and the timed run's wall-clock start and end (``time.time()``, as
+    ``PowerLog`` stamps its samples). CUDA events around the whole timed run; no L2 flush between
+    calls (``bench_ms`` flushes before each call and takes the median). Long enough for the H200's
+    power limit to hold the SM clock where a training run holds it (docs/PERFORMANCE.md, "Ceilings").
+    Returns (ms per call, t0, t1)."""
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    calls = max(10, int(seconds / max((time.perf_counter() - t) / 3, 1e-6)))
+    per_call = max((time.perf_counter() - t) / 3, 1e-6)
+    for _ in range(int(SETTLE_S / per_call)):
+        fn()
+    calls = max(10, int(seconds / per_call))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.time()
     start.record()
+    start.synchronize()  # the settle run has drained: t0 is when the timed calls start running
+    t0 = time.time()
     for _ in range(calls):
         fn()
     end.record()
@@ -66,49 +75,92 @@ def sustained_ms(fn, seconds: float) -> tuple[float, float, float]:
 
 
 class PowerLog:
-    """SM clock, board power, temperature and clock-throttle reasons sampled by ``nvidia-smi`` in the
-    background (every ``interval_ms``); ``window(t0, t1)`` summarises the samples of a time window.
-    Use as a context manager. Without ``nvidia-smi`` it records nothing (``window`` gives NaNs)."""
+    """SM clock, board power, temperature and clock-throttle reasons of one GPU, sampled by
+    ``nvidia-smi`` in the background every ``interval_ms``. Use as a context manager; the samples are
+    read when it exits, and ``window(t0, t1)`` then summarises a time window. ``device``: a torch CUDA
+    device (default: the current one), matched to nvidia-smi by UUID, so that other GPUs of the node
+    do not mix in. Power is the instantaneous reading where the driver has one (``power.draw`` is a
+    1-second average on recent GPUs). Without ``nvidia-smi``, or when it gives no readable sample, it
+    warns and ``window`` gives None."""
 
-    FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
-
-    def __init__(self, interval_ms: int = 50):
+    def __init__(self, interval_ms: int = 50, device: int | None = None):
         self.interval_ms = interval_ms
+        self.device = device
         self.samples: list[tuple[float, float, float, float, str]] = []
         self.proc = None
+        self.file = None
+
+    @staticmethod
+    def _query_ok(fields: str, select: list[str]) -> bool:
+        try:
+            done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader", *select],
+                                  capture_output=True, text=True, timeout=20)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0
+
+    def _select(self) -> list[str]:
+        if not torch.cuda.is_available():
+            return []
+        try:
+            props = torch.cuda.get_device_properties(self.device if self.device is not None else torch.cuda.current_device())
+            select = ["-i", f"GPU-{props.uuid}"]
+        except (AttributeError, RuntimeError):
+            return []
+        if self._query_ok("uuid", select):
+            return select
+        print(f"PowerLog: nvidia-smi does not know {select[1]}; sampling every GPU", file=sys.stderr)
+        return []
 
     def __enter__(self) -> PowerLog:
+        select = self._select()
+        # timestamp first; the throttle field was renamed clocks_event_reasons in newer drivers
+        power = "power.draw.instant" if self._query_ok("power.draw.instant", select) else "power.draw"
+        throttle = (
+            "clocks_throttle_reasons.active" if self._query_ok("clocks_throttle_reasons.active", select)
+            else "clocks_event_reasons.active"
+        )  # fmt: skip
+        self.fields = f"timestamp,clocks.sm,{power},temperature.gpu,{throttle}"
         # into a file, not a pipe: nothing reads a pipe until the end, and a full one stops nvidia-smi
         self.file = tempfile.TemporaryFile(mode="w+")
-        cmd = ["nvidia-smi", f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}"]
+        cmd = ["nvidia-smi", f"--query-gpu={self.fields}", "--format=csv,noheader,nounits", f"-lms={self.interval_ms}",
+               *select]  # fmt: skip
         try:
-            self.proc = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
+            self.proc = subprocess.Popen(cmd, stdout=self.file, stderr=subprocess.STDOUT, text=True)
+        except OSError as err:
+            print(f"PowerLog: cannot run nvidia-smi ({err}); no clock or power figures", file=sys.stderr)
             self.proc = None
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        if self.file is None:
             return
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
         self.file.seek(0)
-        for line in self.file.read().splitlines():
+        text = self.file.read()
+        self.file.close()
+        for line in text.splitlines():
             parts = [p.strip() for p in line.split(",")]
-            try:  # 2026/12/01 07:30:00.123, 1980, 690.5, 60, 0x0000000000000004
+            try:  # 2026/12/01 07:30:00.123, 1980, 690.5, 60, 0x0000000000000004 (local time, as time.mktime reads it)
                 t = time.mktime(time.strptime(parts[0][:19], "%Y/%m/%d %H:%M:%S")) + float("0" + parts[0][19:])
                 self.samples.append((t, float(parts[1]), float(parts[2]), float(parts[3]), parts[4]))
             except (ValueError, IndexError):
                 continue
-        self.file.close()
+        if self.proc is not None and not self.samples:
+            print(f"PowerLog: no readable nvidia-smi sample ({self.fields}): {text.strip()[:300]!r}", file=sys.stderr)
 
-    def window(self, t0: float, t1: float, settle: float = 0.2) -> dict:
-        """Median SM clock (MHz) and power (W), peak temperature and the throttle reasons seen over
-        [t0, t1], leaving out its first ``settle`` fraction (the clock is still falling there)."""
+    def window(self, t0: float, t1: float, settle: float = 0.0) -> dict:
+        """Median SM clock (MHz) and power (W), peak temperature (C) and the throttle reasons seen over
+        [t0, t1] (the first ``settle`` fraction left out); None where no sample fell inside."""
         t0 = t0 + settle * (t1 - t0)
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if not inside:
-            return {"sm_mhz": float("nan"), "power_w": float("nan"), "temp_c": float("nan"), "throttle": ""}
+            return {"sm_mhz": None, "power_w": None, "temp_c": None, "throttle": ""}
         return {
             "sm_mhz": statistics.median(s[1] for s in inside),
             "power_w": statistics.median(s[2] for s in inside),

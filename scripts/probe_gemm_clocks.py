@@ -4,15 +4,16 @@
     python scripts/probe_gemm_clocks.py                                  # ours vs cuBLAS, 3 shapes
     python scripts/probe_gemm_clocks.py --configs n256 --seconds 3 --rounds 3 --json out.json
 
-Why: a short ``do_bench`` (60 ms) of an FP8 GEMM on the H200 can run at a clock the card does not
-hold under sustained load (the power limit pulls the SM clock down from ~1.98 GHz to ~1.5 GHz), and
-our kernel's throughput moved by ~10% between runs where cuBLAS's moved 2-4% (docs/PERFORMANCE.md,
-2026-12-01, fifth session). Here each contender runs back to back for ``--seconds`` per round, the
-rounds interleaved, on operands drawn afresh each round (so that their placement in memory varies
-too), while ``nvidia-smi`` samples the SM clock and power every 50 ms. Printed per contender: TFLOPS,
-median SM clock and power over its window, TFLOPS per GHz (work per clock: how good the kernel's
-schedule is, apart from the clock) and TFLOPS per kW (energy per FLOP: what the clock follows once
-the card is at its power limit).
+Why: a short ``do_bench`` (60 ms in check_gluon_gemm.py, 150 ms in bench_gemm.py) of an FP8 GEMM on
+the H200 can run at a clock the card does not hold under sustained load (the power limit pulls the SM
+clock down from ~1.98 GHz to 1.3-1.75 GHz), and our kernel's throughput moved by ~10% between runs
+where cuBLAS's moved 2-4% (docs/PERFORMANCE.md, 2026-12-01, fifth session). Here each contender runs
+back to back for ``--seconds`` per round (after an untimed settle run), the rounds interleaved, on
+operands drawn afresh each round (so that their placement in memory varies too), while
+``nvidia-smi`` samples the SM clock and power every 50 ms. Printed per contender: TFLOPS, median SM
+clock and power over its timed run, TFLOPS per GHz (work per clock: how good the kernel's schedule
+is, apart from the clock) and TFLOPS per kW (energy per FLOP: what the clock follows once the card is
+at its power limit).
 
 Contenders: cuBLAS blockwise (``torch.nn.functional.scaled_mm``), the Gluon kernel in each of
 ``--configs`` (``gemm_gluon.BENCH_CONFIGS``) that takes the form, and for the fwd form two ceilings:
@@ -69,17 +70,21 @@ def main(argv=None) -> int:
                     help="leave out the FP8 tensorwise and BF16 cuBLAS GEMMs (fwd form)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    names, forms = args.configs.split(","), args.forms.split(",")
+    unknown = [c for c in names if c not in gemm_gluon.BENCH_CONFIGS] + [f for f in forms if f not in FORMS]
+    if unknown:
+        ap.error(f"unknown {unknown}; configs: {sorted(gemm_gluon.BENCH_CONFIGS)}, forms: {sorted(FORMS)}")
     if not torch.cuda.is_available():
-        print("needs an NVIDIA GPU")
-        return 1
+        print("probe_gemm_clocks needs an NVIDIA GPU", file=sys.stderr)
+        return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    configs = {c: gemm_gluon.BENCH_CONFIGS[c] for c in args.configs.split(",")}
+    configs = {c: gemm_gluon.BENCH_CONFIGS[c] for c in names}
     now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  {now}")
     runs = []  # (shape, form, label, round, ms, t0, t1)
     with PowerLog() as smi:
         for m, n, k in shapes:
-            for form in args.forms.split(","):
+            for form in forms:
                 bdim, od, accumulate = FORMS[form]
                 for r in range(args.rounds):
                     a, a_s, b, b_s = make_inputs(m, n, k, bdim, seed=1000 + r)  # fresh operands each round

@@ -13,8 +13,9 @@ issue it, the step is host-bound (docs/PERFORMANCE.md, issue 5). This prints
     them, forward and backward), and
 (c) a cProfile of whole eager steps (forward + backward, weight refreshed as in bench_linear's
     "step"), sorted by own time, to show which Python functions the host time goes to.
-With ``--ab-hints N`` it prints only an interleaved A/B of the launch hints (launch.py) instead, and
-with ``--ab-backends`` one of the named backends' layers (``bf16``: torch's nn.Linear).
+With ``--ab-hints N`` it prints only an interleaved A/B of the launch hints (launch.py) instead; with
+``--ab-backends A,B,...`` only an interleaved A/B of eager steps of a layer per named backend
+(``bf16``: torch's nn.Linear), ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -109,19 +110,21 @@ def step_breakdown(layer, backend, x, dy, steps: int) -> dict[str, float]:
     return {k: _middle(v) * 1e6 for k, v in rows.items()}
 
 
+def per_step(fn, calls=20) -> float:
+    """Wall time per call (us) of ``calls`` calls issued back to back, synchronised before and after."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def ab_hints(ours, bf16, rounds: int) -> None:
     """Eager steps with and without launch hints, interleaved (batches of 20 steps, synchronised
     between batches), so that the host's drift hits both alike; BF16's step as the anchor. Wall
     time per step, host-bound at small shapes."""
     from primus_fp8_plugin.backends.triton.launch import FastLauncher
-
-    def per_step(fn, calls=20):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / calls * 1e6
 
     times: dict[str, list[float]] = {"hints on": [], "hints off": [], "bf16 nn.Linear": []}
     before = FastLauncher.use_hints
@@ -144,15 +147,6 @@ def ab_hints(ours, bf16, rounds: int) -> None:
 def ab_backends(names: list[str], make_step, rounds: int) -> None:
     """Eager steps of one layer per backend, interleaved (batches of 20 steps, the order reversed every
     other round), so that the host's drift hits all alike. Wall time per step."""
-
-    def per_step(fn, calls=20):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / calls * 1e6
-
     steps = {name: make_step(name) for name in names}
     for fn in steps.values():
         per_step(fn, 3)

@@ -88,24 +88,31 @@ def test_operands_on_different_devices_are_refused():
 
 
 def test_hopper_backend_routes_each_gemm(monkeypatch):
-    """``hopper``: Gluon (Triton backend) for fwd, dgrad and accumulating wgrad, cuBLAS for plain wgrad."""
+    """``hopper``: Gluon (Triton backend) for fwd, dgrad and accumulating wgrad, cuBLAS for plain wgrad,
+    each with the caller's arguments."""
     from primus_fp8_plugin.backends.cublas import CublasBackend
     from primus_fp8_plugin.backends.hopper import HopperBackend
     from primus_fp8_plugin.backends.triton import TritonBackend
 
-    calls = []
     for cls in (TritonBackend, CublasBackend):
         for op in ("gemm_fwd", "gemm_dgrad", "gemm_wgrad"):
-            monkeypatch.setattr(cls, op, lambda self, *a, _who=(cls.name, op): calls.append(_who) or _who)
+            monkeypatch.setattr(cls, op, lambda self, *args, _who=(cls.name, op): (*_who, *args))
     hopper = HopperBackend()
-    acc = torch.zeros(2, 2)
-    assert hopper.gemm_fwd("x", "w", None, torch.bfloat16) == ("triton", "gemm_fwd")
-    assert hopper.gemm_dgrad("dy", "w", torch.bfloat16) == ("triton", "gemm_dgrad")
-    assert hopper.gemm_wgrad("dy", "x", torch.bfloat16, None) == ("cublas", "gemm_wgrad")
-    assert hopper.gemm_wgrad("dy", "x", torch.float32, acc) == ("triton", "gemm_wgrad")
-    assert len(calls) == 4
+    acc, bias = torch.zeros(2, 2), torch.ones(2)
+    assert hopper.gemm_fwd("x", "w", bias, torch.bfloat16) == ("triton", "gemm_fwd", "x", "w", bias, torch.bfloat16)
+    assert hopper.gemm_dgrad("dy", "w", torch.float16) == ("triton", "gemm_dgrad", "dy", "w", torch.float16)
+    assert hopper.gemm_wgrad("dy", "x", torch.bfloat16, None) == ("cublas", "gemm_wgrad", "dy", "x", torch.bfloat16, None)
+    assert hopper.gemm_wgrad("dy", "x", torch.float32, acc) == ("triton", "gemm_wgrad", "dy", "x", torch.float32, acc)
 
 
-def test_hopper_backend_needs_hopper():
+def test_hopper_backend_needs_hopper_and_comes_first():
     avail = backend_availability("hopper", "cpu")
-    assert not avail and avail.reason
+    assert not avail and "GPU" in avail.reason
+    names = registry.backend_names()
+    assert names.index("hopper") < names.index("cublas") < names.index("triton")  # auto's order on Hopper
+
+
+def test_config_schema_knows_every_backend():
+    from primus_fp8_plugin.config.schema import BACKENDS
+
+    assert set(BACKENDS) == {"auto", *registry.backend_names()}

@@ -10,8 +10,11 @@ limit, as in training; docs/PERFORMANCE.md, 2026-12-01, sixth session):
   kernel, which adds into ``main_grad`` in its epilogue, where cuBLAS writes an fp32 product that a
   second pass adds (``CublasBackend.gemm_wgrad``).
 
-Quantization: the Triton/Gluon kernels, as in both parents. Inputs cuBLAS cannot take (E5M2 operands,
-unaligned dims) go to the Triton GEMM, as in the ``cublas`` backend.
+Quantization: the Triton/Gluon kernels, as in the ``triton`` and ``cublas`` backends. Inputs cuBLAS
+cannot take (E5M2 operands, unaligned dims) go to the Triton GEMM, as in the ``cublas`` backend.
+Numerics: fwd and dgrad are bit-identical to cuBLAS's (docs/PERFORMANCE.md), plain wgrad is cuBLAS's;
+the accumulating wgrad is the Gluon kernel's, whose 1x128 x 1x128 product differs from cuBLAS's in
+summation order (~1e-7 relative in fp32, within the recipe's tolerance; not bit-identical).
 """
 
 from __future__ import annotations
