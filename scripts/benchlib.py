@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -130,6 +131,11 @@ class PowerLog:
         except OSError as err:
             print(f"PowerLog: cannot run nvidia-smi ({err}); no clock or power figures", file=sys.stderr)
             self.proc = None
+            return self
+        # its first sample comes ~0.5 s after the start: wait for it, so the first timed run has samples
+        deadline = time.time() + 3.0
+        while time.time() < deadline and self.proc.poll() is None and os.fstat(self.file.fileno()).st_size == 0:
+            time.sleep(0.02)
         return self
 
     def __exit__(self, *exc) -> None:

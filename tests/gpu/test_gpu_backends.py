@@ -1,4 +1,4 @@
-"""GPU backends (triton, cublas) on a CUDA device: bit-exact quantization, GEMMs within 2e-3 of an
+"""GPU backends (triton, cublas, hopper; flydsl on AMD) on a CUDA device: bit-exact quantization, GEMMs within 2e-3 of an
 fp64 emulation, TE goldens through the validate command. Skipped without a GPU (CI)."""
 
 from __future__ import annotations
