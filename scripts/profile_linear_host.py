@@ -180,17 +180,9 @@ def main() -> int:
         print("profile_linear_host: needs a CUDA GPU")
         return 2
     m, n, k = (int(v) for v in args.shape.split("x"))
-    backend = get_backend(args.backend, torch.device("cuda"))
-    recipe = BlockwiseRecipe()
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    layer = Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=args.backend)
     bf16 = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    p_in, p_w, p_g = (recipe.params(r) for r in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT))
-    xd = x.detach()
-    xq = backend.quantize_act(xd, p_in, rowwise=True, columnwise=True)
-    wq = backend.quantize_weight(layer.weight.detach(), p_w)
-    dyq = backend.quantize_act(dy, p_g, rowwise=True, columnwise=True)
 
     def step(lay, first=True):
         def run():
@@ -201,6 +193,25 @@ def main() -> int:
             lay(x).backward(dy)
 
         return run
+
+    if args.ab_backends:  # nothing else: no --backend layer
+        names = [b.strip() for b in args.ab_backends.split(",") if b.strip()]
+
+        def make_step(name):
+            if name == "bf16":
+                return step(bf16)
+            return step(Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=name), True)
+
+        ab_backends(names, make_step, args.rounds)
+        return 0
+    backend = get_backend(args.backend, torch.device("cuda"))
+    recipe = BlockwiseRecipe()
+    layer = Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=args.backend)
+    p_in, p_w, p_g = (recipe.params(r) for r in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT))
+    xd = x.detach()
+    xq = backend.quantize_act(xd, p_in, rowwise=True, columnwise=True)
+    wq = backend.quantize_weight(layer.weight.detach(), p_w)
+    dyq = backend.quantize_act(dy, p_g, rowwise=True, columnwise=True)
 
     pieces = {
         "quantize_act (x, row+col)": lambda: backend.quantize_act(xd, p_in, rowwise=True, columnwise=True),
@@ -215,16 +226,6 @@ def main() -> int:
     }
     if args.ab_hints:
         ab_hints(step(layer, True), step(bf16), args.ab_hints)
-        return 0
-    if args.ab_backends:
-        names = [b.strip() for b in args.ab_backends.split(",") if b.strip()]
-
-        def make_step(name):
-            if name == "bf16":
-                return step(bf16)
-            return step(Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=name), True)
-
-        ab_backends(names, make_step, args.rounds)
         return 0
     print(f"host time per call, {m}x{n}x{k}, backend {args.backend}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for name, fn in pieces.items():
