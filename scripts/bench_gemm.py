@@ -21,27 +21,13 @@ primus_fp8_plugin/backends/triton/gemm_configs.json (the committed table).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
 import sys
 
 import torch
-from benchlib import (
-    SETTLE_S,
-    PowerLog,
-    bench_ms,
-    bench_parser,
-    environment,
-    print_table,
-    require_cuda,
-    save_figure,
-    save_json,
-    shapes_or,
-    sustained_ms,
-    try_import_te,
-)
+from benchlib import Timing, bench_ms, bench_parser, environment, report, require_cuda, save_figure, shapes_or, try_import_te
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.backends.cublas import CublasBackend
@@ -141,27 +127,34 @@ def main() -> int:
     te, tex = try_import_te()
     cublas = CublasBackend()
     have_cublas = bool(cublas.availability(torch.device("cuda")))
-    power = PowerLog() if args.sustained > 0 else contextlib.nullcontext()
-    with power:
-        rows, windows = _run(args, shapes, recipe, te, tex, cublas, have_cublas)
-    for row, name, t0, t1 in windows:  # sustained runs: clock, power and throttle reasons of each contender
-        w = power.window(t0, t1)
-        row[f"{name} MHz"] = w["sm_mhz"]
-        row[f"{name} W"] = w["power_w"]
-        row[f"{name} throttle"] = w["throttle"]
-    te_reason = ""
-    if te is not None:
-        te_reason = next((r.pop("_te_reason") for r in rows if r.get("_te_reason")), "")
-    for r in rows:
-        r.pop("_te_reason", None)
-    _report(args, rows, te, te_reason)
+    with Timing(args.sustained) as timing:
+        rows, te_reason = _run(args, shapes, recipe, te, tex, cublas, have_cublas, timing)
+    env = environment()
+    env["timing"] = timing.describe()
+    cols = [("shape", ""), ("gemm", ""), ("ours TF", ".0f"), ("portable TF", ".0f"), ("cublas TF", ".0f"), ("TE TF", ".0f"),
+            ("bf16 TF", ".0f"), ("ours/cublas", ".2f"), ("ours/TE", ".2f"), ("ours/bf16", ".2f")]  # fmt: skip
+    for name in args.gluon_configs:
+        cols += [(f"gluon {name} TF", ".0f"), (f"gluon {name}/cublas", ".2f")]
+    if args.sustained > 0:
+        cols += [("ours MHz", ".0f"), ("cublas MHz", ".0f"), ("bf16 MHz", ".0f"), ("ours W", ".0f"), ("cublas W", ".0f"),
+                 ("ours throttle", ""), ("cublas throttle", "")]  # fmt: skip
+    summary, notes = {}, []
+    for direction in ("fwd", "dgrad", "wgrad"):
+        ratios = [r["ours/cublas"] for r in rows if r["gemm"] == direction and "ours/cublas" in r]
+        if ratios:
+            geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+            summary[direction] = {"geomean_vs_cublas": geomean, "min_vs_cublas": min(ratios)}
+            notes.append(f"{direction}: geomean ours/cublas {geomean:.2f}, min {min(ratios):.2f}")
+    if te is not None and te_reason:
+        notes.append(f"(TE GEMM not measured: {te_reason})")
+    report("bench_gemm", env, rows, cols, args, plot, notes, summary=summary)
     return 0
 
 
-def _run(args, shapes, recipe, te, tex, cublas, have_cublas) -> tuple[list[dict], list[tuple]]:
-    """Times every contender on every (shape, GEMM); returns the rows and, for sustained runs, the
-    (row, contender, wall start, wall end) of each timed run."""
-    rows, windows = [], []
+def _run(args, shapes, recipe, te, tex, cublas, have_cublas, timing) -> tuple[list[dict], str]:
+    """Times every contender on every (shape, GEMM); returns the rows and why TE's GEMM was not
+    measured ("" if it was, or TE is absent)."""
+    rows, te_reason = [], ""
     for m, n, k in shapes:
         for direction in ("fwd", "dgrad", "wgrad"):
             meta, (a, sa, b, sb, bdim) = operands(m, n, k, direction, recipe)
@@ -185,24 +178,13 @@ def _run(args, shapes, recipe, te, tex, cublas, have_cublas) -> tuple[list[dict]
                     "dgrad": lambda: cublas.gemm_dgrad(meta["a"], meta["b"], torch.bfloat16),
                     "wgrad": lambda: cublas.gemm_wgrad(meta["a"], meta["b"], torch.bfloat16, None),
                 }[direction]
-            te_reason = ""
             if te is not None:
-                fn, te_reason = te_gemm_fn(te, tex, direction, m, n, k)
+                fn, why = te_gemm_fn(te, tex, direction, m, n, k)
+                te_reason = te_reason or why
                 if fn is not None:
                     fns["TE"] = fn
-            row = {"shape": f"{m}x{n}x{k}", "gemm": direction, "_te_reason": te_reason}
-            tflops = {}
-            # sustained: the order alternates, so that no contender always runs first (after the pause
-            # for building the operands, the clock starts higher)
-            order = list(fns) if len(rows) % 2 == 0 or args.sustained <= 0 else list(fns)[::-1]
-            for name in order:
-                fn = fns[name]
-                if args.sustained > 0:
-                    ms, t0, t1 = sustained_ms(fn, args.sustained)
-                    windows.append((row, name, t0, t1))
-                else:
-                    ms = bench_ms(fn)
-                tflops[name] = flops / ms / 1e9
+            row = {"shape": f"{m}x{n}x{k}", "gemm": direction}
+            tflops = {name: flops / timing.ms(fns[name], row, name) / 1e9 for name in timing.order(fns, len(rows))}
             row.update({f"{kk} TF": tflops[kk] for kk in fns})
             if "cublas" in tflops:
                 row["ours/cublas"] = tflops["ours"] / tflops["cublas"]
@@ -215,36 +197,7 @@ def _run(args, shapes, recipe, te, tex, cublas, have_cublas) -> tuple[list[dict]
             rows.append(row)
             print(f"{direction:5} {gm}x{gn}x{gk}: " + "  ".join(f"{kk} {tflops[kk]:.0f}" for kk in fns), flush=True)
             torch.cuda.empty_cache()
-    return rows, windows
-
-
-def _report(args, rows, te, te_reason) -> None:
-    env = environment()
-    if args.sustained > 0:
-        env["timing"] = (f"sustained {args.sustained:g} s per contender after {SETTLE_S:g} s untimed, order alternating "
-                         "(SM clock and power: median over each timed run)")  # fmt: skip
-    print(f"\n# bench_gemm  {env}")
-    cols = [("shape", ""), ("gemm", ""), ("ours TF", ".0f"), ("portable TF", ".0f"), ("cublas TF", ".0f"), ("TE TF", ".0f"),
-            ("bf16 TF", ".0f"), ("ours/cublas", ".2f"), ("ours/TE", ".2f"), ("ours/bf16", ".2f")]  # fmt: skip
-    for name in args.gluon_configs:
-        cols += [(f"gluon {name} TF", ".0f"), (f"gluon {name}/cublas", ".2f")]
-    if args.sustained > 0:
-        cols += [("ours MHz", ".0f"), ("cublas MHz", ".0f"), ("bf16 MHz", ".0f"), ("ours W", ".0f"), ("cublas W", ".0f"),
-                 ("ours throttle", ""), ("cublas throttle", "")]  # fmt: skip
-    print_table(rows, cols)
-    summary = {}
-    for direction in ("fwd", "dgrad", "wgrad"):
-        ratios = [r["ours/cublas"] for r in rows if r["gemm"] == direction and "ours/cublas" in r]
-        if ratios:
-            geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-            summary[direction] = {"geomean_vs_cublas": geomean, "min_vs_cublas": min(ratios)}
-            print(f"{direction}: geomean ours/cublas {geomean:.2f}, min {min(ratios):.2f}")
-    if te is not None and te_reason:
-        print(f"(TE GEMM not measured: {te_reason})")
-    if args.json:
-        save_json(args.json, {"env": env, "rows": rows, "summary": summary})
-    if args.plot:
-        plot(rows, args.plot)
+    return rows, te_reason
 
 
 def plot(rows, path):

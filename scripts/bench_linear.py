@@ -22,24 +22,10 @@ H200 then sits at its 700 W limit, as in training (docs/PERFORMANCE.md, "Ceiling
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
-from benchlib import (
-    SETTLE_S,
-    PowerLog,
-    bench_ms,
-    bench_parser,
-    environment,
-    print_table,
-    require_cuda,
-    save_figure,
-    save_json,
-    shapes_or,
-    sustained_ms,
-    try_import_te,
-)
+from benchlib import Timing, bench_parser, environment, report, require_cuda, save_figure, shapes_or, try_import_te
 
 from primus_fp8_plugin import Fp8BlockwiseLinear, backend_availability
 
@@ -75,34 +61,21 @@ def main() -> int:
         return 2
     shapes = shapes_or(args, SHAPES)
     te, tex = try_import_te()
-    power = PowerLog() if args.sustained > 0 else contextlib.nullcontext()
-    with power:
-        rows, windows = _run(args, shapes, te)
+    with Timing(args.sustained) as timing:
+        rows = _run(args, shapes, te, timing)
     env = environment()
+    env["timing"] = timing.describe() + (" (clock and power: the one-step runs)" if args.sustained > 0 else "")
     cols = [("shape", ""), ("impl", ""), ("step ms", ".3f"), ("step TF", ".0f"), ("vs bf16", ".2f"), ("vs TE", ".2f"),
             ("4mb ms/mb", ".3f"), ("4mb vs bf16", ".2f"), ("4mb vs TE", ".2f")]  # fmt: skip
     if args.sustained > 0:
-        for row, w0, w1 in windows:
-            w = power.window(w0, w1)
-            row.update({"step MHz": w["sm_mhz"], "step W": w["power_w"], "throttle": w["throttle"]})
-        env["timing"] = (f"sustained {args.sustained:g} s per contender and timing after {SETTLE_S:g} s untimed, order "
-                         "alternating by shape (SM clock and power: the one-step runs)")  # fmt: skip
-        cols += [("step MHz", ".0f"), ("step W", ".0f"), ("throttle", "")]
-    print(f"\n# bench_linear  {env}")
-    print_table(rows, cols)
-    if te is None:
-        print(f"(TE not installed: {tex})")
-    if args.json:
-        save_json(args.json, {"env": env, "rows": rows})
-    if args.plot:
-        plot(rows, args.plot)
+        cols += [("step MHz", ".0f"), ("step W", ".0f"), ("step throttle", "")]
+    report("bench_linear", env, rows, cols, args, plot, [] if te is not None else [f"(TE not installed: {tex})"])
     return 0
 
 
-def _run(args, shapes, te) -> tuple[list[dict], list[tuple]]:
-    """Times every contender on every shape; returns the rows and, for sustained runs, the (row, wall
-    start, wall end) of each one-step run."""
-    rows, windows = [], []
+def _run(args, shapes, te, timing) -> list[dict]:
+    """Times every contender on every shape (one step, and four microbatches); one row per contender."""
+    rows = []
     for i_shape, (m, n, k) in enumerate(shapes):
         torch.manual_seed(0)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -141,10 +114,9 @@ def _run(args, shapes, te) -> tuple[list[dict], list[tuple]]:
                 lay = Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=ours[0])
                 contenders[f"ours-{ours[0]} graph"] = (torch.cuda.make_graphed_callables(lay, (x,)), plain)
         flops = 6 * m * n * k
-        times, span = {}, {}
-        # sustained: the order alternates by shape, so that no contender always runs first
-        order = list(contenders) if i_shape % 2 == 0 or args.sustained <= 0 else list(contenders)[::-1]
-        for name in order:
+        shape_rows = {name: {"shape": f"{m}x{n}x{k}", "impl": name} for name in contenders}
+        times = {}
+        for name in timing.order(contenders, i_shape):
             layer, call = contenders[name]
             if name == "bf16" or name.endswith(" graph"):
                 single, four = step_fns(layer, x, dy, lambda lay, inp, f: lay(inp))
@@ -154,26 +126,20 @@ def _run(args, shapes, te) -> tuple[list[dict], list[tuple]]:
                 _, four = step_fns(layer, x, dy, call)
             else:
                 single, four = step_fns(layer, x, dy, call)
-            if args.sustained > 0:
-                step_ms, w0, w1 = sustained_ms(single, args.sustained)
-                span[name] = (w0, w1)
-                times[name] = (step_ms, sustained_ms(four, args.sustained)[0] / 4)
-            else:
-                times[name] = (bench_ms(single), bench_ms(four) / 4)
+            times[name] = (timing.ms(single, shape_rows[name], "step"), timing.ms(four) / 4)
         bf16 = times["bf16"]
-        for name in contenders:
+        for name, row in shape_rows.items():
             t1, t4 = times[name]
-            row = {"shape": f"{m}x{n}x{k}", "impl": name, "step ms": t1, "step TF": flops / t1 / 1e9,
-                   "vs bf16": bf16[0] / t1, "4mb ms/mb": t4, "4mb vs bf16": bf16[1] / t4}  # fmt: skip
+            row.update({"step ms": t1, "step TF": flops / t1 / 1e9, "vs bf16": bf16[0] / t1, "4mb ms/mb": t4,
+                        "4mb vs bf16": bf16[1] / t4})  # fmt: skip
             if "TE" in times and name != "TE":
                 row["vs TE"] = times["TE"][0] / t1
                 row["4mb vs TE"] = times["TE"][1] / t4
-            if name in span:
-                windows.append((row, *span[name]))
             rows.append(row)
-        print("  ".join(f"{nme} {t1:.3f}/{t4:.3f} ms" for nme, (t1, t4) in times.items()), f"({m}x{n}x{k})", flush=True)
+        print("  ".join(f"{nme} {times[nme][0]:.3f}/{times[nme][1]:.3f} ms" for nme in contenders), f"({m}x{n}x{k})",
+              flush=True)  # fmt: skip
         torch.cuda.empty_cache()
-    return rows, windows
+    return rows
 
 
 def plot(rows, path):

@@ -21,10 +21,9 @@ from benchlib import (
     bench_parser,
     environment,
     graph_ms,
-    print_table,
+    report,
     require_cuda,
     save_figure,
-    save_json,
     shapes_or,
     try_import_te,
 )
@@ -92,16 +91,8 @@ def main() -> int:
         torch.cuda.empty_cache()
     env = environment()
     env["timing"] = "CUDA graph, 20 calls (no host time, no L2 flush)" if args.graph else "triton do_bench (L2 flushed)"
-    print(f"# bench_quant  {env}")
-    print_table(
-        rows, [("shape", ""), ("op", ""), ("impl", ""), ("us", ".1f"), ("TB/s", ".2f"), ("% copy", ".0f"), ("vs TE", ".2f")]
-    )
-    if te is None:
-        print(f"(TE not installed: {tex})")
-    if args.json:
-        save_json(args.json, {"env": env, "rows": rows})
-    if args.plot:
-        plot(rows, args.plot)
+    cols = [("shape", ""), ("op", ""), ("impl", ""), ("us", ".1f"), ("TB/s", ".2f"), ("% copy", ".0f"), ("vs TE", ".2f")]
+    report("bench_quant", env, rows, cols, args, plot, [] if te is not None else [f"(TE not installed: {tex})"])
     return 0
 
 

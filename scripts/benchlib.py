@@ -176,6 +176,65 @@ class PowerLog:
         }
 
 
+class Timing:
+    """How a benchmark times its contenders: ``bench_ms`` by default; with ``sustained_s`` > 0,
+    ``sustained_ms`` under a ``PowerLog``, each run's SM clock, power and throttle reasons written into
+    the row it belongs to as ``"{label} MHz"``, ``"{label} W"``, ``"{label} throttle"`` when the
+    ``with`` block ends. ``order(names, i)`` reverses the contenders of every other group in sustained
+    runs, so that none always runs first (after a pause, the clock starts above the cap)."""
+
+    def __init__(self, sustained_s: float = 0.0):
+        self.sustained_s = sustained_s
+        self.power = PowerLog() if sustained_s > 0 else None
+        self._runs: list[tuple[dict, str, float, float]] = []
+
+    def __enter__(self) -> Timing:
+        if self.power is not None:
+            self.power.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.power is None:
+            return
+        self.power.__exit__(*exc)
+        for row, label, t0, t1 in self._runs:
+            w = self.power.window(t0, t1)
+            row.update({f"{label} MHz": w["sm_mhz"], f"{label} W": w["power_w"], f"{label} throttle": w["throttle"]})
+
+    def ms(self, fn, row: dict | None = None, label: str = "") -> float:
+        """ms per call of ``fn``; in sustained runs the clock and power of this run go into ``row``."""
+        if self.power is None:
+            return bench_ms(fn)
+        ms, t0, t1 = sustained_ms(fn, self.sustained_s)
+        if row is not None:
+            self._runs.append((row, label, t0, t1))
+        return ms
+
+    def order(self, names, i: int) -> list:
+        names = list(names)
+        return names[::-1] if self.power is not None and i % 2 else names
+
+    def describe(self) -> str:
+        if self.power is None:
+            return "triton do_bench (L2 flushed, median)"
+        return (f"sustained {self.sustained_s:g} s per contender after {SETTLE_S:g} s untimed, order alternating "
+                "(SM clock and power: median over each timed run)")  # fmt: skip
+
+
+def report(name: str, env: dict, rows: list[dict], columns: list[tuple[str, str]], args, plot_fn=None,
+           notes: list[str] = (), **json_extra) -> None:  # fmt: skip
+    """The end of every benchmark: the environment, the table, ``notes`` (a line each), and, as the
+    options ``--json`` / ``--plot`` ask, the JSON (``env``, ``rows`` and ``json_extra``) and the plot."""
+    print(f"\n# {name}  {env}")
+    print_table(rows, columns)
+    for line in notes:
+        print(line)
+    if args.json:
+        save_json(args.json, {"env": env, "rows": rows, **json_extra})
+    if args.plot and plot_fn is not None:
+        plot_fn(rows, args.plot)
+
+
 def environment() -> dict:
     env = {
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

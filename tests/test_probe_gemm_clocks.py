@@ -1,0 +1,19 @@
+"""scripts/probe_gemm_clocks.py refuses unknown configs and forms before it looks for a GPU."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import probe_gemm_clocks  # noqa: E402
+
+
+@pytest.mark.parametrize("argv", [["--configs", "n256,n999"], ["--forms", "fwd,dgrad"]])
+def test_unknown_config_or_form_is_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_gemm_clocks.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown" in err and "n256" in err and "wgrad_acc" in err  # names what exists
