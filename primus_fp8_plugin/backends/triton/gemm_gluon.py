@@ -92,10 +92,13 @@ class GluonGemmConfig:
     group_m: int = 8
     consumer_regs: int = 232
     producer_regs: int = 40
+    # experiment: 256x128 tiles for 1x128-scaled B (wgrad): each warpgroup owns 128 rows as two m64
+    # halves, so each K block's two 64-column scale vectors serve two chains each (_consumer_tall)
+    tall: bool = False
 
     @property
     def block_m(self) -> int:
-        return 128
+        return 256 if self.tall else 128
 
     @property
     def scale_tma(self) -> bool:
@@ -103,7 +106,7 @@ class GluonGemmConfig:
         [128] and its B scales (1x128 B: the [256] row slice; 128x128 B: a [2, 16] box,
         _B2D_SCALE_BOX) into the smem stage with the A/B tiles; 128x128 tiles (_consumer) read their
         scales from global memory."""
-        return self.block_n == 256
+        return self.block_n == 256 or self.tall
 
 
 def default_config() -> GluonGemmConfig:
@@ -128,19 +131,22 @@ def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, ha
     return default_config()
 
 
-def _c_block_n(block_n: int) -> int:
-    # BLOCK_N=256 tiles store four 64-column pieces through two buffers per warpgroup
-    return 64 if block_n == 256 else block_n
+def _c_block_n(block_n: int, tall: bool = False) -> int:
+    # BLOCK_N=256 tiles (and 256x128 ones) store four [64, 64] pieces through two buffers per warpgroup
+    return 64 if block_n == 256 or tall else block_n
 
 
-def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0, b_block_dim: int = 1) -> int:
+def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0, b_block_dim: int = 1,
+                    tall: bool = False) -> int:  # fmt: skip
     """Pipeline stages of a BLOCK_N tile (``requested``, or as many as fit, at most 6) next to the
     output buffers; raises ValueError when fewer than 2, or ``requested``, do not fit."""
-    stage_bytes = (128 + block_n) * BLOCK_K  # fp8 A and B tiles
-    if block_n == 256:  # + the fp32 A-scale row slice and the B scales of the K block (scale_tma)
-        stage_bytes += (128 + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
-    c_bufs = 4 if block_n == 256 else 2  # [64, _c_block_n] output buffers: two per warpgroup at 256, else one
-    c_bytes = c_bufs * 64 * _c_block_n(block_n) * out_dtype.itemsize
+    block_m = 256 if tall else 128
+    stage_bytes = (block_m + block_n) * BLOCK_K  # fp8 A and B tiles
+    if block_n == 256 or tall:  # + the fp32 A-scale row slice and the B scales of the K block (scale_tma)
+        stage_bytes += (block_m + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
+    # [64, _c_block_n] output buffers: two per warpgroup with four pieces, else one
+    c_bufs = 4 if block_n == 256 or tall else 2
+    c_bytes = c_bufs * 64 * _c_block_n(block_n, tall) * out_dtype.itemsize
     fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (264-320 seen)
     stages = min(fit, 6) if requested <= 0 else requested
     if stages < 2 or stages > fit:
@@ -480,6 +486,118 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
 
 
 @gluon.jit
+def _tall_block(a_bufs, b_bufs, ready, empty, s, phase, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
+                as_rows, bs_scales, WG: gl.constexpr, H: gl.constexpr, Q: gl.constexpr,
+                row_layout: gl.constexpr, col_layout: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
+    """One K block of _consumer_tall (1x128-scaled B): chains (rows h, columns q) = (0, 0), (0, 1),
+    (1, 0), (1, 1) of the warpgroup's 128 x 128 into the fresh accumulators pa, pb, pa, pb, each
+    promoted while the next runs, as in _quad_block. The column-scale vector of columns 0-63 serves
+    chains 0 and 2, loaded once; unless FIRST, the previous block's chain 3 (in ``pb``, row scales
+    ``sa_prev``, column scales re-read from its stage) is promoted while chain 0 runs, and its stage
+    released. Returns with chain 3 retired, in ``pb``, and its row scales. (Carrying chain 3's column
+    scales across blocks instead of re-reading them spilled 112-152 bytes.)"""
+    if not FIRST:
+        sb3_prev = bs_scales.index(s_prev).slice(Q, Q).load(col_layout)
+    mbarrier.wait(ready.index(s), phase)
+    rows = as_rows.index(s).slice(WG * 2 * H, 2 * H)
+    sa0 = rows.slice(0, H).load(row_layout)
+    sa1 = rows.slice(H, H).load(row_layout)
+    a_all = a_bufs.index(s).slice(WG * 2 * H, 2 * H)
+    a0 = a_all.slice(0, H)
+    a1 = a_all.slice(H, H)
+    bt = b_bufs.index(s)
+    b0 = bt.slice(0, Q).permute((1, 0))
+    b1 = bt.slice(Q, Q).permute((1, 0))
+    pa = warpgroup_mma(a0, b0, pa, use_acc=False, is_async=True)
+    if not FIRST:
+        acc3 = _promote(acc3, pb, sa_prev, sb3_prev, False)
+        mbarrier.arrive(empty.index(s_prev))
+    sb0 = bs_scales.index(s).slice(0, Q).load(col_layout)
+    pb = warpgroup_mma(a0, b1, pb, use_acc=False, is_async=True)
+    pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
+    acc0 = _promote(acc0, pa, sa0, sb0, False)
+    sb1 = bs_scales.index(s).slice(Q, Q).load(col_layout)
+    pa = warpgroup_mma(a1, b0, pa, use_acc=False, is_async=True)
+    pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
+    acc1 = _promote(acc1, pb, sa0, sb1, False)
+    pb = warpgroup_mma(a1, b1, pb, use_acc=False, is_async=True)
+    pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
+    acc2 = _promote(acc2, pa, sa1, sb0, False)
+    pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
+    return pa, pb, acc0, acc1, acc2, acc3, sa1
+
+
+@gluon.jit
+def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
+                   WG: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """256 x 128 tile, 1x128-scaled B (experiment for wgrad): the warpgroup owns rows WG*128 .. +127 as
+    two m64 halves and runs four m64n64k32 chains per K block (see _tall_block); per thread 4 x 32
+    running + 2 x 32 fresh fp32 registers, as in _consumer_quad, with half its column-scale loads.
+    Epilogue: four [64, 64] pieces through two buffers per warpgroup (no bias)."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    H: gl.constexpr = c_bufs.type.shape[1]
+    Q: gl.constexpr = c_bufs.type.shape[2]
+    gl.static_assert(BLOCK_M == 4 * H)
+    gl.static_assert(BLOCK_N == 2 * Q)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, Q, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    nk = gl.cdiv(K, BK)
+    zero = gl.zeros([H, Q], gl.float32, mma_layout)
+    cols = gl.arange(0, Q, layout=col_layout)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    as_rows = as_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_M], flat)
+    bs_scales = bs_bufs._reinterpret(gl.float32, [NUM_STAGES, BLOCK_N], flat)
+
+    it = 0
+    pa = gl.zeros([H, Q], gl.float32, mma_layout)
+    pb = gl.zeros([H, Q], gl.float32, mma_layout)
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M + WG * 2 * H
+        off_n = pid_n * BLOCK_N
+        s = it % NUM_STAGES
+        pa, pb, acc0, acc1, acc2, acc3, sa3 = _tall_block(
+            a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s, pa, pb, zero, zero, zero, zero,
+            gl.zeros([H], gl.float32, row_layout), as_rows, bs_scales, WG, H, Q, row_layout, col_layout, True,
+        )  # fmt: skip
+        s_prev = s
+        it += 1
+        for _kb in range(1, nk):
+            s = it % NUM_STAGES
+            pa, pb, acc0, acc1, acc2, acc3, sa3 = _tall_block(
+                a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa3,
+                as_rows, bs_scales, WG, H, Q, row_layout, col_layout, False,
+            )  # fmt: skip
+            s_prev = s
+            it += 1
+        acc3 = _promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False)
+        mbarrier.arrive(empty.index(s_prev))
+
+        # ---- epilogue: pieces (rows h, columns q) = acc0 (0, 0), acc1 (0, 1), acc2 (1, 0), acc3 (1, 1)
+        offs_m0 = off_m + gl.arange(0, H, layout=row_layout)
+        offs_m1 = offs_m0 + H
+        _quad_store(acc0, 0, off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm, WG,
+                    False, ACCUMULATE)  # fmt: skip
+        if off_n + Q < N:
+            _quad_store(acc1, 1, off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
+                        stride_cm, WG, False, ACCUMULATE)  # fmt: skip
+        _quad_store(acc2, 2, off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm,
+                    WG, False, ACCUMULATE)  # fmt: skip
+        if off_n + Q < N:
+            _quad_store(acc3, 3, off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
+                        stride_cm, WG, False, ACCUMULATE)  # fmt: skip
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _blockwise_gemm_gluon_kernel(
     a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
     M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
@@ -491,17 +609,18 @@ def _blockwise_gemm_gluon_kernel(
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    HALF_M: gl.constexpr = c_desc.block_type.shape[0]
-    gl.static_assert(BLOCK_M == 2 * HALF_M)
+    HALF_M: gl.constexpr = c_desc.block_type.shape[0]  # 64: the rows of one wgmma chain
+    TALL: gl.constexpr = BLOCK_M == 4 * HALF_M  # 256x128 tiles (_consumer_tall)
+    gl.static_assert(BLOCK_M == 2 * HALF_M or TALL)
     C_N: gl.constexpr = c_desc.block_type.shape[1]
     QUAD: gl.constexpr = BLOCK_N == 4 * C_N  # BLOCK_N=256 in four 64-column chains (_consumer_quad)
-    gl.static_assert(BLOCK_N == C_N or QUAD)
-    SCALE_TMA: gl.constexpr = QUAD  # scales staged through the smem ring by the producer
+    gl.static_assert(BLOCK_N == C_N or QUAD or (TALL and BLOCK_N == 2 * C_N))
+    SCALE_TMA: gl.constexpr = QUAD or TALL  # scales staged through the smem ring by the producer
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BK], b_desc.layout)
     # one output buffer per consumer warpgroup (two with QUAD)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [4 if QUAD else 2, HALF_M, C_N], c_desc.layout)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [4 if QUAD or TALL else 2, HALF_M, C_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -521,7 +640,16 @@ def _blockwise_gemm_gluon_kernel(
         bs_src = b_desc
     # The argument tuples must be written inline: a tuple assigned to a variable turns its
     # constexprs into tensors.
-    if QUAD:
+    if TALL:
+        gl.warp_specialize([
+            (_consumer_tall, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs,
+                              bs_bufs, 0, ACCUMULATE, GROUP_M)),
+            (_consumer_tall, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs,
+                              bs_bufs, 1, ACCUMULATE, GROUP_M)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
+                         GROUP_M, SCALE_TMA, B_2D)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
+    elif QUAD:
         gl.warp_specialize([
             (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
                               as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
@@ -631,6 +759,11 @@ def _check_config(
 ) -> None:  # fmt: skip
     if cfg.block_n not in (64, 128, 256):
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
+    if cfg.tall and (cfg.block_n != 128 or b_block_dim != 1 or has_bias):
+        raise NotImplementedError("tall (256x128) tiles are implemented for 1x128-scaled B (wgrad) with block_n=128 "
+                                  "and no bias")  # fmt: skip
+    if cfg.tall and out_dtype == torch.float32 and not accumulate:
+        raise NotImplementedError("tall (256x128) tiles with a float32 output (without accumulate_into): not tried")
     if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
         raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
                                   "(ptxas, either B scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
@@ -664,7 +797,7 @@ def _launch_plan(
     the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
     cfg = config or select_config(b_block_dim, out_dtype, accumulate, has_bias)
     _check_config(cfg, b_block_dim, out_dtype, accumulate, has_bias)
-    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, b_block_dim)
+    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, b_block_dim, cfg.tall)
 
 
 def blockwise_gemm_gluon(
@@ -699,10 +832,10 @@ def blockwise_gemm_gluon(
         return c
     cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None, bias is not None)
     bm, bn = cfg.block_m, cfg.block_n
-    cn = _c_block_n(bn)
+    cn = _c_block_n(bn, cfg.tall)
     a_desc = _desc(a, [m, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
     b_desc = _desc(b, [n, k], [k, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
-    c_desc = _desc(c, [m, n], [c.stride(0), 1], [bm // 2, cn], _shared_layout([bm // 2, cn], c.dtype))
+    c_desc = _desc(c, [m, n], [c.stride(0), 1], [64, cn], _shared_layout([64, cn], c.dtype))
     as_desc = bs_desc = None
     if cfg.scale_tma:
         a_scale_inv = _tma_ready_scale(a_scale_inv, m)
@@ -804,6 +937,8 @@ BENCH_CONFIGS = {
     "n128": GluonGemmConfig(),
     # 128x256 tiles, four n64 chains per K block (what select_config picks)
     "n256": WIDE_CONFIG,
+    # experiment (wgrad only): 256x128 tiles, column scales shared by two chains
+    "m256": GluonGemmConfig(block_n=128, consumer_regs=240, producer_regs=24, tall=True),
 }
 
 
@@ -816,8 +951,8 @@ def compile_variant(v: AotVariant):
     cfg = v.config
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, v.b_block_dim)
-    cn = _c_block_n(bn)
+    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, v.b_block_dim, cfg.tall)
+    cn = _c_block_n(bn, cfg.tall)
     m = n = k = 1024  # only the descriptors' types matter
     a = torch.empty(m, k, dtype=v.a_dtype)
     b = torch.empty(n, k, dtype=v.b_dtype)
@@ -825,7 +960,7 @@ def compile_variant(v: AotVariant):
     descs = [
         TensorDescriptor.from_tensor(a, [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype)),
         TensorDescriptor.from_tensor(b, [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype)),
-        TensorDescriptor.from_tensor(c, [bm // 2, cn], _shared_layout([bm // 2, cn], out_dtype)),
+        TensorDescriptor.from_tensor(c, [64, cn], _shared_layout([64, cn], out_dtype)),
     ]
     sig = {
         "a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
