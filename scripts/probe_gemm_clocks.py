@@ -61,7 +61,7 @@ def ceiling_fns(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="n256", help="comma list of gemm_gluon.BENCH_CONFIGS names")
+    ap.add_argument("--configs", default="n256,m256", help="comma list of gemm_gluon.BENCH_CONFIGS names (default: those picked)")
     ap.add_argument("--shapes", nargs="*", default=None, help="MxNxK GEMM shapes (default: 3 of bench_gemm's)")
     ap.add_argument("--forms", default="fwd,wgrad")
     ap.add_argument("--seconds", type=float, default=2.0, help="sustained run per contender and round")

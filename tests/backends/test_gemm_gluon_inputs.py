@@ -128,26 +128,37 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
 
 
 def test_config_selection_and_shared_memory():
-    """128x256 tiles (the quarter-chain consumer) for bf16 outputs and accumulate_into, the 128x128
-    kernel for a plain fp32 output and for a bias into accumulate_into with 1x128 B scales (the 128x256
-    one spills there); only 128x256 tiles stage their
+    """256x128 tiles (the tall consumer) for 1x128 B scales (wgrad) with bf16/fp16 outputs and
+    accumulate_into; 128x256 tiles (the quarter-chain consumer) for 128x128 B scales there and for a
+    bias with 1x128 B; the 128x128 kernel for a plain fp32 output and for a bias into accumulate_into
+    with 1x128 B scales (the 128x256 one spills there). Only 128x256 and 256x128 tiles stage their
     scales through shared memory, and their four [64, 64] output buffers take as much shared memory
     as one [128, 128] tile's."""
     from primus_fp8_plugin.backends.triton import gemm_gluon as G
 
+    for out_dtype, acc in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
+        assert G.select_config(1, out_dtype, acc) is G.TALL_CONFIG
+        assert G.select_config(2, out_dtype, acc) is G.WIDE_CONFIG
+    assert G.select_config(1, torch.bfloat16, False, has_bias=True) is G.WIDE_CONFIG
     for bdim in (1, 2):
-        assert G.select_config(bdim, torch.bfloat16, False) is G.WIDE_CONFIG
-        assert G.select_config(bdim, torch.float32, True) is G.WIDE_CONFIG
         assert G.select_config(bdim, torch.float32, False).block_n == 128
         assert "spills" in G.supports(G.WIDE_CONFIG, bdim, torch.float32, False)
+    # the tall tiles take 1x128 B scales only, without a bias or a plain fp32 output
+    assert "1x128" in G.supports(G.TALL_CONFIG, 2)
+    assert "bias" in G.supports(G.TALL_CONFIG, 1, torch.bfloat16, False, has_bias=True)
+    assert "float32" in G.supports(G.TALL_CONFIG, 1, torch.float32, False)
     # a bias into accumulate_into with 1x128 B scales: 128x128 (the 128x256 epilogue spills there)
     assert G.select_config(1, torch.float32, True, has_bias=True).block_n == 128
     assert G.select_config(2, torch.float32, True, has_bias=True) is G.WIDE_CONFIG
     assert "spills" in G.supports(G.WIDE_CONFIG, 1, torch.float32, True, has_bias=True)
-    assert G.WIDE_CONFIG.scale_tma and not G.GluonGemmConfig().scale_tma
-    assert G._c_block_n(256) == 64 and G._c_block_n(128) == 128
-    # a bf16 output: 4 stages of 128x256 (48 KiB + 640 B of scales each) next to 32 KiB of output buffers
+    assert G.WIDE_CONFIG.scale_tma and G.TALL_CONFIG.scale_tma and not G.GluonGemmConfig().scale_tma
+    assert G.TALL_CONFIG.block_m == 256 and G.WIDE_CONFIG.block_m == 128
+    assert G._c_block_n(256) == 64 and G._c_block_n(128) == 128 and G._c_block_n(128, tall=True) == 64
+    # a bf16 output: 4 stages of 128x256 with 128x128 B (48 KiB + 640 B of scales each) next to 32 KiB of
+    # output buffers; 3 with 1x128 B (48 KiB + 1.5 KiB of scales), in either tile shape
     assert G.stages_that_fit(256, torch.bfloat16, 0, 2) == 4
+    assert G.stages_that_fit(256, torch.bfloat16, 0, 1) == 3
+    assert G.stages_that_fit(128, torch.bfloat16, 0, 1, tall=True) == 3
 
 
 @pytest.mark.parametrize("bias, acc, out_dtype", [(True, True, torch.float32), (False, False, torch.float32)])

@@ -38,6 +38,14 @@ Design (DeepGEMM-like, warp specialised, persistent):
   ``NotImplementedError``, see ``supports``; ``select_config`` gives them 128x128 tiles). Earlier
   128x256 consumers (two n128 chains, each waited for before its promotion; scales from global
   memory or smem) are in commit 94245c7: the quarter chains gave bit-identical outputs 2-9% faster;
+* ``tall=True`` (``TALL_CONFIG``, what ``select_config`` picks for 1x128-scaled B without a bias: the
+  wgrad GEMM; 256x128 tiles, ``_consumer_tall``): each warpgroup owns 128 rows as two m64 halves and
+  runs four m64n64k32 chains per K block in column-major order, so that each 64-column scale vector
+  serves two consecutive chains; it promotes as ``(part * a_scale) * b_scale``, whose FMULs by the
+  row scales (in registers since the stage's ready wait) do not wait for the column scales'
+  ld.shared, the wgrad form's top stall in Nsight Compute (the reassociation is exact for TE's
+  power-of-2 scales, within an ulp otherwise). On the H200, sustained: 0.97-0.99x cuBLAS against
+  0.92-0.94x for 128x256 tiles (docs/PERFORMANCE.md, 2026-12-01, seventh session);
 * 128x128 tiles (``_consumer``): the scales are prefetched into registers one K block ahead (plain
   global loads, L2 hot);
 * epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
@@ -92,12 +100,9 @@ class GluonGemmConfig:
     group_m: int = 8
     consumer_regs: int = 232
     producer_regs: int = 40
-    # experiment: 256x128 tiles for 1x128-scaled B (wgrad): each warpgroup owns 128 rows as two m64
-    # halves, so each K block's two 64-column scale vectors serve two chains each (_consumer_tall)
+    # 256x128 tiles for 1x128-scaled B (wgrad, _consumer_tall): each warpgroup owns 128 rows as two m64
+    # halves, so each K block's two 64-column scale vectors serve two chains each
     tall: bool = False
-    # experiment (1x128 B scales): promote as (part * a_scale) * b_scale, so that the FMULs by the row
-    # scales (in registers since the stage's ready wait) need not wait for the column-scale ld.shared
-    row_first: int = 0
 
     @property
     def block_m(self) -> int:
@@ -126,7 +131,7 @@ WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
 
 # 256x128 tiles for 1x128-scaled B (wgrad; _consumer_tall, column-major chain order, (part * a_scale) *
 # b_scale promotion). What select_config picks for 1x128 B without a bias.
-TALL_CONFIG = GluonGemmConfig(block_n=128, consumer_regs=240, producer_regs=24, tall=True, row_first=3)
+TALL_CONFIG = GluonGemmConfig(block_n=128, consumer_regs=240, producer_regs=24, tall=True)
 
 
 def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool = False) -> GluonGemmConfig:
@@ -238,6 +243,9 @@ def _load_scales(a_s_ptr, b_s_ptr, kb, nk, offs_m, m_mask, offs_n, n_mask, sb_ro
 
 @gluon.jit
 def _promote(acc, part, sa, sb, B_2D: gl.constexpr, ROW_FIRST: gl.constexpr = False):
+    # ROW_FIRST (1x128 B): (part * sa) * sb, whose FMULs by the row scales need not wait for the
+    # column scales' ld.shared; equal to part * (sa * sb) for power-of-2 scales (TE's default), within
+    # an ulp otherwise
     if B_2D:
         acc = acc + part * gl.expand_dims(sa * sb, 1)
     elif ROW_FIRST:
@@ -337,7 +345,7 @@ def _quad_col_scales(bs_scales, s, J: gl.constexpr, Q: gl.constexpr, col_layout:
 def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
                 as_rows, bs_scales, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
                 row_layout: gl.constexpr, col_layout: gl.constexpr, word_layout: gl.constexpr, SB_W: gl.constexpr,
-                B_2D: gl.constexpr, FIRST: gl.constexpr, ROW_FIRST: gl.constexpr):  # fmt: skip
+                B_2D: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
     """One K block of _consumer_quad: chains 0-3 (B rows 0-63, ..., 192-255 of stage ``s``) into the
     fresh accumulators pa, pb, pa, pb, each promoted while the next runs; unless FIRST, the previous
     K block's chain 3 (retired, in ``pb``, its row scales ``sa_prev``) is promoted while chain 0 runs
@@ -368,23 +376,23 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     bt = b_bufs.index(s)
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
-        acc3 = _promote(acc3, pb, sa_prev, sb3_prev, B_2D, ROW_FIRST)
+        acc3 = _promote(acc3, pb, sa_prev, sb3_prev, B_2D)
         mbarrier.arrive(empty.index(s_prev))
     sb0 = _quad_col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
     sb1 = _quad_col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     # chain 0
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc0 = _promote(acc0, pa, s_lo, sb0, B_2D, ROW_FIRST)
+    acc0 = _promote(acc0, pa, s_lo, sb0, B_2D)
     sb2 = _quad_col_scales(bs_scales, s, 2, Q, col_layout, B_2D)
     pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     # chain 1
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-    acc1 = _promote(acc1, pb, s_lo, sb1, B_2D, ROW_FIRST)
+    acc1 = _promote(acc1, pb, s_lo, sb1, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     # chain 2
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc2 = _promote(acc2, pa, s_hi, sb2, B_2D, ROW_FIRST)
+    acc2 = _promote(acc2, pa, s_hi, sb2, B_2D)
     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
     return pa, pb, acc0, acc1, acc2, acc3, s_hi
 
@@ -415,7 +423,7 @@ def _quad_store(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_
 @gluon.jit
 def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
                    WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
-                   GROUP_M: gl.constexpr, ROW_FIRST: gl.constexpr):  # fmt: skip
+                   GROUP_M: gl.constexpr):  # fmt: skip
     """BLOCK_N = 4 x 64 tile with smem-staged scales: each K block runs four m64n64k32 wgmma chains
     (B rows 0-63, ..., 192-255) alternately into two fresh accumulators (``pa``, ``pb``), so that while
     chain j is promoted into its running accumulator ``acc_j`` chain j+1 runs (chain 3 is promoted
@@ -467,7 +475,7 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
         pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
             a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, 0, s, pa, pb, zero, zero, zero, zero,
             gl.zeros([HALF_M], gl.float32, row_layout), as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout,
-            word_layout, SB_W, B_2D, True, ROW_FIRST,
+            word_layout, SB_W, B_2D, True,
         )  # fmt: skip
         s_prev = s
         it += 1
@@ -476,11 +484,10 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
             pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, kb, s_prev, pa, pb, acc0, acc1, acc2,
                 acc3, sa3, as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout, word_layout, SB_W, B_2D, False,
-                ROW_FIRST,
             )  # fmt: skip
             s_prev = s
             it += 1
-        acc3 = _promote(acc3, pb, sa3, _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D), B_2D, ROW_FIRST)
+        acc3 = _promote(acc3, pb, sa3, _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D), B_2D)
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: four [64, 64] pieces (those that start inside N)
@@ -501,16 +508,16 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
 @gluon.jit
 def _tall_block(a_bufs, b_bufs, ready, empty, s, phase, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
                 as_rows, bs_scales, WG: gl.constexpr, H: gl.constexpr, Q: gl.constexpr,
-                row_layout: gl.constexpr, col_layout: gl.constexpr, FIRST: gl.constexpr, ROW_FIRST: gl.constexpr):  # fmt: skip
-    """One K block of _consumer_tall (1x128-scaled B): chains (rows h, columns q) = (0, 0), (0, 1),
-    (1, 0), (1, 1) of the warpgroup's 128 x 128 into the fresh accumulators pa, pb, pa, pb, each
-    promoted while the next runs, as in _quad_block. The column-scale vector of columns 0-63 serves
-    chains 0 and 2, loaded once; unless FIRST, the previous block's chain 3 (in ``pb``, row scales
-    ``sa_prev``, column scales re-read from its stage) is promoted while chain 0 runs, and its stage
-    released. Returns with chain 3 retired, in ``pb``, and its row scales. (Carrying chain 3's column
-    scales across blocks instead of re-reading them spilled 112-152 bytes.)"""
-    if not FIRST and not ROW_FIRST:
-        sb3_prev = bs_scales.index(s_prev).slice(Q, Q).load(col_layout)
+                row_layout: gl.constexpr, col_layout: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
+    """One K block of _consumer_tall (1x128-scaled B): four m64n64k32 chains over the warpgroup's
+    128 x 128, in column-major order (rows h, columns q) = (0, 0), (1, 0), (0, 1), (1, 1), into the
+    fresh accumulators pa, pb, pa, pb, each promoted while the next runs, as in _quad_block. Each
+    column-scale vector serves two consecutive chains: loaded once, and the two are never held
+    together (row-major order held both across a promotion and spilled 52 bytes, one register inside
+    the K loop). Promotions are (part * row scale) * column scale, so their first 32 FMULs need no
+    ld.shared. Unless FIRST, the previous block's chain 3 (in ``pb``, row scales ``sa_prev``, column
+    scales re-read from its stage) is promoted while chain 0 runs, and its stage released. Returns
+    with chain 3 retired, in ``pb``, and its row scales."""
     mbarrier.wait(ready.index(s), phase)
     rows = as_rows.index(s).slice(WG * 2 * H, 2 * H)
     sa0 = rows.slice(0, H).load(row_layout)
@@ -523,46 +530,28 @@ def _tall_block(a_bufs, b_bufs, ready, empty, s, phase, s_prev, pa, pb, acc0, ac
     b1 = bt.slice(Q, Q).permute((1, 0))
     pa = warpgroup_mma(a0, b0, pa, use_acc=False, is_async=True)
     if not FIRST:
-        if ROW_FIRST:  # the FMULs by the row scales come first: time for this load
-            sb3_prev = bs_scales.index(s_prev).slice(Q, Q).load(col_layout)
-        acc3 = _promote(acc3, pb, sa_prev, sb3_prev, False, ROW_FIRST)
+        sb3_prev = bs_scales.index(s_prev).slice(Q, Q).load(col_layout)
+        acc3 = _promote(acc3, pb, sa_prev, sb3_prev, False, True)
         mbarrier.arrive(empty.index(s_prev))
     sb0 = bs_scales.index(s).slice(0, Q).load(col_layout)
-    if ROW_FIRST == 3:
-        # column-major order: (0, 0), (1, 0), (0, 1), (1, 1), so that each column-scale vector serves
-        # two consecutive chains and the two are never held together
-        pb = warpgroup_mma(a1, b0, pb, use_acc=False, is_async=True)
-        pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-        acc0 = _promote(acc0, pa, sa0, sb0, False, ROW_FIRST)
-        pa = warpgroup_mma(a0, b1, pa, use_acc=False, is_async=True)
-        pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-        acc2 = _promote(acc2, pb, sa1, sb0, False, ROW_FIRST)
-        sb1 = bs_scales.index(s).slice(Q, Q).load(col_layout)
-        pb = warpgroup_mma(a1, b1, pb, use_acc=False, is_async=True)
-        pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-        acc1 = _promote(acc1, pa, sa0, sb1, False, ROW_FIRST)
-        pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
-        return pa, pb, acc0, acc1, acc2, acc3, sa1
-    pb = warpgroup_mma(a0, b1, pb, use_acc=False, is_async=True)
+    pb = warpgroup_mma(a1, b0, pb, use_acc=False, is_async=True)
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc0 = _promote(acc0, pa, sa0, sb0, False, ROW_FIRST)
-    sb1 = bs_scales.index(s).slice(Q, Q).load(col_layout)
-    pa = warpgroup_mma(a1, b0, pa, use_acc=False, is_async=True)
+    acc0 = _promote(acc0, pa, sa0, sb0, False, True)
+    pa = warpgroup_mma(a0, b1, pa, use_acc=False, is_async=True)
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-    acc1 = _promote(acc1, pb, sa0, sb1, False, ROW_FIRST)
+    acc2 = _promote(acc2, pb, sa1, sb0, False, True)
+    sb1 = bs_scales.index(s).slice(Q, Q).load(col_layout)
     pb = warpgroup_mma(a1, b1, pb, use_acc=False, is_async=True)
-    if ROW_FIRST == 2:  # re-read rather than hold 16 registers across chain 1's promotion
-        sb0 = bs_scales.index(s).slice(0, Q).load(col_layout)
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc2 = _promote(acc2, pa, sa1, sb0, False, ROW_FIRST)
+    acc1 = _promote(acc1, pa, sa0, sb1, False, True)
     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
     return pa, pb, acc0, acc1, acc2, acc3, sa1
 
 
 @gluon.jit
 def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
-                   WG: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr, ROW_FIRST: gl.constexpr):  # fmt: skip
-    """256 x 128 tile, 1x128-scaled B (experiment for wgrad): the warpgroup owns rows WG*128 .. +127 as
+                   WG: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """256 x 128 tile, 1x128-scaled B (wgrad; what select_config picks there): the warpgroup owns rows WG*128 .. +127 as
     two m64 halves and runs four m64n64k32 chains per K block (see _tall_block); per thread 4 x 32
     running + 2 x 32 fresh fp32 registers, as in _consumer_quad, with half its column-scale loads.
     Epilogue: four [64, 64] pieces through two buffers per warpgroup (no bias)."""
@@ -598,7 +587,7 @@ def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K,
         s = it % NUM_STAGES
         pa, pb, acc0, acc1, acc2, acc3, sa3 = _tall_block(
             a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s, pa, pb, zero, zero, zero, zero,
-            gl.zeros([H], gl.float32, row_layout), as_rows, bs_scales, WG, H, Q, row_layout, col_layout, True, ROW_FIRST,
+            gl.zeros([H], gl.float32, row_layout), as_rows, bs_scales, WG, H, Q, row_layout, col_layout, True,
         )  # fmt: skip
         s_prev = s
         it += 1
@@ -606,11 +595,11 @@ def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K,
             s = it % NUM_STAGES
             pa, pb, acc0, acc1, acc2, acc3, sa3 = _tall_block(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa3,
-                as_rows, bs_scales, WG, H, Q, row_layout, col_layout, False, ROW_FIRST,
+                as_rows, bs_scales, WG, H, Q, row_layout, col_layout, False,
             )  # fmt: skip
             s_prev = s
             it += 1
-        acc3 = _promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, ROW_FIRST)
+        acc3 = _promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, True)
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: pieces (rows h, columns q) = acc0 (0, 0), acc1 (0, 1), acc2 (1, 0), acc3 (1, 1)
@@ -637,7 +626,6 @@ def _blockwise_gemm_gluon_kernel(
     M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
     B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
     NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    ROW_FIRST: gl.constexpr,
 ):  # fmt: skip
     # as_desc / bs_desc: TMA descriptors of the A and B scales ([1, BLOCK_M] and [1, BLOCK_N] boxes;
     # [2, 16] B-scale boxes for 128x128 B scales) for 128x256 tiles, else None
@@ -678,18 +666,18 @@ def _blockwise_gemm_gluon_kernel(
     if TALL:
         gl.warp_specialize([
             (_consumer_tall, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs,
-                              bs_bufs, 0, ACCUMULATE, GROUP_M, ROW_FIRST)),
+                              bs_bufs, 0, ACCUMULATE, GROUP_M)),
             (_consumer_tall, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs,
-                              bs_bufs, 1, ACCUMULATE, GROUP_M, ROW_FIRST)),
+                              bs_bufs, 1, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
                          GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
     elif QUAD:
         gl.warp_specialize([
             (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
-                              as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M, ROW_FIRST)),
+                              as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
-                              as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M, ROW_FIRST)),
+                              as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
                          GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
@@ -895,7 +883,7 @@ def blockwise_gemm_gluon(
         hint, grid, a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, bias if bias is not None else c, c,
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
-        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs, cfg.row_first,
+        stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
         num_warps=4, maxnreg=_maxnreg(cfg),
     )  # fmt: skip
     return c
@@ -972,13 +960,8 @@ BENCH_CONFIGS = {
     "n128": GluonGemmConfig(),
     # 128x256 tiles, four n64 chains per K block (what select_config picks)
     "n256": WIDE_CONFIG,
-    # experiment (wgrad only): 256x128 tiles, column scales shared by two chains
-    "m256": GluonGemmConfig(block_n=128, consumer_regs=240, producer_regs=24, tall=True),
-    # experiments: (part * a_scale) * b_scale promotion for 1x128 B scales
-    "n256r": GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24, row_first=True),
-    "m256r": GluonGemmConfig(block_n=128, consumer_regs=240, producer_regs=24, tall=True, row_first=True),
-    "m256r2": GluonGemmConfig(block_n=128, consumer_regs=240, producer_regs=24, tall=True, row_first=2),
-    "m256o": GluonGemmConfig(block_n=128, consumer_regs=240, producer_regs=24, tall=True, row_first=3),
+    # 256x128 tiles, 1x128 B only (what select_config picks for wgrad)
+    "m256": TALL_CONFIG,
 }
 
 
@@ -1009,11 +992,10 @@ def compile_variant(v: AotVariant):
         "as_desc": "constexpr", "bs_desc": "constexpr",
         "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr",
         "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
-        "ROW_FIRST": "constexpr",
     }  # fmt: skip
     cons = {"as_desc": None, "bs_desc": None, "B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias,
             "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
-            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs, "ROW_FIRST": cfg.row_first}  # fmt: skip
+            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
     if cfg.scale_tma:
         kbs = ceil_div(k, BLOCK_K)
         b_box = list(_B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
