@@ -18,12 +18,13 @@ Design (DeepGEMM-like, warp specialised, persistent):
   producer 40 for 128x128 tiles; 240 / 24 for 128x256; under ``maxnreg=168``).
   (Double-buffering the fresh accumulator of a 128x128 tile's n128 chains was tried: ptxas
   serialised its wgmmas, warning C7515, and spilled; removed, see docs/PERFORMANCE.md);
-* ``block_n=256`` (``WIDE_CONFIG``, what ``select_config`` picks; 128x256 tiles: 25% less L2->SM
-  operand traffic per FLOP than 128x128; ``_consumer_quad``): each K block runs four m64n64k32
-  chains (B rows 0-63, ..., 192-255) alternately into two fresh accumulators, so that the warpgroup
-  promotes chain j while chain j+1 runs, into four running accumulators (4 x 32 + 2 x 32 fp32
-  registers per thread). Chain 3 of a K block is retired inside the block: a wgmma left in flight
-  across the K loop's back edge made ptxas serialise every wgmma (C7514, caught by the AOT check).
+* ``block_n=256`` (``WIDE_CONFIG``, what ``select_config`` picks for 128x128-scaled B and for a
+  bias; 128x256 tiles: 25% less L2->SM operand traffic per FLOP than 128x128; ``_consumer_quad``):
+  each K block runs four m64n64k32 chains (B rows 0-63, ..., 192-255) alternately into two fresh
+  accumulators, so that the warpgroup promotes chain j while chain j+1 runs, into four running
+  accumulators (4 x 32 + 2 x 32 fp32 registers per thread). Chain 3 of a K block is retired inside
+  the block: a wgmma left in flight across the K loop's back edge made ptxas serialise every wgmma
+  (C7514, caught by the AOT check).
   The producer TMA-loads each K block's scales into the smem stage with the tiles (the A-scale [128]
   row slice; the [256] row slice of 1x128 B scales, or a [2, 16] box holding the tile's two
   128x128-block scales), and the consumers read them with ld.shared a chain ahead of their use (the
@@ -125,7 +126,8 @@ def default_config() -> GluonGemmConfig:
 # one is promoted; scales staged through shared memory): 25% less L2->SM traffic per FLOP than 128x128.
 # Both B scale layouts; bf16/fp16 output or accumulate_into (a plain fp32 output spills registers).
 # On the H200 (docs/PERFORMANCE.md, 2026-12-01, fourth session; bench_gemm, cuBLAS in the same run): fwd
-# 0.97-1.08x cuBLAS, dgrad 1.01-1.06x, wgrad 0.94-1.02x. What select_config picks.
+# 0.97-1.08x cuBLAS, dgrad 1.01-1.06x, wgrad 0.94-1.02x. What select_config picks for 128x128 B (fwd,
+# dgrad) and for 1x128 B with a bias.
 WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
 
 
