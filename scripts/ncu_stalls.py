@@ -4,8 +4,8 @@
     python scripts/ncu_stalls.py OUTDIR/NAME [OUTDIR/NAME2 ...] [--top 8]
 
 For each NAME: a few lines of ``NAME_details.txt`` (clock, duration, throughputs, the busiest pipe),
-the warp-stall samples of ``NAME_sass.csv`` summed by reason over the kernel, and the instructions
-with the most samples (address, SASS, samples by reason).
+the warp-stall samples of ``NAME_sass.csv`` summed by reason over the kernel and by instruction kind
+(FMUL, LDS, QGMMA, ...), and the instructions with the most samples (address, SASS, samples by reason).
 """
 
 from __future__ import annotations
@@ -28,6 +28,22 @@ def details(path: Path) -> list[str]:
         if any(key in line for key in DETAIL_KEYS) and line.strip() not in out:
             out.append(re.sub(r"\s{2,}", " ", line.strip())[:120])
     return out
+
+
+def instruction_kind(sass: str) -> str:
+    """The mnemonic of a SASS line without predicate or modifiers (``@!P0 FMUL.FTZ R1, ...`` -> FMUL)."""
+    words = sass.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else "?"
+
+
+def by_kind(per_inst: list) -> dict[str, Counter]:
+    """Stall samples summed over the instructions of each kind (rows as ``stalls`` collects them)."""
+    kinds: dict[str, Counter] = {}
+    for _, _, src, counts in per_inst:
+        kinds.setdefault(instruction_kind(src.strip()), Counter()).update(counts)
+    return kinds
 
 
 def stalls(path: Path, top: int) -> list[str]:
@@ -54,6 +70,10 @@ def stalls(path: Path, top: int) -> list[str]:
     n = sum(total.values()) or 1
     out = [f"total samples {n}"]
     out += [f"  {c:30} {v:8d} {100 * v / n:5.1f}%" for c, v in total.most_common() if v]
+    out.append("by instruction kind (share of all samples; top reasons):")
+    for kind, counts in sorted(by_kind(per_inst).items(), key=lambda t: -sum(t[1].values()))[:top]:
+        why = " ".join(f"{c[6:]}:{100 * v / n:.1f}" for c, v in counts.most_common(3) if v)
+        out.append(f"  {kind:10} {100 * sum(counts.values()) / n:5.1f}%  {why}")
     for s, addr, src, counts in sorted(per_inst, key=lambda t: -t[0])[:top]:
         why = " ".join(f"{c[6:]}:{v}" for c, v in counts.most_common(3) if v)
         out.append(f"  {s:6d} {100 * s / n:5.1f}% {addr[-5:]:>5} {src.strip()[:58]:58} {why}")

@@ -45,8 +45,9 @@ Design (DeepGEMM-like, warp specialised, persistent):
   serves two consecutive chains; it promotes as ``(part * a_scale) * b_scale``, whose FMULs by the
   row scales (in registers since the stage's ready wait) do not wait for the column scales'
   ld.shared, the wgrad form's top stall in Nsight Compute (the reassociation is exact for TE's
-  power-of-2 scales, within an ulp otherwise). On the H200, sustained: 0.97-0.99x cuBLAS against
-  0.92-0.94x for 128x256 tiles (docs/PERFORMANCE.md, 2026-12-01, seventh session);
+  power-of-2 scales, within an ulp otherwise). On the H200, sustained: 0.965-0.985x cuBLAS
+  against 0.923-0.939x for 128x256 tiles in one probe_gemm_clocks run (docs/PERFORMANCE.md,
+  2026-12-01, seventh session);
 * 128x128 tiles (``_consumer``): the scales are prefetched into registers one K block ahead (plain
   global loads, L2 hot);
 * epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
@@ -177,6 +178,14 @@ def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0, b_
 
 
 @gluon.jit
+def _tile_grid(M, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BK: gl.constexpr):
+    # output tiles per column and row, their count, and K blocks: what every partition walks
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    return num_pid_m, num_pid_n, num_pid_m * num_pid_n, gl.cdiv(K, BK)
+
+
+@gluon.jit
 def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     # L2-friendly order: GROUP_M rows of tiles sweep the N tiles together.
     width = GROUP_M * num_pid_n
@@ -195,10 +204,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    nk = gl.cdiv(K, BK)
+    num_pid_m, num_pid_n, num_tiles, nk = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
     if SCALE_TMA:
         # + the K block's A-scale [1, BLOCK_M] row slice and B-scale box ([1, BLOCK_N], or [2, 16] for
         # 128x128 B scales) (fp32; entries past the tensor are zero-filled and, like the tiles'
@@ -271,10 +277,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bi
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
 
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    nk = gl.cdiv(K, BK)
+    num_pid_m, num_pid_n, num_tiles, nk = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
     c_smem = c_bufs.index(WG)
     zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, mma_layout)
 
@@ -446,10 +449,7 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     word_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one word, in every thread
 
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    nk = gl.cdiv(K, BK)
+    num_pid_m, num_pid_n, num_tiles, nk = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
     zero = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     cols = gl.arange(0, Q, layout=col_layout)
     # the TMA boxes (unswizzled) seen as plain fp32 rows per stage (A scales, 1x128 B scales) or, for
@@ -555,7 +555,8 @@ def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K,
                    WG: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
     """256 x 128 tile, 1x128-scaled B (wgrad; what select_config picks there): the warpgroup owns rows WG*128 .. +127 as
     two m64 halves and runs four m64n64k32 chains per K block (see _tall_block); per thread 4 x 32
-    running + 2 x 32 fresh fp32 registers, as in _consumer_quad, with half its column-scale loads.
+    running + 2 x 32 fresh fp32 registers, as in _consumer_quad; three 64-column scale vectors loaded
+    per K block for 128 x 128 outputs, where _consumer_quad loads four for 64 x 256.
     Epilogue: four [64, 64] pieces through two buffers per warpgroup (no bias)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -569,10 +570,7 @@ def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K,
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
 
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    num_tiles = num_pid_m * num_pid_n
-    nk = gl.cdiv(K, BK)
+    num_pid_m, num_pid_n, num_tiles, nk = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
     zero = gl.zeros([H, Q], gl.float32, mma_layout)
     cols = gl.arange(0, Q, layout=col_layout)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
