@@ -2,7 +2,7 @@
 """Blockwise FP8 GEMM throughput on the GPU: ours vs cuBLAS blockwise, BF16 cuBLAS and TE.
 
     python scripts/bench_gemm.py [--json out.json] [--plot out.png] [--tune] [--gluon-configs n256 ...]
-    python scripts/bench_gemm.py --sustained 1.5 --json out.json   # power-limited, as in training
+    python scripts/bench_gemm.py --sustained 0      # do_bench's short timing instead of 1 s sustained runs
 
 ``ours`` is what the ``triton`` backend runs: on Hopper the warp-specialised Gluon kernel
 (backends/triton/gemm_gluon.py), elsewhere the portable Triton kernel; ``portable`` is the portable
@@ -11,10 +11,12 @@ Triton kernel (backends/triton/gemm.py) on every GPU. ``--gluon-configs`` adds G
 
 For each layer shape (M, N, K) and each GEMM of a linear layer (fwd Y=XW^T, dgrad dX=dYW,
 wgrad dW=dY^T X; 2*M*N*K FLOPs each), every contender is timed in the same run on the same
-quantized operands. ``--sustained S`` times each contender run back to back for S seconds instead of
-``do_bench``'s 150 ms, and records the SM clock and board power over each run (nvidia-smi): on the
+quantized operands. By default (``--sustained 1``) each contender runs back to back for 1 second after
+an untimed settle run, and the SM clock and board power over each run are recorded (nvidia-smi): on the
 H200 every FP8 GEMM then runs at the 700 W power limit (fwd/dgrad at 1.3-1.5 GHz, wgrad at 1.5-1.75),
-as in training, where the short timing catches part of the boost clock (docs/PERFORMANCE.md, "Ceilings"). ``--tune`` first
+as in training. ``--sustained 0`` times with ``do_bench`` (150 ms) instead: that catches part of the
+boost clock and the power controller's transients, and our kernels' ratios to cuBLAS then moved by up
+to 10% between shapes and runs (docs/PERFORMANCE.md, "Ceilings" and the eighth session). ``--tune`` first
 sweeps the Triton kernel's launch configs per shape and writes the best into
 primus_fp8_plugin/backends/triton/gemm_configs.json (the committed table).
 """
@@ -112,8 +114,9 @@ def main() -> int:
     ap = bench_parser(__doc__, "MxNxK, e.g. 8192x8192x8192")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs and write the config table first")
     ap.add_argument("--gluon-configs", nargs="*", default=[], choices=sorted(BENCH_CONFIGS), help="extra Gluon configs")
-    ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
-                    help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi)")  # fmt: skip
+    ap.add_argument("--sustained", type=float, default=1.0, metavar="S",
+                    help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi); "
+                         "0: do_bench's short timing")  # fmt: skip
     args = ap.parse_args()
     if not require_cuda("bench_gemm"):
         return 2
