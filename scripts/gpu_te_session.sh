@@ -21,7 +21,7 @@ G="${GOLDENS:-/tmp/te_goldens}"; mkdir -p "$G"
 } 2>&1 | tee -a "$LOG"
 for what in ${BENCHES-quant gemm linear}; do  # BENCHES="" runs none
   extra=""; [ "$what" = quant ] && extra="--variants"
-  python3 "scripts/bench_$what.py" $extra ${BENCH_ARGS:-} --json "$OUT/bench_$what.json" --plot "$OUT/bench_$what.png" >> "$LOG" 2>&1
+  python3 "scripts/bench_$what.py" $extra --json "$OUT/bench_$what.json" --plot "$OUT/bench_$what.png" >> "$LOG" 2>&1
   echo "bench_$what rc=$?" | tee -a "$LOG"
 done
 tail -60 "$LOG"
