@@ -253,6 +253,8 @@ def main(argv=None) -> int:
         extra[name] = flags
     names = [a for a in args.arms.split(",") if a] + [n for n in extra if n not in args.arms.split(",")]
     plans = [(n, extra[n] if n in extra else arm_args(n, model, args.plugin_grouped)) for n in names]
+    if str(ROOT) not in sys.path:  # the arms run with this repository on PYTHONPATH: check the same way
+        sys.path.insert(0, str(ROOT))
     for _, flags in plans:
         check_spec(flags)
     args.log_dir.mkdir(parents=True, exist_ok=True)
