@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 _installed = False
 
 # Megatron's fused kernels (and its gradient-accumulation fusion in its own linears) need apex or TE:
-# off in every config this package builds without them (CPU runs, the trainer, te_compare). The
+# off in every config this package builds without them (CPU runs, the trainer, tools/te_compare.py). The
 # plugin's layers fuse wgrad accumulation themselves, but read the same config flag.
 FUSIONS_OFF = dict(
     bias_activation_fusion=False,

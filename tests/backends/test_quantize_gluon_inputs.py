@@ -2,7 +2,7 @@
 GPU, dims not multiples of 16, other dtypes, non-contiguous) raise GluonWeightUnsupported /
 GluonActUnsupported before anything is allocated or launched, so the triton backend falls back to
 the Triton kernels, whose bits are the same. The kernel itself is checked on the GPU (tests/gpu,
-scripts/check_quant_hopper.py) and compiled in CI (test_triton_aot.py)."""
+tools/check_quant_hopper.py) and compiled in CI (test_triton_aot.py)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ def default_config() -> GemmConfig:
 
 @functools.lru_cache(maxsize=1)
 def _tuned_table() -> dict[str, GemmConfig]:
-    """Configs chosen by ``scripts/bench_gemm.py --tune`` on the GPU, keyed ``"<1d|2d>:M:N:K"``."""
+    """Configs chosen by ``benchmarks/bench_gemm.py --tune`` on the GPU, keyed ``"<1d|2d>:M:N:K"``."""
     if not CONFIG_TABLE.exists():
         return {}
     raw = json.loads(CONFIG_TABLE.read_text())

@@ -952,7 +952,7 @@ def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotV
     return out
 
 
-# Configurations worth timing on the GPU (scripts/check_gluon_gemm.py --configs).
+# Configurations worth timing on the GPU (tools/check_gluon_gemm.py --configs).
 BENCH_CONFIGS = {
     "n128_s4": GluonGemmConfig(block_n=128, num_stages=4),
     "n128_g16": GluonGemmConfig(block_n=128, group_m=16),
@@ -1010,7 +1010,7 @@ def compile_variant(v: AotVariant):
 
 
 def inspect_compiled(kernel) -> dict:
-    from .aot import cuda_tool, sm90_resources
+    from tools.aot_triton import cuda_tool, sm90_resources
 
     ptx = kernel.asm["ptx"]
     res, sass = sm90_resources(kernel.asm["cubin"])
@@ -1056,7 +1056,7 @@ def aot_check(dump_dir: Path | None = None, verbose: bool = True, configs: dict[
             for w in info["ptxas_warnings"]:
                 print(f"    ptxas: {w}")
         if dump_dir is not None:
-            from .aot import dump_asm
+            from tools.aot_triton import dump_asm
 
             dump_asm(dump_dir, v.name, {"ptx": info["ptx"], "sass": info["sass"]})
     return ok_all

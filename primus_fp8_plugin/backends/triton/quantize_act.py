@@ -10,7 +10,7 @@ SM, docs/PERFORMANCE.md) and makes both copies from registers:
   transposed as FP8 bytes through shared memory, with its scale_inv entries ``[mb, k]`` of
   ``[ceil(M/128), pad4(K)]``.
 
-With ``SUB_M < BLOCK`` (fewer registers; ``scripts/bench_quant.py --variants`` sweeps it) the program
+With ``SUB_M < BLOCK`` (fewer registers; ``benchmarks/bench_quant.py --variants`` sweeps it) the program
 walks the tile in chunks of SUB_M rows in a rolled loop: rowwise copy and a running column amax per
 chunk, then a second pass over the chunks (from L2) for the columnwise copy.
 

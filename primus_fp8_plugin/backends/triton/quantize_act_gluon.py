@@ -18,8 +18,8 @@ along M):
 
 The earlier version reduced the columns in the ``L`` registers (across warps through shared memory)
 and sent the scales back and the FP8 tile through a second buffer: 8 block barriers, 75-77% of copy
-bandwidth on the H200, against 87-89% now in ``scripts/check_quant_hopper.py`` and 90% in
-``scripts/bench_quant.py`` (docs/PERFORMANCE.md).
+bandwidth on the H200, against 87-89% now in ``tools/check_quant_hopper.py`` and 90% in
+``benchmarks/bench_quant.py`` (docs/PERFORMANCE.md).
 
 Masked loads and stores handle partial tiles; the wrapper takes M % 16 == 0 and K % 16 == 0 (16-byte
 rows of both FP8 copies) and raises ``GluonActUnsupported`` otherwise, so that the caller uses the
@@ -167,7 +167,7 @@ def compile_variant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
 
 def aot_check(verbose: bool = True) -> bool:
     """Compile and check every variant (``aot.check_quantizer_variants``)."""
-    from .aot import check_quantizer_variants
+    from tools.aot_triton import check_quantizer_variants
 
     def name(v):
         return f"{SIG_TYPE[v[0]]}->{SIG_TYPE[v[1]]}:pow2={int(v[2])}:row={int(v[3])}:col={int(v[4])}"

@@ -184,7 +184,7 @@ def compile_variant(in_dtype, fp8_dtype, pow2, row_first=False):
 
 def aot_check(verbose: bool = True) -> bool:
     """Compile and check every variant (``aot.check_quantizer_variants``)."""
-    from .aot import check_quantizer_variants
+    from tools.aot_triton import check_quantizer_variants
 
     def name(v):
         return f"{SIG_TYPE[v[0]]}->{SIG_TYPE[v[1]]}:pow2={int(v[2])}:row_first={int(v[3])}"

@@ -2,7 +2,7 @@
 """Check and time the Hopper Gluon quantizers (``backends/triton/quantize_weight_gluon.py``,
 ``quantize_act_gluon.py``) against the Triton kernels and the reference backend, on an H100/H200.
 
-    timeout -k 10 300 python scripts/check_quant_hopper.py [--no-check] [--no-bench] [--rounds 3] [--graph]
+    timeout -k 10 300 python -m tools.check_quant_hopper [--no-check] [--no-bench] [--rounds 3] [--graph]
 
 (a) bit-exactness (data bytes of both copies, scale_inv bits incl. the padding entries, NaN == NaN)
     against the Triton kernel and the reference backend: bf16/fp16/fp32 inputs, E4M3/E5M2, pow2
@@ -20,19 +20,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from primus_fp8_plugin.backends.reference import ReferenceBackend  # noqa: E402
-from primus_fp8_plugin.backends.triton import (  # noqa: E402
+from primus_fp8_plugin.backends.reference import ReferenceBackend
+from primus_fp8_plugin.backends.triton import (
     quantize_act,
     quantize_act_gluon,
     quantize_weight,
     quantize_weight_gluon,
 )
-from primus_fp8_plugin.recipe import QuantParams  # noqa: E402
+from primus_fp8_plugin.recipe import QuantParams
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -163,7 +161,7 @@ def check_act_bits() -> int:
 
 
 def bench(shapes, rounds: int, graph: bool) -> None:
-    from benchlib import bench_ms, graph_ms
+    from benchmarks.benchlib import bench_ms, graph_ms
 
     timer = graph_ms if graph else bench_ms
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Summarise Nsight Compute reports written by ``scripts/gpu_ncu.sh``: key metrics and where the warps stall.
+"""Summarise Nsight Compute reports written by ``tools/gpu/gpu_ncu.sh``: key metrics and where the warps stall.
 
-    python scripts/ncu_stalls.py OUTDIR/NAME [OUTDIR/NAME2 ...] [--top 8]
+    python -m tools.ncu OUTDIR/NAME [OUTDIR/NAME2 ...] [--top 8]
 
 For each NAME: a few lines of ``NAME_details.txt`` (clock, duration, throughputs, the busiest pipe),
 the warp-stall samples of ``NAME_sass.csv`` summed by reason over the kernel and by instruction kind

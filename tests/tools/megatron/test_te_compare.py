@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_fp8_plugin.megatron import te_compare as tc
+from tools import te_compare as tc
 
 
 class _Fused(torch.nn.Module):

@@ -14,9 +14,13 @@ bytes written; "copy" is a device-to-device copy of X measured in the same run (
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
-from benchlib import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks.benchlib
+
+from benchmarks.benchlib import (  # noqa: E402
     bench_ms,
     bench_parser,
     environment,
@@ -27,13 +31,12 @@ from benchlib import (
     shapes_or,
     try_import_te,
 )
-
-from primus_fp8_plugin import BlockwiseRecipe, TensorRole
-from primus_fp8_plugin.backends.reference import ReferenceBackend
-from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant
-from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
-from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
-from primus_fp8_plugin.tensor import ceil_div
+from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
+from primus_fp8_plugin.backends.reference import ReferenceBackend  # noqa: E402
+from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant  # noqa: E402
+from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual  # noqa: E402
+from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128  # noqa: E402
+from primus_fp8_plugin.tensor import ceil_div  # noqa: E402
 
 SHAPES = [(8192, 8192), (16384, 4096), (8192, 29568), (4096, 14336)]
 

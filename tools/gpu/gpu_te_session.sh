@@ -2,7 +2,7 @@
 # One GPU call with Transformer Engine (staged first with ../shared/tools/te-on-device): record TE
 # goldens, validate against them, GPU tests, and the benchmarks with TE as a contender.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 LOG="$OUT/session.log"
 bash .te/small/device.sh install 2>&1 | tail -2 | tee -a "$LOG"
@@ -21,7 +21,7 @@ G="${GOLDENS:-/tmp/te_goldens}"; mkdir -p "$G"
 } 2>&1 | tee -a "$LOG"
 for what in ${BENCHES-quant gemm linear}; do  # BENCHES="" runs none
   extra=""; [ "$what" = quant ] && extra="--variants"
-  python3 "scripts/bench_$what.py" $extra --json "$OUT/bench_$what.json" --plot "$OUT/bench_$what.png" >> "$LOG" 2>&1
+  python3 "benchmarks/bench_$what.py" $extra --json "$OUT/bench_$what.json" --plot "$OUT/bench_$what.png" >> "$LOG" 2>&1
   echo "bench_$what rc=$?" | tee -a "$LOG"
 done
 tail -60 "$LOG"

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Sustained GEMM throughput with the SM clock and board power seen while it runs (H100/H200).
 
-    python scripts/probe_gemm_clocks.py                                  # ours vs cuBLAS, 3 shapes
-    python scripts/probe_gemm_clocks.py --configs n256 --seconds 3 --rounds 3 --json out.json
+    python -m tools.probe_gemm_clocks                                  # ours vs cuBLAS, 3 shapes
+    python -m tools.probe_gemm_clocks --configs n256 --seconds 3 --rounds 3 --json out.json
 
 Why: a short ``do_bench`` (60 ms in check_gluon_gemm.py, 150 ms in bench_gemm.py) of an FP8 GEMM on
 the H200 can run at a clock the card does not hold under sustained load (the power limit pulls the SM
@@ -35,13 +35,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchlib import PowerLog, sustained_ms  # noqa: E402
-from check_gluon_gemm import cublas_fn, make_inputs  # noqa: E402
-
-from primus_fp8_plugin.backends.triton import gemm_gluon  # noqa: E402
+from benchmarks.benchlib import PowerLog, sustained_ms
+from primus_fp8_plugin.backends.triton import gemm_gluon
+from tools.check_gluon_gemm import cublas_fn, make_inputs
 
 SHAPES = [(8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568)]
 # form: (B scale layout, output dtype, accumulate into an fp32 tensor)

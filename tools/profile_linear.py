@@ -2,9 +2,9 @@
 """Where a small FP8 linear step spends its time: host (Python + launch) cost of each piece, GPU
 time, and a torch.profiler table. For the fixed per-call cost that dominates small layers.
 
-    python scripts/profile_linear.py [--backend cublas] [--shape 4096x4096x4096] [--trace out.json]
-    python scripts/profile_linear.py --op-overhead      # any machine, no GPU needed
-    python scripts/profile_linear.py --breakdown        # host time of each backend call inside the op
+    python -m tools.profile_linear [--backend cublas] [--shape 4096x4096x4096] [--trace out.json]
+    python -m tools.profile_linear --op-overhead      # any machine, no GPU needed
+    python -m tools.profile_linear --breakdown        # host time of each backend call inside the op
 
 Host cost is measured on a tiny problem (256x256x256: the GPU finishes each kernel long before the
 CPU launches the next one), as wall time per call without synchronising, over many calls.
@@ -18,8 +18,8 @@ import argparse
 import time
 
 import torch
-from benchlib import require_cuda
 
+from benchmarks.benchlib import require_cuda
 from primus_fp8_plugin import BlockwiseRecipe, Fp8BlockwiseLinear, get_backend
 from primus_fp8_plugin.recipe import TensorRole
 

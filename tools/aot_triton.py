@@ -4,7 +4,7 @@ Runs without a GPU: Triton compiles to PTX + cubin (its wheel bundles ptxas and 
 AMDGCN + hsaco. For each kernel variant that the launchers use, it reports the instructions that
 prove the FP8 path was taken and the resources (registers, spills, scratch, shared memory).
 
-    python -m primus_fp8_plugin.backends.triton.aot [--json FILE]
+    python -m tools.aot_triton [--json FILE]
 
 Must run in a process without ``TRITON_INTERPRET=1`` (interpreted kernels do not compile).
 """
@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import gemm, quantize_act, quantize_weight
+from primus_fp8_plugin.backends.triton import gemm, quantize_act, quantize_weight
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx950": GPUTarget("hip", "gfx950", 64)}
 
@@ -223,7 +223,7 @@ def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbo
     byte-wise or single 16-bit shared-memory traffic, no undefined PTX registers, and where
     ``transposes_fn(v)`` the transposed copy's 16 wide (4- to 16-byte) shared stores per thread and
     16-byte reads. Prints a line per variant."""
-    from .hopper import SMEM_LIMIT
+    from primus_fp8_plugin.backends.triton.hopper import SMEM_LIMIT
 
     ok_all = True
     for v in variants:

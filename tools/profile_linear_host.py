@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Host (CPU) cost of our FP8 linear layer's step, piece by piece, on a GPU machine.
 
-    python scripts/profile_linear_host.py [--shape 4096x4096x4096] [--backend cublas] [--steps 200] [--top 25]
-    python scripts/profile_linear_host.py --backend triton --ab-hints 15
-    python scripts/profile_linear_host.py --ab-backends cublas,hopper,triton,bf16 --shape 2048x1024x1024
+    python -m tools.profile_linear_host [--shape 4096x4096x4096] [--backend cublas] [--steps 200] [--top 25]
+    python -m tools.profile_linear_host --backend triton --ab-hints 15
+    python -m tools.profile_linear_host --ab-backends cublas,hopper,triton,bf16 --shape 2048x1024x1024
 
 At 4096^3 the GPU work of a forward+backward step is about 0.5 ms; when the host needs longer to
 issue it, the step is host-bound (docs/PERFORMANCE.md, issue 5). This prints
@@ -26,14 +26,12 @@ import io
 import pstats
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from primus_fp8_plugin import Fp8BlockwiseLinear  # noqa: E402
-from primus_fp8_plugin.backends import get_backend  # noqa: E402
-from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole  # noqa: E402
+from primus_fp8_plugin import Fp8BlockwiseLinear
+from primus_fp8_plugin.backends import get_backend
+from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole
 
 
 def _middle(values: list[float]) -> float:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything we check on the GPU machine in one call: GPU tests, validate per backend, benchmarks.
-# Usage (device tool): bash scripts/gpu_check.sh [quick]   -- writes logs/JSON/PNGs to $OUT
+# Usage (device tool): bash tools/gpu/gpu_check.sh [quick]   -- writes logs/JSON/PNGs to $OUT
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -13,7 +13,7 @@ for b in triton cublas; do
   echo "validate $b: rc=$? $(tail -1 "$OUT/validate_$b.log")"
 done
 [ "${1:-}" = "quick" ] && exit 0
-python3 scripts/bench_quant.py --variants --json "$OUT/bench_quant.json" --plot "$OUT/bench_quant.png" 2>&1 | tee "$OUT/bench_quant.log" | tail -30
-python3 scripts/bench_gemm.py ${GEMM_TUNE:-} --json "$OUT/bench_gemm.json" --plot "$OUT/bench_gemm.png" > "$OUT/bench_gemm.log" 2>&1
+python3 benchmarks/bench_quant.py --variants --json "$OUT/bench_quant.json" --plot "$OUT/bench_quant.png" 2>&1 | tee "$OUT/bench_quant.log" | tail -30
+python3 benchmarks/bench_gemm.py ${GEMM_TUNE:-} --json "$OUT/bench_gemm.json" --plot "$OUT/bench_gemm.png" > "$OUT/bench_gemm.log" 2>&1
 tail -35 "$OUT/bench_gemm.log"
 cp primus_fp8_plugin/backends/triton/gemm_configs.json "$OUT/" 2>/dev/null || true

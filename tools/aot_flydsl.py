@@ -1,6 +1,6 @@
 """Compile the FlyDSL GEMMs for gfx950 without a GPU and check the ISA.
 
-    python -m primus_fp8_plugin.backends.flydsl.aot [--json FILE]
+    python -m tools.aot_flydsl [--json FILE]
 
 For fprop/dgrad (B 128x128-scaled) and wgrad (B 1x128-scaled), bf16 and fp32 outputs: the target is
 gfx950, the FP8 MFMA is there, nothing spills, registers and LDS fit gfx950 (512 VGPRs incl.
@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from .toolchain import setup_compile_only
+from primus_fp8_plugin.backends.flydsl.toolchain import setup_compile_only
 
 VARIANTS = {  # name -> (M, N, K, b_block_dim, out_bf16)
     "fwd/dgrad bf16 out": (256, 256, 1024, 2, True),
@@ -66,7 +66,7 @@ def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
     import flydsl.compiler as flyc
     import torch
 
-    from .gemm import build_kernel
+    from primus_fp8_plugin.backends.flydsl.gemm import build_kernel
 
     reports = {}
     for name, (m, n, k, b_dim, bf16) in VARIANTS.items():

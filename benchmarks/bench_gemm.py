@@ -27,17 +27,30 @@ import inspect
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
-from benchlib import Timing, bench_ms, bench_parser, environment, report, require_cuda, save_figure, shapes_or, try_import_te
 
-from primus_fp8_plugin import BlockwiseRecipe, TensorRole
-from primus_fp8_plugin.backends.cublas import CublasBackend
-from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm
-from primus_fp8_plugin.backends.triton.gemm import CONFIG_TABLE, GemmConfig, blockwise_gemm, select_config
-from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, blockwise_gemm_gluon, supports
-from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
-from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks.benchlib
+
+from benchmarks.benchlib import (  # noqa: E402
+    Timing,
+    bench_ms,
+    bench_parser,
+    environment,
+    report,
+    require_cuda,
+    save_figure,
+    shapes_or,
+    try_import_te,
+)
+from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
+from primus_fp8_plugin.backends.cublas import CublasBackend  # noqa: E402
+from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm  # noqa: E402
+from primus_fp8_plugin.backends.triton.gemm import CONFIG_TABLE, GemmConfig, blockwise_gemm, select_config  # noqa: E402
+from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, blockwise_gemm_gluon, supports  # noqa: E402
+from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual  # noqa: E402
+from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568),
           (8192, 29568, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]  # fmt: skip

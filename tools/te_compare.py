@@ -1,7 +1,7 @@
 """The same Megatron GPT built several ways (``KINDS``), with the same weights: Transformer Engine's
 spec under ``Float8BlockScaling`` (``config.fp8 = "e4m3"``, ``fp8_recipe = "blockwise"``) or in BF16,
 TE's spec with the plugin's linears, the plugin's spec, and Megatron's local BF16 spec. Used by
-``tests/gpu`` and ``scripts/bench_gpt_layer.py`` (needs a GPU and, for the TE kinds, Transformer Engine).
+``tests/gpu`` and ``benchmarks/bench_gpt_layer.py`` (needs a GPU and, for the TE kinds, Transformer Engine).
 
 Parameter names agree across the TE spec and the plugin's fused-norm spec (``linear_qkv.layer_norm_weight``
 and so on); the BF16 local spec keeps its norms as separate modules, mapped by ``to_local_names``.
@@ -29,7 +29,7 @@ class GptShape:
 def transformer_config(shape: GptShape, *, te_fp8: bool):
     """BF16, fusions off, weights initialised on the CPU (the same on every build); TE's blockwise FP8
     recipe when ``te_fp8``."""
-    from .cpu import cpu_transformer_config
+    from primus_fp8_plugin.megatron.cpu import cpu_transformer_config
 
     fp8 = dict(fp8="e4m3", fp8_recipe="blockwise") if te_fp8 else {}
     return cpu_transformer_config(
@@ -59,7 +59,7 @@ def build_gpt(shape: GptShape, kind: str, backend: str = "auto", seed: int = 0, 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    from .specs import apply_fp8_blockwise, get_gpt_block_spec, with_core_attention
+    from primus_fp8_plugin.megatron.specs import apply_fp8_blockwise, get_gpt_block_spec, with_core_attention
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -144,7 +144,7 @@ def results_by_kind(shape: GptShape, kinds: list[str], backend: str = "auto") ->
 
 def worst_grad_error(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[str, float]:
     """(name, relative Frobenius error) of the parameter whose gradient departs most from ``ref``'s."""
-    from ..validate import rel_frobenius
+    from primus_fp8_plugin.validate import rel_frobenius
 
     if grads.keys() != ref.keys():
         raise ValueError(f"gradient names differ: {sorted(grads.keys() ^ ref.keys())[:5]}")

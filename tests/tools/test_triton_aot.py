@@ -7,10 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +21,8 @@ def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "primus_fp8_plugin.backends.triton.aot", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "tools.aot_triton", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     print(proc.stdout)
     assert out.exists(), proc.stderr
@@ -63,7 +66,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills(module, variants):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-m", f"primus_fp8_plugin.backends.triton.{module}"],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -73,7 +76,7 @@ def test_gluon_kernels_compile_for_sm90_without_spills(module, variants):
 def test_undefined_register_scan_finds_a_read_of_an_unwritten_register():
     """The guard of the Gluon quantizers' AOT check, on PTX shaped like Triton's miscompile (a byte
     of each W^T word packed from a register nothing writes) and on its fixed form."""
-    from primus_fp8_plugin.backends.triton.aot import undefined_registers
+    from tools.aot_triton import undefined_registers
 
     bad = """
     ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
@@ -90,7 +93,7 @@ def test_undefined_register_scan_finds_a_read_of_an_unwritten_register():
 def test_fingerprints_ignore_addresses_encodings_and_debug_lines():
     """fingerprint.py hashes instructions only: the same code at other addresses, with other
     encodings or source lines, has the same fingerprint; one changed operand changes it."""
-    from primus_fp8_plugin.backends.triton.fingerprint import _digest, amdgcn_instructions, compare, sass_instructions
+    from tools.fingerprint import _digest, amdgcn_instructions, compare, sass_instructions
 
     sass_a = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Nsight Compute reports of our kernels and their baselines, on the GPU machine.
-#   bash scripts/gpu_ncu.sh OUTDIR "NAME:TARGET ARGS..." ...
-# e.g. bash scripts/gpu_ncu.sh /tmp/ncu "fwd_ours:gemm-fwd --impl ours" "fwd_cublas:gemm-fwd --impl cublas"
+#   bash tools/gpu/gpu_ncu.sh OUTDIR "NAME:TARGET ARGS..." ...
+# e.g. bash tools/gpu/gpu_ncu.sh /tmp/ncu "fwd_ours:gemm-fwd --impl ours" "fwd_cublas:gemm-fwd --impl cublas"
 # For each NAME: NAME.ncu-rep, NAME_details.txt (throughput, occupancy, stall reasons) and
 # NAME_sass.csv (per-instruction samples). Clocks are left alone (--clock-control none).
 set -u
-out=$1
+mkdir -p "$1"
+out=$(cd "$1" && pwd)
 shift
-mkdir -p "$out"
+cd "$(dirname "$0")/../.."  # the repo root, for python -m tools.ncu_targets
 for spec in "$@"; do
   name=${spec%%:*}
   args=${spec#*:}
   # shellcheck disable=SC2086
   timeout -k 5 240 ncu --clock-control none --nvtx --nvtx-include "profile/" --set full --import-source yes \
-    -f -o "$out/$name" python3 scripts/ncu_targets.py $args > "$out/${name}_ncu.log" 2>&1 || echo "ncu $name rc=$?"
+    -f -o "$out/$name" python3 -m tools.ncu_targets $args > "$out/${name}_ncu.log" 2>&1 || echo "ncu $name rc=$?"
   if [ -f "$out/$name.ncu-rep" ]; then
     ncu -i "$out/$name.ncu-rep" --page details > "$out/${name}_details.txt" 2>&1
     ncu -i "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/${name}_sass.csv" 2>&1

@@ -1,20 +1,17 @@
-"""scripts/benchlib.PowerLog: parses nvidia-smi's CSV samples and summarises a time window (CPU, with a
+"""benchmarks/benchlib.PowerLog: parses nvidia-smi's CSV samples and summarises a time window (CPU, with a
 stand-in nvidia-smi on PATH)."""
 
 import json
 import os
 import stat
-import sys
 import time
 import types
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import benchlib  # noqa: E402
-from benchlib import PowerLog, Timing, report  # noqa: E402
+from benchmarks import benchlib
+from benchmarks.benchlib import PowerLog, Timing, report
 
 # Without -lms: one line and exit (PowerLog's field probes). With -lms: one sample every 20 ms
 # (clock 1400 + i, power 690 + i) stamped with the local time, as nvidia-smi does, after a line

@@ -5,8 +5,8 @@ folded) can be checked on a CPU: compile before and after, compare. Each fingerp
 the sm_90 SASS instructions (addresses and encodings dropped) or of the gfx950 AMDGCN instructions
 (directives, comments and debug lines dropped), so source locations and file paths do not count.
 
-    python -m primus_fp8_plugin.backends.triton.fingerprint --out before.json     # on the old tree
-    python -m primus_fp8_plugin.backends.triton.fingerprint --compare before.json # on the new tree
+    python -m tools.fingerprint --out before.json     # on the old tree
+    python -m tools.fingerprint --compare before.json # on the new tree
 
 ``--compare`` lists the variants whose code changed, appeared or disappeared, and exits 1 if any
 did. Covers the Triton kernels of ``aot.kernel_specs()`` (sm_90 and gfx950) and every variant of the
@@ -49,8 +49,10 @@ def _digest(lines: list[str]) -> str:
 
 def fingerprints(verbose: bool = False) -> dict[str, str]:
     """{variant name: fingerprint} of every kernel variant (see the module docstring)."""
-    from . import aot, gemm_gluon, quantize_act_gluon, quantize_weight_gluon
-    from .quantize_gluon_tiles import SIG_TYPE
+    from primus_fp8_plugin.backends.triton import gemm_gluon, quantize_act_gluon, quantize_weight_gluon
+    from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import SIG_TYPE
+
+    from . import aot_triton as aot
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled ahead of time")

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Check and time the Gluon blockwise FP8 GEMM (``backends/triton/gemm_gluon.py``) on an H100/H200.
 
-    python scripts/check_gluon_gemm.py                      # correctness + benchmark, default config
-    python scripts/check_gluon_gemm.py --configs n128,n128_s4,n64,n128_g16
-    python scripts/check_gluon_gemm.py --aot                # only the sm_90 compile check (no GPU needed)
-    python scripts/check_gluon_gemm.py --no-bench           # correctness only
-    timeout -k 10 300 python scripts/check_gluon_gemm.py --configs default,n256   # a hung kernel ends as rc 124
-    python scripts/check_gluon_gemm.py --configs n256,n128 --rounds 3   # 128x256 vs 128x128 tiles, interleaved
+    python -m tools.check_gluon_gemm                      # correctness + benchmark, default config
+    python -m tools.check_gluon_gemm --configs n128,n128_s4,n64,n128_g16
+    python -m tools.check_gluon_gemm --aot                # only the sm_90 compile check (no GPU needed)
+    python -m tools.check_gluon_gemm --no-bench           # correctness only
+    timeout -k 10 300 python -m tools.check_gluon_gemm --configs default,n256   # a hung kernel ends as rc 124
+    python -m tools.check_gluon_gemm --configs n256,n128 --rounds 3   # 128x256 vs 128x128 tiles, interleaved
 
 Configs that do not handle a B scale layout (``gemm_gluon.supports``) print SKIP / n/a for it.
 
@@ -31,14 +31,11 @@ import functools
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from primus_fp8_plugin.backends.triton import gemm_gluon  # noqa: E402
-from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, GluonGemmConfig, blockwise_gemm_gluon  # noqa: E402
+from primus_fp8_plugin.backends.triton import gemm_gluon
+from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, GluonGemmConfig, blockwise_gemm_gluon
 
 TOL = 2e-3
 CONFIGS = {"default": GluonGemmConfig(), **BENCH_CONFIGS}

@@ -1,17 +1,6 @@
-"""scripts/ncu_stalls.py on a small synthetic Nsight Compute source-page CSV (no GPU, no ncu)."""
+"""tools/ncu.py on a small synthetic Nsight Compute source-page CSV (no GPU, no ncu)."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ncu_stalls.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("ncu_stalls", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+from tools import ncu
 
 CSV = """\
 "Address","Source","stall_short_sb","stall_barrier","stall_wait","stall_short_sb (Not Issued)"
@@ -23,7 +12,6 @@ CSV = """\
 
 
 def test_stalls_sums_by_reason_and_by_instruction_kind(tmp_path):
-    ncu = load()
     assert ncu.instruction_kind("@!P0 FMUL.FTZ R4, R2, R5") == "FMUL"
     assert ncu.instruction_kind("LDS.64 R6, [R7+0x10]") == "LDS"
     csv_file = tmp_path / "k_sass.csv"

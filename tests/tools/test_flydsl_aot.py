@@ -5,10 +5,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from primus_fp8_plugin import backend_availability
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_unavailable_off_amd_with_a_reason():
@@ -28,8 +31,8 @@ def reports(tmp_path_factory):
         pytest.fail(f"the test set-up should have installed the gfx950 toolchain: {err}")
     out = tmp_path_factory.mktemp("flydsl") / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "primus_fp8_plugin.backends.flydsl.aot", "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "tools.aot_flydsl", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert out.exists(), proc.stderr[-3000:]
     return json.loads(out.read_text())

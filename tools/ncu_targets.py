@@ -2,7 +2,7 @@
 """Run one kernel under an NVTX range named ``profile``, for Nsight Compute (hardware counters).
 
     ncu --clock-control none --nvtx --nvtx-include "profile/" --set full --import-source yes \\
-        -o report python scripts/ncu_targets.py gemm-fwd --impl ours --shape 8192x8192x8192
+        -o report python -m tools.ncu_targets gemm-fwd --impl ours --shape 8192x8192x8192
     ncu -i report.ncu-rep --page details            # throughput, occupancy, stall reasons
     ncu -i report.ncu-rep --page source --csv --print-source sass   # per-instruction stall samples
 
@@ -20,8 +20,8 @@ import argparse
 import sys
 
 import torch
-from bench_gemm import operands
 
+from benchmarks.bench_gemm import operands
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.backends.cublas import CublasBackend
 from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm

@@ -1,13 +1,8 @@
-"""scripts/probe_gemm_clocks.py refuses unknown configs and forms before it looks for a GPU."""
-
-import sys
-from pathlib import Path
+"""tools/probe_gemm_clocks.py refuses unknown configs and forms before it looks for a GPU."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import probe_gemm_clocks  # noqa: E402
+from tools import probe_gemm_clocks
 
 
 @pytest.mark.parametrize("argv", [["--configs", "n256,n999"], ["--forms", "fwd,dgrad"]])

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
-from benchlib import bench_parser, environment, print_table, require_cuda, save_figure, save_json, try_import_te
 
-from primus_fp8_plugin import backend_availability
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks.benchlib
+
+from benchmarks.benchlib import bench_parser, environment, print_table, require_cuda, save_figure, save_json, try_import_te  # noqa: E402
+from primus_fp8_plugin import backend_availability  # noqa: E402
 
 SHAPES = {  # name: (hidden, heads, ffn, seq, micro batch)
     "h1024": (1024, 16, 4096, 1024, 4),
@@ -46,7 +49,7 @@ def main() -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from primus_fp8_plugin.megatron import te_compare as tc
+    from tools import te_compare as tc
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29813")

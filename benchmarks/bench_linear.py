@@ -23,11 +23,14 @@ H200 then sits at its 700 W limit, as in training (docs/PERFORMANCE.md, "Ceiling
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
-from benchlib import Timing, bench_parser, environment, report, require_cuda, save_figure, shapes_or, try_import_te
 
-from primus_fp8_plugin import Fp8BlockwiseLinear, backend_availability
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks.benchlib
+
+from benchmarks.benchlib import Timing, bench_parser, environment, report, require_cuda, save_figure, shapes_or, try_import_te  # noqa: E402
+from primus_fp8_plugin import Fp8BlockwiseLinear, backend_availability  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568),
           (8192, 29568, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]  # fmt: skip
