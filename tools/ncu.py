@@ -1,11 +1,24 @@
-#!/usr/bin/env python3
-"""Summarise Nsight Compute reports written by ``tools/gpu/gpu_ncu.sh``: key metrics and where the warps stall.
+"""Nsight Compute for our kernels: run one kernel under an NVTX range (``run``), and summarise the
+reports (``summary``). ``tools/gpu/gpu_ncu.sh`` runs both on the GPU machine.
 
-    python -m tools.ncu OUTDIR/NAME [OUTDIR/NAME2 ...] [--top 8]
+    ncu --clock-control none --nvtx --nvtx-include "profile/" --set full --import-source yes \\
+        -o report python -m tools.ncu run gemm-fwd --impl ours --shape 8192x8192x8192
+    ncu -i report.ncu-rep --page details            # throughput, occupancy, stall reasons
+    ncu -i report.ncu-rep --page source --csv --print-source sass   # per-instruction stall samples
+    python -m tools.ncu summary OUTDIR/NAME [OUTDIR/NAME2 ...] [--top 8]
 
-For each NAME: a few lines of ``NAME_details.txt`` (clock, duration, throughputs, the busiest pipe),
-the warp-stall samples of ``NAME_sass.csv`` summed by reason over the kernel and by instruction kind
-(FMUL, LDS, QGMMA, ...), and the instructions with the most samples (address, SASS, samples by reason).
+``run`` targets: ``gemm-fwd``, ``gemm-dgrad``, ``gemm-wgrad`` (``--impl ours`` = what the triton
+backend runs, ``cublas`` = torch's blockwise scaled_mm, ``gluon:<config>`` = a
+``gemm_gluon.BENCH_CONFIGS`` entry; ``--shape MxNxK`` of the linear layer, as in
+benchmarks/bench_gemm.py), ``quant-act``, ``quant-weight`` (``--shape MxK``; ``--impl ours``: the
+Triton kernel, ``gluon``: the Hopper Gluon kernel) and ``copy`` (a device-to-device copy of an
+``MxK`` bf16 tensor, the bandwidth ceiling). The operands are prepared and the kernel is run twice
+outside the range (compilation, caches), so the range holds exactly the launches of one call.
+
+``summary``, for each report prefix NAME (as ``gpu_ncu.sh`` writes them): a few lines of
+``NAME_details.txt`` (clock, duration, throughputs, the busiest pipe), the warp-stall samples of
+``NAME_sass.csv`` summed by reason over the kernel and by instruction kind (FMUL, LDS, QGMMA, ...),
+and the instructions with the most samples (address, SASS, samples by reason).
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import re
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -80,11 +94,85 @@ def stalls(path: Path, top: int) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("reports", nargs="+", help="OUTDIR/NAME prefixes (as given to gpu_ncu.sh)")
-    ap.add_argument("--top", type=int, default=8, help="instructions to list")
-    args = ap.parse_args(argv)
+TARGETS = ("gemm-fwd", "gemm-dgrad", "gemm-wgrad", "quant-act", "quant-weight", "copy")
+
+
+def gemm_call(direction: str, impl: str, m: int, n: int, k: int):
+    import torch
+
+    from benchmarks.bench_gemm import operands
+    from primus_fp8_plugin import BlockwiseRecipe
+    from primus_fp8_plugin.backends.cublas import CublasBackend
+    from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm
+    from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, blockwise_gemm_gluon
+
+    recipe = BlockwiseRecipe()
+    meta, (a, sa, b, sb, bdim) = operands(m, n, k, direction, recipe)
+    if impl == "ours":
+        return lambda: hopper_or_portable_gemm(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16)
+    if impl == "cublas":
+        cublas = CublasBackend()
+        return {
+            "fwd": lambda: cublas.gemm_fwd(meta["a"], meta["b"], None, torch.bfloat16),
+            "dgrad": lambda: cublas.gemm_dgrad(meta["a"], meta["b"], torch.bfloat16),
+            "wgrad": lambda: cublas.gemm_wgrad(meta["a"], meta["b"], torch.bfloat16, None),
+        }[direction]
+    if impl.startswith("gluon:") and impl[6:] in BENCH_CONFIGS:
+        cfg = BENCH_CONFIGS[impl[6:]]
+        return lambda: blockwise_gemm_gluon(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16, config=cfg)
+    raise SystemExit(f"--impl must be ours, cublas or gluon:<one of {sorted(BENCH_CONFIGS)}>, got {impl!r}")
+
+
+def quant_call(target: str, impl: str, m: int, k: int):
+    import torch
+
+    from primus_fp8_plugin import BlockwiseRecipe, TensorRole
+    from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
+    from primus_fp8_plugin.backends.triton.quantize_act_gluon import quantize_1x128_dual_gluon
+    from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
+    from primus_fp8_plugin.backends.triton.quantize_weight_gluon import quantize_128x128_gluon
+
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    recipe = BlockwiseRecipe()
+    if target == "quant-act":
+        params = recipe.params(TensorRole.INPUT)
+        if impl == "gluon":
+            return lambda: quantize_1x128_dual_gluon(x, params, rowwise=True, columnwise=True)
+        return lambda: quantize_1x128_dual(x, params, rowwise=True, columnwise=True)
+    if target == "quant-weight":
+        params = recipe.params(TensorRole.WEIGHT)
+        if impl == "gluon":
+            return lambda: quantize_128x128_gluon(x, params)
+        return lambda: quantize_128x128(x, params)
+    dst = torch.empty_like(x)
+    return lambda: dst.copy_(x)
+
+
+def run(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("tools.ncu run needs a CUDA GPU")
+        return 2
+    dims = [int(d) for d in args.shape.split("x")] if args.shape else []
+    if args.target.startswith("gemm-"):
+        m, n, k = dims or (8192, 8192, 8192)
+        fn = gemm_call(args.target[5:], args.impl, m, n, k)
+    else:
+        m, k = dims or (8192, 8192)
+        fn = quant_call(args.target, args.impl, m, k)
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profile")
+    fn()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    print(f"ran {args.target} {args.impl if args.target.startswith('gemm-') else ''} {dims or 'default shape'}")
+    return 0
+
+
+def summary(args) -> int:
     for prefix in args.reports:
         p = Path(prefix)
         print(f"== {p.name}")
@@ -93,5 +181,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run one kernel under the NVTX range 'profile' (inside ncu)")
+    r.add_argument("target", choices=TARGETS)
+    r.add_argument("--impl", default="ours", help="GEMMs: ours | cublas | gluon:<config>; quant: ours (Triton) | gluon")
+    r.add_argument("--shape", default="", help="MxNxK (GEMMs, default 8192x8192x8192) or MxK (default 8192x8192)")
+    s = sub.add_parser("summary", help="key metrics and warp stalls of reports written by gpu_ncu.sh")
+    s.add_argument("reports", nargs="+", help="OUTDIR/NAME prefixes (as given to gpu_ncu.sh)")
+    s.add_argument("--top", type=int, default=8, help="instructions to list")
+    args = ap.parse_args(argv)
+    return run(args) if args.command == "run" else summary(args)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
