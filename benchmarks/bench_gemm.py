@@ -7,7 +7,7 @@
 ``ours`` is what the ``triton`` backend runs: on Hopper the warp-specialised Gluon kernel
 (backends/triton/gemm_gluon.py), elsewhere the portable Triton kernel; ``portable`` is the portable
 Triton kernel (backends/triton/gemm.py) on every GPU. ``--gluon-configs`` adds Gluon launch configs
-(names from ``gemm_gluon.BENCH_CONFIGS``) as further columns, where they support the GEMM.
+(names from ``tools.gemm_variants.VARIANTS``) as further columns, where they support the GEMM.
 
 For each layer shape (M, N, K) and each GEMM of a linear layer (fwd Y=XW^T, dgrad dX=dYW,
 wgrad dW=dY^T X; 2*M*N*K FLOPs each), every contender is timed in the same run on the same
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks.benchlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks, tools
 
 from benchmarks.benchlib import (  # noqa: E402
     Timing,
@@ -48,9 +48,10 @@ from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.cublas import CublasBackend  # noqa: E402
 from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm  # noqa: E402
 from primus_fp8_plugin.backends.triton.gemm import CONFIG_TABLE, GemmConfig, blockwise_gemm, select_config  # noqa: E402
-from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, blockwise_gemm_gluon, supports  # noqa: E402
+from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon, supports  # noqa: E402
 from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual  # noqa: E402
 from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128  # noqa: E402
+from tools.gemm_variants import VARIANTS  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568),
           (8192, 29568, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]  # fmt: skip
@@ -126,7 +127,7 @@ def tune(shapes, recipe) -> dict[str, dict]:
 def main() -> int:
     ap = bench_parser(__doc__, "MxNxK, e.g. 8192x8192x8192")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs and write the config table first")
-    ap.add_argument("--gluon-configs", nargs="*", default=[], choices=sorted(BENCH_CONFIGS), help="extra Gluon configs")
+    ap.add_argument("--gluon-configs", nargs="*", default=[], choices=sorted(VARIANTS), help="extra Gluon configs")
     ap.add_argument("--sustained", type=float, default=1.0, metavar="S",
                     help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi); "
                          "0: do_bench's short timing")  # fmt: skip
@@ -183,7 +184,7 @@ def _run(args, shapes, recipe, te, tex, cublas, have_cublas, timing) -> tuple[li
                 "bf16": lambda: torch.matmul(hp_a, hp_b.t()),
             }
             for name in args.gluon_configs:
-                cfg = BENCH_CONFIGS[name]
+                cfg = VARIANTS[name]
                 if supports(cfg, bdim, torch.bfloat16) is None:
                     fns[f"gluon {name}"] = lambda cfg=cfg: blockwise_gemm_gluon(
                         a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16, config=cfg

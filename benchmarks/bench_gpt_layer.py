@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks.benchlib
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks, tools
 
 from benchmarks.benchlib import bench_parser, environment, print_table, require_cuda, save_figure, save_json, try_import_te  # noqa: E402
 from primus_fp8_plugin import backend_availability  # noqa: E402

@@ -1,10 +1,14 @@
-"""Ahead-of-time compilation of every Triton kernel for sm_90 (H100/H200) and gfx950 (MI355X).
+"""Ahead-of-time compilation of every Triton kernel for sm_90 (H100/H200) and gfx950 (MI355X), and of
+every variant of the Hopper Gluon kernels for sm_90.
 
 Runs without a GPU: Triton compiles to PTX + cubin (its wheel bundles ptxas and cuobjdump) and to
 AMDGCN + hsaco. For each kernel variant that the launchers use, it reports the instructions that
 prove the FP8 path was taken and the resources (registers, spills, scratch, shared memory).
 
-    python -m tools.aot_triton [--json FILE]
+    python -m tools.aot_triton [--json FILE] [--dump DIR]                 # the Triton kernels, sm_90 and gfx950
+    python -m tools.aot_triton --gluon gemm [--all-configs] [--dump DIR]  # the Hopper Gluon kernels, sm_90
+    python -m tools.aot_triton --gluon quantize_act
+    python -m tools.aot_triton --gluon quantize_weight
 
 Must run in a process without ``TRITON_INTERPRET=1`` (interpreted kernels do not compile).
 """
@@ -297,11 +301,285 @@ def dump_asm(dump_dir: Path, name: str, asm: dict[str, str]) -> None:
         (dump_dir / f"{stem}.{ext}").write_text(body)
 
 
+# --------------------------------------------------------------------------------------------------
+# The Hopper Gluon kernels (sm_90 only)
+# --------------------------------------------------------------------------------------------------
+
+GLUON_KERNELS = ("gemm", "quantize_act", "quantize_weight")  # --gluon NAME
+
+# what the Gluon GEMM's PTX / SASS must contain
+GEMM_EXPECT_SM90 = {
+    "wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e[45]m[23]\.e[45]m[23]",
+    "tma_load": r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
+    "tma_store": r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta",
+    "mbarrier_wait": r"mbarrier\.try_wait",
+    "mbarrier_arrive": r"mbarrier\.arrive",
+    "setmaxnreg": r"setmaxnreg",
+    "QGMMA": r"QGMMA",
+}
+
+
+def _sig(dtype: torch.dtype) -> str:
+    """The name Triton's signatures give ``dtype`` (bf16, fp8e4nv, ...)."""
+    from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import SIG_TYPE
+
+    return SIG_TYPE[dtype]
+
+
+@dataclass
+class GemmVariant:
+    """One specialisation of the Gluon GEMM: a launch configuration, the B scale layout, the output."""
+
+    name: str
+    b_block_dim: int
+    out_dtype: torch.dtype
+    has_bias: bool
+    accumulate: bool
+    a_dtype: torch.dtype = torch.float8_e4m3fn
+    b_dtype: torch.dtype = torch.float8_e4m3fn
+    config: object = None  # gemm_gluon.GluonGemmConfig
+
+
+def gemm_aot_variants(configs: dict | None = None) -> list[GemmVariant]:
+    """Every kernel variant the Gluon GEMM's wrapper launches for the given configs ({name: config});
+    by default, every variant that ``gemm_gluon.select_config`` picks (what the backend runs)."""
+    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+
+    selected_only = configs is None
+    configs = configs or {"n128": G.GluonGemmConfig(), "n256": G.WIDE_CONFIG, "m256": G.TALL_CONFIG}
+    out = []
+    for cfg_name, cfg in configs.items():
+        for bdim in (2, 1):
+            if G.supports(cfg, bdim) is not None:
+                continue
+            for od in (torch.bfloat16, torch.float16, torch.float32):
+                if G.supports(cfg, bdim, od) is not None:
+                    continue
+                for bias in (False, True):
+                    out.append(GemmVariant(f"{cfg_name}:b{bdim}d:{_sig(od)}:bias={int(bias)}", bdim, od, bias, False,
+                                           config=cfg))  # fmt: skip
+            out.append(GemmVariant(f"{cfg_name}:b{bdim}d:accumulate", bdim, torch.float32, False, True, config=cfg))
+            if G.supports(cfg, bdim, torch.float32, True, True) is None:
+                out.append(GemmVariant(f"{cfg_name}:b{bdim}d:accumulate+bias", bdim, torch.float32, True, True, config=cfg))
+        if G.supports(cfg, 1) is None:
+            out.append(GemmVariant(f"{cfg_name}:b1d:e5m2xe4m3:bf16", 1, torch.bfloat16, False, False,
+                                   a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
+            # HYBRID wgrad into Megatron's fp32 main_grad: E5M2 dY with accumulate_into
+            out.append(GemmVariant(f"{cfg_name}:b1d:e5m2xe4m3:accumulate", 1, torch.float32, False, True,
+                                   a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
+        if G.supports(cfg, 2) is None:
+            out.append(GemmVariant(f"{cfg_name}:b2d:e5m2xe4m3:bf16", 2, torch.bfloat16, False, False,
+                                   a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
+    if selected_only:
+        out = [v for v in out if G.select_config(v.b_block_dim, v.out_dtype, v.accumulate, v.has_bias) == v.config]
+    return out
+
+
+def compile_gemm(v: GemmVariant):
+    """Compile one Gluon GEMM variant for sm_90 without a GPU, as the wrapper's launch compiles it."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+    from primus_fp8_plugin.tensor import ceil_div
+
+    cfg = v.config
+    bm, bn = cfg.block_m, cfg.block_n
+    out_dtype = torch.float32 if v.accumulate else v.out_dtype
+    stages = G.stages_that_fit(bn, out_dtype, cfg.num_stages, v.b_block_dim, cfg.tall)
+    cn = G._c_block_n(bn, cfg.tall)
+    m = n = k = 1024  # only the descriptors' types matter
+    a = torch.empty(m, k, dtype=v.a_dtype)
+    b = torch.empty(n, k, dtype=v.b_dtype)
+    c = torch.empty(m, n, dtype=out_dtype)
+    descs = [
+        TensorDescriptor.from_tensor(a, [bm, G.BLOCK_K], G._shared_layout([bm, G.BLOCK_K], a.dtype)),
+        TensorDescriptor.from_tensor(b, [bn, G.BLOCK_K], G._shared_layout([bn, G.BLOCK_K], b.dtype)),
+        TensorDescriptor.from_tensor(c, [64, cn], G._shared_layout([64, cn], out_dtype)),
+    ]
+    sig = {
+        "a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
+        "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "bias_ptr": f"*{_sig(out_dtype)}", "c_ptr": f"*{_sig(out_dtype)}",
+        "M": "i32", "N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", "stride_cm": "i32",
+        "as_desc": "constexpr", "bs_desc": "constexpr",
+        "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr",
+        "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
+    }  # fmt: skip
+    cons = {"as_desc": None, "bs_desc": None, "B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias,
+            "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
+            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
+    if cfg.scale_tma:
+        kbs = ceil_div(k, G.BLOCK_K)
+        b_box = list(G._B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
+        for name, rows, box in (("as_desc", kbs, [1, bm]), ("bs_desc", kbs, b_box)):
+            sig[name] = mangle_type(G._scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box))
+            del cons[name]
+    names = list(sig)
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("a_s_ptr", "b_s_ptr", "bias_ptr", "c_ptr")}
+    attrs.update({(names.index(p),): [["tt.divisibility", 16]] for p in ("N", "K", "stride_as", "stride_cm")})
+    src = GluonASTSource(fn=G._blockwise_gemm_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": G._maxnreg(cfg)})
+
+
+def inspect_gemm(kernel) -> dict:
+    """A compiled Gluon GEMM: registers, spills, shared memory, the instructions of
+    ``GEMM_EXPECT_SM90`` (counts), the setmaxnreg values and ptxas's warnings."""
+    ptx = kernel.asm["ptx"]
+    res, sass = sm90_resources(kernel.asm["cubin"])
+    with tempfile.TemporaryDirectory() as d:  # ptxas -v again: Triton does not surface its warnings
+        ptx_file = Path(d) / "k.ptx"
+        ptx_file.write_text(ptx)
+        ptxas = subprocess.run([cuda_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx_file), "-o", str(Path(d) / "o.cubin")],
+                               capture_output=True, text=True)  # fmt: skip
+    text = ptx + "\n" + sass
+    found = {key: len(re.findall(pat, text)) for key, pat in GEMM_EXPECT_SM90.items()}
+    setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    # C7515: ptxas serialised the wgmma pipeline (accumulator registers touched while in flight)
+    warnings = [
+        ln
+        for ln in (ptxas.stdout + ptxas.stderr).splitlines()
+        if "arning" in ln or "Performance Loss" in ln or "spill" in ln and " 0 bytes spill" not in ln
+    ]
+    return {
+        "regs": int(res.get("REG", -1)), "stack": int(res.get("STACK", -1)), "local": int(res.get("LOCAL", -1)),
+        "smem": int(getattr(kernel.metadata, "shared", 0)), "found": found, "setmaxnreg": setmaxnreg,
+        "ptxas_warnings": warnings, "ptx": ptx, "sass": sass,
+    }  # fmt: skip
+
+
+def check_gemm(dump_dir: Path | None = None, verbose: bool = True, configs: dict | None = None) -> bool:
+    """Compile every Gluon GEMM variant the wrapper can launch (``gemm_aot_variants(configs)``) for
+    sm_90 and check it: wgmma with FP8 operands, TMA loads/stores, mbarriers, setmaxnreg, no spills,
+    fits in shared memory, no serialised wgmma pipeline. Prints a line per variant."""
+    from primus_fp8_plugin.backends.triton.hopper import SMEM_LIMIT
+
+    ok_all = True
+    for v in gemm_aot_variants(configs):
+        try:
+            info = inspect_gemm(compile_gemm(v))
+        except Exception as e:  # noqa: BLE001
+            ok_all = False
+            print(f"{v.name:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
+            continue
+        ok = (all(info["found"].values()) and info["stack"] == 0 and info["local"] == 0
+              and info["smem"] <= SMEM_LIMIT and not any("serializ" in w for w in info["ptxas_warnings"]))  # fmt: skip
+        ok_all &= ok
+        if verbose:
+            print(f"{v.name:40} {'OK ' if ok else 'BAD'} regs={info['regs']:3} stack={info['stack']} "
+                  f"local={info['local']} smem={info['smem']} setmaxnreg={info['setmaxnreg']} "
+                  f"found={info['found']}")  # fmt: skip
+            for w in info["ptxas_warnings"]:
+                print(f"    ptxas: {w}")
+        if dump_dir is not None:
+            dump_asm(dump_dir, v.name, {"ptx": info["ptx"], "sass": info["sass"]})
+    return ok_all
+
+
+def act_quant_aot_variants() -> list[tuple]:
+    """Every (input dtype, FP8 dtype, pow2, rowwise, columnwise) the Gluon act quantizer launches."""
+    return [
+        (i, f, p, r, c)
+        for i in (torch.bfloat16, torch.float16, torch.float32)
+        for f in (torch.float8_e4m3fn, torch.float8_e5m2)
+        for p in (True, False)
+        for r, c in ((True, True), (True, False), (False, True))
+    ]
+
+
+def compile_act_quant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
+    """Compile one Gluon act-quantizer variant for sm_90 without a GPU, as a launch with M, K multiples
+    of 16 compiles."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from primus_fp8_plugin.backends.triton import quantize_act_gluon as Q
+
+    f8 = _sig(fp8_dtype)
+    sig = {"x_ptr": f"*{_sig(in_dtype)}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}",
+           "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "fp8_max": "fp32",
+           "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr", "COLWISE": "constexpr", "POW2": "constexpr",
+           "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr"}  # fmt: skip
+    lay, lay_n, lt_raw, t_raw = Q._layouts(torch.finfo(in_dtype).bits // 8)
+    names = list(sig)
+    divisible_by_16 = ("x_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "M", "K", "M_PAD", "K_PAD")
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
+    cons = {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "L": lay, "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw}
+    src = GluonASTSource(fn=Q._quantize_1x128_dual_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": Q.NUM_WARPS})
+
+
+def weight_quant_aot_variants() -> list[tuple]:
+    """Every (input dtype, FP8 dtype, pow2, row-first tile order) the Gluon weight quantizer launches."""
+    return [
+        (i, f, p, r)
+        for i in (torch.bfloat16, torch.float16, torch.float32)
+        for f in (torch.float8_e4m3fn, torch.float8_e5m2)
+        for p in (True, False)
+        for r in (False, True)
+    ]
+
+
+def compile_weight_quant(in_dtype, fp8_dtype, pow2, row_first=False):
+    """Compile one Gluon weight-quantizer variant for sm_90 without a GPU, as a launch with N, K
+    multiples of 16 compiles."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from primus_fp8_plugin.backends.triton import quantize_weight_gluon as Q
+    from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import transpose_tile_layouts
+
+    f8 = _sig(fp8_dtype)
+    sig = {"w_ptr": f"*{_sig(in_dtype)}", "q_ptr": f"*{f8}", "qt_ptr": f"*{f8}", "s_ptr": "*fp32", "st_ptr": "*fp32",
+           "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
+           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "ROW_FIRST": "constexpr", "L": "constexpr",
+           "LN": "constexpr", "LT": "constexpr", "T_SMEM": "constexpr"}  # fmt: skip
+    lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
+    names = list(sig)
+    divisible_by_16 = ("w_ptr", "q_ptr", "qt_ptr", "s_ptr", "st_ptr", "N", "K", "stride_wn")
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
+    cons = {"POW2": pow2, "ROW_FIRST": row_first, "L": lay, "LN": lay_n, "LT": lay_t, "T_SMEM": t_smem}
+    src = GluonASTSource(fn=Q._quantize_128x128_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": Q.NUM_WARPS})
+
+
+def check_act_quant(verbose: bool = True) -> bool:
+    """Compile and check every Gluon act-quantizer variant (``check_quantizer_variants``)."""
+
+    def name(v):
+        return f"{_sig(v[0])}->{_sig(v[1])}:pow2={int(v[2])}:row={int(v[3])}:col={int(v[4])}"
+
+    return check_quantizer_variants(act_quant_aot_variants(), compile_act_quant, name, lambda v: v[4], verbose)
+
+
+def check_weight_quant(verbose: bool = True) -> bool:
+    """Compile and check every Gluon weight-quantizer variant (``check_quantizer_variants``)."""
+
+    def name(v):
+        return f"{_sig(v[0])}->{_sig(v[1])}:pow2={int(v[2])}:row_first={int(v[3])}"
+
+    return check_quantizer_variants(weight_quant_aot_variants(), compile_weight_quant, name, lambda v: True, verbose)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="AOT-compile the Triton kernels for sm_90 and gfx950 and check them")
     ap.add_argument("--json", type=Path, help="write the reports as JSON")
     ap.add_argument("--dump", type=Path, help="write PTX/SASS/AMDGCN of every kernel into this folder")
+    ap.add_argument("--gluon", choices=GLUON_KERNELS,
+                    help="check this Hopper Gluon kernel's variants for sm_90 instead (--json does not apply)")  # fmt: skip
+    ap.add_argument("--all-configs", action="store_true",
+                    help="with --gluon gemm: also compile every entry of tools.gemm_variants.VARIANTS")  # fmt: skip
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled ahead of time")
+    if args.gluon == "gemm":
+        configs = None
+        if args.all_configs:
+            from primus_fp8_plugin.backends.triton.gemm_gluon import GluonGemmConfig
+            from tools.gemm_variants import VARIANTS
+
+            configs = {"default": GluonGemmConfig(), **VARIANTS}
+        return 0 if check_gemm(args.dump, configs=configs) else 1
+    if args.gluon:
+        return 0 if {"quantize_act": check_act_quant, "quantize_weight": check_weight_quant}[args.gluon]() else 1
     reports = run_all(args.dump)
     print(f"{'kernel':58} {'target':7} {'regs':>5} {'spill B':>8} {'vgpr sp':>7} {'sgpr sp':>7} {'smem':>7}  instructions")
     for r in reports:

@@ -35,10 +35,11 @@ import traceback
 import torch
 
 from primus_fp8_plugin.backends.triton import gemm_gluon
-from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, GluonGemmConfig, blockwise_gemm_gluon
+from primus_fp8_plugin.backends.triton.gemm_gluon import GluonGemmConfig, blockwise_gemm_gluon
+from tools.gemm_variants import VARIANTS
 
 TOL = 2e-3
-CONFIGS = {"default": GluonGemmConfig(), **BENCH_CONFIGS}
+CONFIGS = {"default": GluonGemmConfig(), **VARIANTS}
 
 # (17920, 136 / 56, 256): 140 tiles of 128 rows, more than the H200's 132 SMs, so some CTAs store a second
 # tile after one whose N edge left 3 (N=136) or 1 (N=56) of the quarter-chain epilogue's four pieces
@@ -337,7 +338,9 @@ def main(argv=None) -> int:
     configs = {c: CONFIGS[c] for c in names}
 
     if args.aot:
-        return 0 if gemm_gluon.aot_check(configs=configs) else 1
+        from tools.aot_triton import check_gemm
+
+        return 0 if check_gemm(configs=configs) else 1
 
     if not torch.cuda.is_available():
         print("no CUDA device: run with --aot for the compile-only check")

@@ -9,8 +9,8 @@ the sm_90 SASS instructions (addresses and encodings dropped) or of the gfx950 A
     python -m tools.fingerprint --compare before.json # on the new tree
 
 ``--compare`` lists the variants whose code changed, appeared or disappeared, and exits 1 if any
-did. Covers the Triton kernels of ``aot.kernel_specs()`` (sm_90 and gfx950) and every variant of the
-Hopper Gluon kernels' AOT checks (sm_90). Takes a few minutes (it compiles everything).
+did. Covers the Triton kernels of ``aot_triton.kernel_specs()`` (sm_90 and gfx950) and every variant of
+the Hopper Gluon kernels' AOT checks (sm_90). Takes a few minutes (it compiles everything).
 """
 
 from __future__ import annotations
@@ -49,10 +49,8 @@ def _digest(lines: list[str]) -> str:
 
 def fingerprints(verbose: bool = False) -> dict[str, str]:
     """{variant name: fingerprint} of every kernel variant (see the module docstring)."""
-    from primus_fp8_plugin.backends.triton import gemm_gluon, quantize_act_gluon, quantize_weight_gluon
     from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import SIG_TYPE
-
-    from . import aot_triton as aot
+    from tools import aot_triton as aot
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled ahead of time")
@@ -70,14 +68,18 @@ def fingerprints(verbose: bool = False) -> dict[str, str]:
                 f"{spec.name}.{target}",
                 sass_instructions(asm["sass"]) if target == "sm90" else amdgcn_instructions(asm["amdgcn"]),
             )
-    for v in gemm_gluon.aot_variants():
-        _, sass = aot.sm90_resources(gemm_gluon.compile_variant(v).asm["cubin"])
+    for v in aot.gemm_aot_variants():
+        _, sass = aot.sm90_resources(aot.compile_gemm(v).asm["cubin"])
         add(f"gemm_gluon[{v.name}].sm90", sass_instructions(sass))
-    for mod in (quantize_act_gluon, quantize_weight_gluon):
-        for v in mod.aot_variants():
-            _, sass = aot.sm90_resources(mod.compile_variant(*v).asm["cubin"])
+    quantizers = {
+        "quantize_act_gluon": (aot.act_quant_aot_variants, aot.compile_act_quant),
+        "quantize_weight_gluon": (aot.weight_quant_aot_variants, aot.compile_weight_quant),
+    }
+    for module, (variants, compile_fn) in quantizers.items():
+        for v in variants():
+            _, sass = aot.sm90_resources(compile_fn(*v).asm["cubin"])
             tag = ",".join(SIG_TYPE.get(x, str(x)) for x in v)
-            add(f"{mod.__name__.rsplit('.', 1)[1]}[{tag}].sm90", sass_instructions(sass))
+            add(f"{module}[{tag}].sm90", sass_instructions(sass))
     return out
 
 

@@ -9,7 +9,7 @@ reports (``summary``). ``tools/gpu/gpu_ncu.sh`` runs both on the GPU machine.
 
 ``run`` targets: ``gemm-fwd``, ``gemm-dgrad``, ``gemm-wgrad`` (``--impl ours`` = what the triton
 backend runs, ``cublas`` = torch's blockwise scaled_mm, ``gluon:<config>`` = a
-``gemm_gluon.BENCH_CONFIGS`` entry; ``--shape MxNxK`` of the linear layer, as in
+``tools.gemm_variants.VARIANTS`` entry; ``--shape MxNxK`` of the linear layer, as in
 benchmarks/bench_gemm.py), ``quant-act``, ``quant-weight`` (``--shape MxK``; ``--impl ours``: the
 Triton kernel, ``gluon``: the Hopper Gluon kernel) and ``copy`` (a device-to-device copy of an
 ``MxK`` bf16 tensor, the bandwidth ceiling). The operands are prepared and the kernel is run twice
@@ -104,7 +104,8 @@ def gemm_call(direction: str, impl: str, m: int, n: int, k: int):
     from primus_fp8_plugin import BlockwiseRecipe
     from primus_fp8_plugin.backends.cublas import CublasBackend
     from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm
-    from primus_fp8_plugin.backends.triton.gemm_gluon import BENCH_CONFIGS, blockwise_gemm_gluon
+    from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon
+    from tools.gemm_variants import VARIANTS
 
     recipe = BlockwiseRecipe()
     meta, (a, sa, b, sb, bdim) = operands(m, n, k, direction, recipe)
@@ -117,10 +118,10 @@ def gemm_call(direction: str, impl: str, m: int, n: int, k: int):
             "dgrad": lambda: cublas.gemm_dgrad(meta["a"], meta["b"], torch.bfloat16),
             "wgrad": lambda: cublas.gemm_wgrad(meta["a"], meta["b"], torch.bfloat16, None),
         }[direction]
-    if impl.startswith("gluon:") and impl[6:] in BENCH_CONFIGS:
-        cfg = BENCH_CONFIGS[impl[6:]]
+    if impl.startswith("gluon:") and impl[6:] in VARIANTS:
+        cfg = VARIANTS[impl[6:]]
         return lambda: blockwise_gemm_gluon(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16, config=cfg)
-    raise SystemExit(f"--impl must be ours, cublas or gluon:<one of {sorted(BENCH_CONFIGS)}>, got {impl!r}")
+    raise SystemExit(f"--impl must be ours, cublas or gluon:<one of {sorted(VARIANTS)}>, got {impl!r}")
 
 
 def quant_call(target: str, impl: str, m: int, k: int):

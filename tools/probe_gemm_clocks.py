@@ -16,7 +16,7 @@ is, apart from the clock) and TFLOPS per kW (energy per FLOP: what the clock fol
 at its power limit).
 
 Contenders: cuBLAS blockwise (``torch.nn.functional.scaled_mm``), the Gluon kernel in each of
-``--configs`` (``gemm_gluon.BENCH_CONFIGS``) that takes the form, and for the fwd form two ceilings:
+``--configs`` (``tools.gemm_variants.VARIANTS``) that takes the form, and for the fwd form two ceilings:
 cuBLAS FP8 with per-tensor scales (no promotion) and BF16; forms: fwd (128x128 B scales, bf16
 out, also what dgrad runs), wgrad (1x128 B scales, bf16 out) and wgrad_acc (1x128 B scales, added
 into an fp32 ``main_grad``: ours in the epilogue, cuBLAS as an fp32 product plus an ``add_`` pass,
@@ -38,6 +38,7 @@ import torch
 from benchmarks.benchlib import PowerLog, sustained_ms
 from primus_fp8_plugin.backends.triton import gemm_gluon
 from tools.check_gluon_gemm import cublas_fn, make_inputs
+from tools.gemm_variants import VARIANTS
 
 SHAPES = [(8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568)]
 # form: (B scale layout, output dtype, accumulate into an fp32 tensor)
@@ -57,7 +58,7 @@ def ceiling_fns(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="n256,m256", help="comma list of gemm_gluon.BENCH_CONFIGS names (default: those picked)")
+    ap.add_argument("--configs", default="n256,m256", help="comma list of tools.gemm_variants names (default: those picked)")
     ap.add_argument("--shapes", nargs="*", default=None, help="MxNxK GEMM shapes (default: 3 of bench_gemm's)")
     ap.add_argument("--forms", default="fwd,wgrad")
     ap.add_argument("--seconds", type=float, default=2.0, help="sustained run per contender and round")
@@ -67,14 +68,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     names, forms = args.configs.split(","), args.forms.split(",")
-    unknown = [c for c in names if c not in gemm_gluon.BENCH_CONFIGS] + [f for f in forms if f not in FORMS]
+    unknown = [c for c in names if c not in VARIANTS] + [f for f in forms if f not in FORMS]
     if unknown:
-        ap.error(f"unknown {unknown}; configs: {sorted(gemm_gluon.BENCH_CONFIGS)}, forms: {sorted(FORMS)}")
+        ap.error(f"unknown {unknown}; configs: {sorted(VARIANTS)}, forms: {sorted(FORMS)}")
     if not torch.cuda.is_available():
         print("probe_gemm_clocks needs an NVIDIA GPU", file=sys.stderr)
         return 2
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
-    configs = {c: gemm_gluon.BENCH_CONFIGS[c] for c in names}
+    configs = {c: VARIANTS[c] for c in names}
     now = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  {now}")
     runs = []  # (shape, form, label, round, ms, t0, t1)

@@ -58,14 +58,14 @@ def test_no_register_spills_and_resources_fit(reports, target):
 # conversion, 16 wide (4- to 16-byte) transposing shared-memory stores per thread, no byte-wise or
 # 16-bit shared traffic, no undefined PTX registers (a Triton miscompile their first version hit).
 # All: no spills, shared memory fits.
-GLUON_KERNELS = [("gemm_gluon", 19), ("quantize_act_gluon", 36), ("quantize_weight_gluon", 24)]
+GLUON_KERNELS = [("gemm", 19), ("quantize_act", 36), ("quantize_weight", 24)]
 
 
 @pytest.mark.parametrize("module, variants", GLUON_KERNELS, ids=[m for m, _ in GLUON_KERNELS])
 def test_gluon_kernels_compile_for_sm90_without_spills(module, variants):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", f"primus_fp8_plugin.backends.triton.{module}"],
+        [sys.executable, "-m", "tools.aot_triton", "--gluon", module],
         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
     )  # fmt: skip
     print(proc.stdout)

@@ -28,7 +28,6 @@ Triton kernel."""
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -36,7 +35,7 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
 from .launch import FastLauncher, aligned
 from .quantize_act import MAX_GRID_Y, dual_outputs
-from .quantize_gluon_tiles import SIG_TYPE, load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
+from .quantize_gluon_tiles import load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import amax_nan, scale_and_inverse
 
@@ -128,54 +127,3 @@ def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: 
     elif m == 0 and columnwise:
         col_s.fill_(1.0)
     return BlockwiseFp8Tensor((m, k), 1, params.fp8_dtype, x.dtype, **parts)
-
-
-# --------------------------------------------------------------------------------------------------
-# Ahead-of-time compile check (no GPU needed)
-# --------------------------------------------------------------------------------------------------
-
-
-def aot_variants() -> list[tuple]:
-    """Every (input dtype, FP8 dtype, pow2, rowwise, columnwise) the wrapper can launch."""
-    return [
-        (i, f, p, r, c)
-        for i in (torch.bfloat16, torch.float16, torch.float32)
-        for f in (torch.float8_e4m3fn, torch.float8_e5m2)
-        for p in (True, False)
-        for r, c in ((True, True), (True, False), (False, True))
-    ]
-
-
-def compile_variant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
-    """Compile one variant for sm_90 without a GPU, as a launch with M, K multiples of 16 compiles."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    f8 = SIG_TYPE[fp8_dtype]
-    sig = {"x_ptr": f"*{SIG_TYPE[in_dtype]}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}",
-           "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "fp8_max": "fp32",
-           "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr", "COLWISE": "constexpr", "POW2": "constexpr",
-           "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr"}  # fmt: skip
-    lay, lay_n, lt_raw, t_raw = _layouts(torch.finfo(in_dtype).bits // 8)
-    names = list(sig)
-    divisible_by_16 = ("x_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "M", "K", "M_PAD", "K_PAD")
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
-    cons = {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "L": lay, "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw}
-    src = GluonASTSource(fn=_quantize_1x128_dual_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-
-
-def aot_check(verbose: bool = True) -> bool:
-    """Compile and check every variant (``aot.check_quantizer_variants``)."""
-    from tools.aot_triton import check_quantizer_variants
-
-    def name(v):
-        return f"{SIG_TYPE[v[0]]}->{SIG_TYPE[v[1]]}:pow2={int(v[2])}:row={int(v[3])}:col={int(v[4])}"
-
-    return check_quantizer_variants(aot_variants(), compile_variant, name, lambda v: v[4], verbose)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(0 if aot_check() else 1)

@@ -29,7 +29,6 @@ shapes to the Triton kernel (``GluonWeightUnsupported``)."""
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -37,7 +36,7 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher, aligned, int_class
 from .quantize_act import MAX_GRID_Y
-from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_tile, store_transposed, transpose_tile_layouts
+from .quantize_gluon_tiles import load_tile, store_tile, store_transposed, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import max_nan, scale_and_inverse
 
@@ -145,54 +144,3 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# Ahead-of-time compile check (no GPU needed)
-# --------------------------------------------------------------------------------------------------
-
-
-def aot_variants() -> list[tuple]:
-    """Every (input dtype, FP8 dtype, pow2, row-first tile order) the wrapper can launch."""
-    return [
-        (i, f, p, r)
-        for i in (torch.bfloat16, torch.float16, torch.float32)
-        for f in (torch.float8_e4m3fn, torch.float8_e5m2)
-        for p in (True, False)
-        for r in (False, True)
-    ]
-
-
-def compile_variant(in_dtype, fp8_dtype, pow2, row_first=False):
-    """Compile one variant for sm_90 without a GPU, as a launch with N, K multiples of 16 compiles."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    f8 = SIG_TYPE[fp8_dtype]
-    sig = {"w_ptr": f"*{SIG_TYPE[in_dtype]}", "q_ptr": f"*{f8}", "qt_ptr": f"*{f8}", "s_ptr": "*fp32", "st_ptr": "*fp32",
-           "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
-           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "ROW_FIRST": "constexpr", "L": "constexpr",
-           "LN": "constexpr", "LT": "constexpr", "T_SMEM": "constexpr"}  # fmt: skip
-    lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
-    names = list(sig)
-    divisible_by_16 = ("w_ptr", "q_ptr", "qt_ptr", "s_ptr", "st_ptr", "N", "K", "stride_wn")
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
-    cons = {"POW2": pow2, "ROW_FIRST": row_first, "L": lay, "LN": lay_n, "LT": lay_t, "T_SMEM": t_smem}
-    src = GluonASTSource(fn=_quantize_128x128_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-
-
-def aot_check(verbose: bool = True) -> bool:
-    """Compile and check every variant (``aot.check_quantizer_variants``)."""
-    from tools.aot_triton import check_quantizer_variants
-
-    def name(v):
-        return f"{SIG_TYPE[v[0]]}->{SIG_TYPE[v[1]]}:pow2={int(v[2])}:row_first={int(v[3])}"
-
-    return check_quantizer_variants(aot_variants(), compile_variant, name, lambda v: True, verbose)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(0 if aot_check() else 1)
