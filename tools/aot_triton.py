@@ -227,7 +227,7 @@ def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbo
     byte-wise or single 16-bit shared-memory traffic, no undefined PTX registers, and where
     ``transposes_fn(v)`` the transposed copy's 16 wide (4- to 16-byte) shared stores per thread and
     16-byte reads. Prints a line per variant."""
-    from primus_fp8_plugin.backends.triton.hopper import SMEM_LIMIT
+    from primus_fp8_plugin.backends.triton.sm90 import SMEM_LIMIT
 
     ok_all = True
     for v in variants:
@@ -319,11 +319,11 @@ GEMM_EXPECT_SM90 = {
 }
 
 
-def _sig(dtype: torch.dtype) -> str:
+def sig_type(dtype: torch.dtype) -> str:
     """The name Triton's signatures give ``dtype`` (bf16, fp8e4nv, ...)."""
-    from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import SIG_TYPE
+    from primus_fp8_plugin.backends.triton.sm90 import TORCH_TO_GL
 
-    return SIG_TYPE[dtype]
+    return str(TORCH_TO_GL[dtype])
 
 
 @dataclass
@@ -356,7 +356,7 @@ def gemm_aot_variants(configs: dict | None = None) -> list[GemmVariant]:
                 if G.supports(cfg, bdim, od) is not None:
                     continue
                 for bias in (False, True):
-                    out.append(GemmVariant(f"{cfg_name}:b{bdim}d:{_sig(od)}:bias={int(bias)}", bdim, od, bias, False,
+                    out.append(GemmVariant(f"{cfg_name}:b{bdim}d:{sig_type(od)}:bias={int(bias)}", bdim, od, bias, False,
                                            config=cfg))  # fmt: skip
             out.append(GemmVariant(f"{cfg_name}:b{bdim}d:accumulate", bdim, torch.float32, False, True, config=cfg))
             if G.supports(cfg, bdim, torch.float32, True, True) is None:
@@ -400,7 +400,7 @@ def compile_gemm(v: GemmVariant):
     ]
     sig = {
         "a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
-        "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "bias_ptr": f"*{_sig(out_dtype)}", "c_ptr": f"*{_sig(out_dtype)}",
+        "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "bias_ptr": f"*{sig_type(out_dtype)}", "c_ptr": f"*{sig_type(out_dtype)}",
         "M": "i32", "N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", "stride_cm": "i32",
         "as_desc": "constexpr", "bs_desc": "constexpr",
         "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr",
@@ -452,7 +452,7 @@ def check_gemm(dump_dir: Path | None = None, verbose: bool = True, configs: dict
     """Compile every Gluon GEMM variant the wrapper can launch (``gemm_aot_variants(configs)``) for
     sm_90 and check it: wgmma with FP8 operands, TMA loads/stores, mbarriers, setmaxnreg, no spills,
     fits in shared memory, no serialised wgmma pipeline. Prints a line per variant."""
-    from primus_fp8_plugin.backends.triton.hopper import SMEM_LIMIT
+    from primus_fp8_plugin.backends.triton.sm90 import SMEM_LIMIT
 
     ok_all = True
     for v in gemm_aot_variants(configs):
@@ -494,8 +494,8 @@ def compile_act_quant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
 
     from primus_fp8_plugin.backends.triton import quantize_act_gluon as Q
 
-    f8 = _sig(fp8_dtype)
-    sig = {"x_ptr": f"*{_sig(in_dtype)}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}",
+    f8 = sig_type(fp8_dtype)
+    sig = {"x_ptr": f"*{sig_type(in_dtype)}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}",
            "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "fp8_max": "fp32",
            "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr", "COLWISE": "constexpr", "POW2": "constexpr",
            "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr"}  # fmt: skip
@@ -527,8 +527,8 @@ def compile_weight_quant(in_dtype, fp8_dtype, pow2, row_first=False):
     from primus_fp8_plugin.backends.triton import quantize_weight_gluon as Q
     from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import transpose_tile_layouts
 
-    f8 = _sig(fp8_dtype)
-    sig = {"w_ptr": f"*{_sig(in_dtype)}", "q_ptr": f"*{f8}", "qt_ptr": f"*{f8}", "s_ptr": "*fp32", "st_ptr": "*fp32",
+    f8 = sig_type(fp8_dtype)
+    sig = {"w_ptr": f"*{sig_type(in_dtype)}", "q_ptr": f"*{f8}", "qt_ptr": f"*{f8}", "s_ptr": "*fp32", "st_ptr": "*fp32",
            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
            "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "ROW_FIRST": "constexpr", "L": "constexpr",
            "LN": "constexpr", "LT": "constexpr", "T_SMEM": "constexpr"}  # fmt: skip
@@ -545,7 +545,7 @@ def check_act_quant(verbose: bool = True) -> bool:
     """Compile and check every Gluon act-quantizer variant (``check_quantizer_variants``)."""
 
     def name(v):
-        return f"{_sig(v[0])}->{_sig(v[1])}:pow2={int(v[2])}:row={int(v[3])}:col={int(v[4])}"
+        return f"{sig_type(v[0])}->{sig_type(v[1])}:pow2={int(v[2])}:row={int(v[3])}:col={int(v[4])}"
 
     return check_quantizer_variants(act_quant_aot_variants(), compile_act_quant, name, lambda v: v[4], verbose)
 
@@ -554,7 +554,7 @@ def check_weight_quant(verbose: bool = True) -> bool:
     """Compile and check every Gluon weight-quantizer variant (``check_quantizer_variants``)."""
 
     def name(v):
-        return f"{_sig(v[0])}->{_sig(v[1])}:pow2={int(v[2])}:row_first={int(v[3])}"
+        return f"{sig_type(v[0])}->{sig_type(v[1])}:pow2={int(v[2])}:row_first={int(v[3])}"
 
     return check_quantizer_variants(weight_quant_aot_variants(), compile_weight_quant, name, lambda v: True, verbose)
 

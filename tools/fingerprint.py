@@ -49,7 +49,8 @@ def _digest(lines: list[str]) -> str:
 
 def fingerprints(verbose: bool = False) -> dict[str, str]:
     """{variant name: fingerprint} of every kernel variant (see the module docstring)."""
-    from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import SIG_TYPE
+    import torch
+
     from tools import aot_triton as aot
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -78,7 +79,7 @@ def fingerprints(verbose: bool = False) -> dict[str, str]:
     for module, (variants, compile_fn) in quantizers.items():
         for v in variants():
             _, sass = aot.sm90_resources(compile_fn(*v).asm["cubin"])
-            tag = ",".join(SIG_TYPE.get(x, str(x)) for x in v)
+            tag = ",".join(aot.sig_type(x) if isinstance(x, torch.dtype) else str(x) for x in v)
             add(f"{module}[{tag}].sm90", sass_instructions(sass))
     return out
 

@@ -2,7 +2,7 @@
 portable wrapper's do (the contract both share, gemm.check_operands; so the triton backend never
 hands them to another kernel); valid inputs it does not take raise GluonUnsupported (so the backend
 falls back), all before anything is allocated or launched. The kernel itself is checked on the GPU
-(tests/gpu) and compiled in CI (test_triton_aot.py)."""
+(tests/gpu) and compiled in CI (tests/tools/test_triton_aot.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
-from primus_fp8_plugin.backends.triton.gemm_gluon import GluonUnsupported, blockwise_gemm_gluon, runs_on
+from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon
+from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported, runs_on
 
 E4M3 = torch.float8_e4m3fn
 

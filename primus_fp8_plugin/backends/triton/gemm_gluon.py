@@ -77,15 +77,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...tensor import ceil_div
 from .gemm import check_operands
-from .hopper import SMEM_LIMIT, TORCH_TO_GL, num_sms, runs_on
 from .launch import FastLauncher, aligned, int_class
+from .sm90 import SMEM_LIMIT, TORCH_TO_GL, GluonUnsupported, num_sms, runs_on
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
-
-
-class GluonUnsupported(NotImplementedError):
-    """Inputs this kernel does not take (hardware, TMA layout rules) although they are valid:
-    the caller may run another kernel. Wrong inputs raise ValueError / TypeError instead."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ bandwidth on the H200, against 87-89% now in ``tools/check_quant_hopper.py`` and
 ``benchmarks/bench_quant.py`` (docs/PERFORMANCE.md).
 
 Masked loads and stores handle partial tiles; the wrapper takes M % 16 == 0 and K % 16 == 0 (16-byte
-rows of both FP8 copies) and raises ``GluonActUnsupported`` otherwise, so that the caller uses the
+rows of both FP8 copies) and raises ``GluonUnsupported`` otherwise, so that the caller uses the
 Triton kernel."""
 
 from __future__ import annotations
@@ -38,12 +38,9 @@ from .quantize_act import MAX_GRID_Y, dual_outputs
 from .quantize_gluon_tiles import load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import amax_nan, scale_and_inverse
+from .sm90 import GluonUnsupported
 
 NUM_WARPS = 8
-
-
-class GluonActUnsupported(NotImplementedError):
-    """Valid input that this kernel does not take (device or shape); the caller uses the Triton kernel."""
 
 
 @gluon.jit
@@ -101,10 +98,10 @@ def _layouts(element_size: int) -> tuple:
 
 def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool) -> BlockwiseFp8Tensor:
     """Same contract and bits as :func:`.quantize_act.quantize_1x128_dual`. Raises
-    ``GluonActUnsupported`` before launching anything where ``unsupported_reason`` says so."""
+    ``GluonUnsupported`` before launching anything where ``unsupported_reason`` says so."""
     why = unsupported_reason(x, params)
     if why is not None:
-        raise GluonActUnsupported(why)
+        raise GluonUnsupported(why)
     m, k = x.shape
     rowwise, columnwise = bool(rowwise), bool(columnwise)  # constexprs: 1 and True would compile apart
     row_q, row_s, col_q, col_s, parts = dual_outputs(x, params, rowwise, columnwise)

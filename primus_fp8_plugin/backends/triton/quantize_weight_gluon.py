@@ -24,7 +24,7 @@ kernel runs at 90-91% of copy bandwidth either way (docs/PERFORMANCE.md).
 
 Edges: masked loads (zeros never raise the amax) and masked stores, so any N and K; the wrapper
 takes K % 16 == 0 and N % 16 == 0 (the recipe's weight shapes; 16-byte vectors) and leaves other
-shapes to the Triton kernel (``GluonWeightUnsupported``)."""
+shapes to the Triton kernel (``GluonUnsupported``)."""
 
 from __future__ import annotations
 
@@ -39,12 +39,9 @@ from .quantize_act import MAX_GRID_Y
 from .quantize_gluon_tiles import load_tile, store_tile, store_transposed, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import max_nan, scale_and_inverse
+from .sm90 import GluonUnsupported
 
 NUM_WARPS = 8
-
-
-class GluonWeightUnsupported(NotImplementedError):
-    """Valid input that this kernel does not take (device or shape); the caller uses the Triton kernel."""
 
 
 @gluon.jit
@@ -113,10 +110,10 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
     """Same contract and bits as :func:`.quantize_weight.quantize_128x128`: ``w [N, K]`` (bf16, fp16
     or fp32, contiguous) -> W [N, K] and W^T [K, N] in ``params.fp8_dtype`` with 128x128-block
     scale_inv ``[ceil(N/128), pad4(ceil(K/128))]`` and its transpose layout (TE's). Raises
-    ``GluonWeightUnsupported`` before launching anything where ``unsupported_reason`` says so."""
+    ``GluonUnsupported`` before launching anything where ``unsupported_reason`` says so."""
     why = unsupported_reason(w, params)
     if why is not None:
-        raise GluonWeightUnsupported(why)
+        raise GluonUnsupported(why)
     assert params.block_dim == 2
     n, k = w.shape
     dev, f8 = w.device, params.fp8_dtype

@@ -1,5 +1,6 @@
-"""What the Gluon kernels for NVIDIA Hopper (sm_90) share: the target's limits, the dtype map and the
-device queries their wrappers make on every call (cached)."""
+"""What the Gluon kernels for NVIDIA Hopper (sm_90) share: the target's shared-memory limit, the one
+torch -> Gluon dtype map, the exception for valid inputs they do not take, and the device queries
+their wrappers make on every call (cached)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from triton.experimental.gluon import language as gl
 
 SMEM_LIMIT = 232448  # bytes of dynamic shared memory per CTA on H100/H200 (227 KiB)
 
+# torch dtype -> Gluon dtype; str() of the Gluon dtype is the name kernel signatures use ("bf16", "fp8e4nv")
 TORCH_TO_GL = {
     torch.float8_e4m3fn: gl.float8e4nv,
     torch.float8_e5m2: gl.float8e5,
@@ -17,6 +19,13 @@ TORCH_TO_GL = {
     torch.float16: gl.float16,
     torch.float32: gl.float32,
 }
+
+
+class GluonUnsupported(NotImplementedError):
+    """Valid input that a Hopper Gluon kernel does not take (not an sm_90 GPU, a shape or layout
+    outside its TMA or tile rules): the caller runs the portable Triton kernel instead. Each Gluon
+    wrapper raises it before allocating or launching anything. Wrong inputs raise ValueError /
+    TypeError instead."""
 
 
 @functools.lru_cache(maxsize=8)
