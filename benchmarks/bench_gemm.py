@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Blockwise FP8 GEMM throughput on the GPU: ours vs cuBLAS blockwise, BF16 cuBLAS and TE.
 
-    python scripts/bench_gemm.py [--json out.json] [--plot out.png] [--tune] [--gluon-configs n256 ...]
-    python scripts/bench_gemm.py --sustained 0      # do_bench's short timing instead of 1 s sustained runs
+    python benchmarks/bench_gemm.py [--json out.json] [--plot out.png] [--tune] [--gluon-configs n256 ...]
+    python benchmarks/bench_gemm.py --sustained 0      # do_bench's short timing instead of 1 s sustained runs
 
 ``ours`` is what the ``triton`` backend runs: on Hopper the warp-specialised Gluon kernel
 (backends/triton/gemm_gluon.py), elsewhere the portable Triton kernel; ``portable`` is the portable

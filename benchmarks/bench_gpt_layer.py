@@ -3,7 +3,7 @@
 spec (per GPU backend) vs Megatron's local BF16 spec, and TE's spec without FP8 (te_bf16). Loss,
 gradient agreement and step time.
 
-    python scripts/bench_gpt_layer.py [--json out.json] [--backends cublas triton] [--attention local sdpa]
+    python benchmarks/bench_gpt_layer.py [--json out.json] [--backends cublas triton] [--attention local sdpa]
 
 With TE installed, the plugin's linears also run inside TE's spec (attention column "te": TE's fused
 attention and norms around them), which differs from TE's model only in the linears. TE's spec always

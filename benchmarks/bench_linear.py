@@ -2,7 +2,7 @@
 """Linear-layer step time on the GPU: ours (Fp8BlockwiseLinear) vs torch BF16 nn.Linear vs TE te.Linear
 (Float8BlockScaling), forward + backward, all measured in the same run.
 
-    python scripts/bench_linear.py [--json out.json] [--plot out.png] [--backends cublas triton] [--cuda-graph]
+    python benchmarks/bench_linear.py [--json out.json] [--plot out.png] [--backends cublas triton] [--cuda-graph]
 
 Two measurements per shape (M tokens, N out, K in; 6*M*N*K FLOPs per forward+backward):
 * ``step``: one forward+backward with a freshly quantized weight (what every optimizer step costs

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Quantization bandwidth on the GPU: ours vs a device copy, TE's quantizer and torch eager.
 
-    python scripts/bench_quant.py [--json out.json] [--plot out.png] [--graph]
+    python benchmarks/bench_quant.py [--json out.json] [--plot out.png] [--graph]
 
 "ours" is what the triton backend runs (the Gluon kernels on Hopper, else the Triton kernels, which
 are also timed on their own as "ours (Triton kernel)").
