@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Blockwise FP8 GEMM throughput on the GPU: ours vs cuBLAS blockwise, BF16 cuBLAS and TE.
 
-    python benchmarks/bench_gemm.py [--json out.json] [--plot out.png] [--tune] [--gluon-configs n256 ...]
+    python benchmarks/bench_gemm.py [--json out.json] [--plot out.png] [--tune] [--gluon-configs 128x64 ...]
     python benchmarks/bench_gemm.py --sustained 0      # do_bench's short timing instead of 1 s sustained runs
 
 ``ours`` is what the ``triton`` backend runs: on Hopper the warp-specialised Gluon kernel

@@ -346,7 +346,7 @@ def gemm_aot_variants(configs: dict | None = None) -> list[GemmVariant]:
     from primus_fp8_plugin.backends.triton import gemm_gluon as G
 
     selected_only = configs is None
-    configs = configs or {"n128": G.GluonGemmConfig(), "n256": G.WIDE_CONFIG, "m256": G.TALL_CONFIG}
+    configs = configs or {"128x128": G.CONFIG_128x128, "128x256": G.CONFIG_128x256, "256x128": G.CONFIG_256x128}
     out = []
     for cfg_name, cfg in configs.items():
         for bdim in (2, 1):
@@ -387,8 +387,8 @@ def compile_gemm(v: GemmVariant):
     cfg = v.config
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = G.stages_that_fit(bn, out_dtype, cfg.num_stages, v.b_block_dim, cfg.tall)
-    cn = G._c_block_n(bn, cfg.tall)
+    stages = G.stages_that_fit(bm, bn, out_dtype, cfg.num_stages, v.b_block_dim)
+    cn = G._c_block_n(bm, bn)
     m = n = k = 1024  # only the descriptors' types matter
     a = torch.empty(m, k, dtype=v.a_dtype)
     b = torch.empty(n, k, dtype=v.b_dtype)
@@ -573,10 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gluon == "gemm":
         configs = None
         if args.all_configs:
-            from primus_fp8_plugin.backends.triton.gemm_gluon import GluonGemmConfig
-            from tools.gemm_variants import VARIANTS
-
-            configs = {"default": GluonGemmConfig(), **VARIANTS}
+            from tools.gemm_variants import VARIANTS as configs
         return 0 if check_gemm(args.dump, configs=configs) else 1
     if args.gluon:
         return 0 if {"quantize_act": check_act_quant, "quantize_weight": check_weight_quant}[args.gluon]() else 1

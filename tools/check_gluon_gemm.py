@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Check and time the Gluon blockwise FP8 GEMM (``backends/triton/gemm_gluon.py``) on an H100/H200.
 
-    python -m tools.check_gluon_gemm                      # correctness + benchmark, default config
-    python -m tools.check_gluon_gemm --configs n128,n128_s4,n64,n128_g16
+    python -m tools.check_gluon_gemm                      # correctness + benchmark, 128x128 tiles
+    python -m tools.check_gluon_gemm --configs 128x128,128x128_s4,128x64,128x128_g16
     python -m tools.check_gluon_gemm --aot                # only the sm_90 compile check (no GPU needed)
     python -m tools.check_gluon_gemm --no-bench           # correctness only
-    timeout -k 10 300 python -m tools.check_gluon_gemm --configs default,n256   # a hung kernel ends as rc 124
-    python -m tools.check_gluon_gemm --configs n256,n128 --rounds 3   # 128x256 vs 128x128 tiles, interleaved
+    timeout -k 10 300 python -m tools.check_gluon_gemm --configs 128x128,128x256   # a hung kernel ends as rc 124
+    python -m tools.check_gluon_gemm --configs 128x256,128x128 --rounds 3   # the two tiles, interleaved
 
 Configs that do not handle a B scale layout (``gemm_gluon.supports``) print SKIP / n/a for it.
 
@@ -39,7 +39,7 @@ from primus_fp8_plugin.backends.triton.gemm_gluon import GluonGemmConfig, blockw
 from tools.gemm_variants import VARIANTS
 
 TOL = 2e-3
-CONFIGS = {"default": GluonGemmConfig(), **VARIANTS}
+CONFIGS = VARIANTS
 
 # (17920, 136 / 56, 256): 140 tiles of 128 rows, more than the H200's 132 SMs, so some CTAs store a second
 # tile after one whose N edge left 3 (N=136) or 1 (N=56) of the quarter-chain epilogue's four pieces
@@ -317,7 +317,7 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool, rounds
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--configs", default="default", help=f"comma list of configs to check and time, from: {', '.join(CONFIGS)} (or 'all')"
+        "--configs", default="128x128", help=f"comma list of configs to check and time, from: {', '.join(CONFIGS)} (or 'all')"
     )
     ap.add_argument("--no-check", action="store_true", help="skip the correctness check")
     ap.add_argument("--no-bench", action="store_true", help="skip the benchmark")

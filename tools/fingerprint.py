@@ -9,8 +9,10 @@ the sm_90 SASS instructions (addresses and encodings dropped) or of the gfx950 A
     python -m tools.fingerprint --compare before.json # on the new tree
 
 ``--compare`` lists the variants whose code changed, appeared or disappeared, and exits 1 if any
-did. Covers the Triton kernels of ``aot_triton.kernel_specs()`` (sm_90 and gfx950) and every variant of
-the Hopper Gluon kernels' AOT checks (sm_90). Takes a few minutes (it compiles everything).
+did; ``--rename OLD=NEW`` (repeatable) first replaces OLD by NEW in the earlier file's variant
+names, for a refactor that renames variants. Covers the Triton kernels of
+``aot_triton.kernel_specs()`` (sm_90 and gfx950) and every variant of the Hopper Gluon kernels' AOT
+checks (sm_90). Takes about ten minutes on two CPU cores (it compiles everything).
 """
 
 from __future__ import annotations
@@ -84,6 +86,22 @@ def fingerprints(verbose: bool = False) -> dict[str, str]:
     return out
 
 
+def renamed(fps: dict[str, str], renames: list[str]) -> dict[str, str]:
+    """``fps`` with each ``OLD=NEW`` of ``renames`` applied to its names (substring replacement, in order)."""
+    pairs = []
+    for r in renames:
+        old, sep, new = r.partition("=")
+        if not sep or not old:
+            raise ValueError(f"--rename takes OLD=NEW, got {r!r}")
+        pairs.append((old, new))
+    out = {}
+    for name, fp in fps.items():
+        for old, new in pairs:
+            name = name.replace(old, new)
+        out[name] = fp
+    return out
+
+
 def compare(old: dict[str, str], new: dict[str, str]) -> list[str]:
     """Lines describing every difference between two fingerprint sets (empty: the same code)."""
     lines = [f"changed  {name}" for name in sorted(old.keys() & new.keys()) if old[name] != new[name]]
@@ -96,13 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, help="write the fingerprints as JSON")
     ap.add_argument("--compare", type=Path, help="compare with fingerprints written earlier; exit 1 on any difference")
+    ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                    help="with --compare: rename the earlier file's variants (substring OLD -> NEW) first")  # fmt: skip
     args = ap.parse_args(argv)
     fps = fingerprints(verbose=True)
     if args.out:
         args.out.write_text(json.dumps(fps, indent=1, sort_keys=True))
         print(f"wrote {len(fps)} fingerprints to {args.out}")
     if args.compare:
-        diff = compare(json.loads(args.compare.read_text()), fps)
+        diff = compare(renamed(json.loads(args.compare.read_text()), args.rename), fps)
         print("\n".join(diff) if diff else f"same code: all {len(fps)} variants")
         return 1 if diff else 0
     return 0

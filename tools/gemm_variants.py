@@ -1,5 +1,6 @@
 """Launch configurations of the Hopper Gluon GEMM worth timing or compiling beside the ones the backend
-picks (``gemm_gluon.select_config``), named by tile shape (BLOCK_M x BLOCK_N) and what else differs.
+picks (``gemm_gluon.select_config``), named by tile shape (BLOCK_M x BLOCK_N) and what else differs
+(``_s4``: 4 pipeline stages instead of as many as fit; ``_g16``: GROUP_M = 16 instead of 8).
 
 Used by ``tools.check_gluon_gemm --configs``, ``tools.probe_gemm_clocks --configs``,
 ``tools.ncu run --impl gluon:<name>``, ``benchmarks/bench_gemm.py --gluon-configs`` and
@@ -8,15 +9,13 @@ Used by ``tools.check_gluon_gemm --configs``, ``tools.probe_gemm_clocks --config
 
 from __future__ import annotations
 
-from primus_fp8_plugin.backends.triton.gemm_gluon import TALL_CONFIG, WIDE_CONFIG, GluonGemmConfig
+from primus_fp8_plugin.backends.triton.gemm_gluon import CONFIG_128x128, CONFIG_128x256, CONFIG_256x128, GluonGemmConfig
 
 VARIANTS: dict[str, GluonGemmConfig] = {
-    "n128_s4": GluonGemmConfig(block_n=128, num_stages=4),
-    "n128_g16": GluonGemmConfig(block_n=128, group_m=16),
-    "n64": GluonGemmConfig(block_n=64),
-    "n128": GluonGemmConfig(),
-    # 128x256 tiles, four n64 chains per K block (what select_config picks)
-    "n256": WIDE_CONFIG,
-    # 256x128 tiles, 1x128 B only (what select_config picks for wgrad)
-    "m256": TALL_CONFIG,
+    "128x128": CONFIG_128x128,
+    "128x128_s4": GluonGemmConfig(num_stages=4),
+    "128x128_g16": GluonGemmConfig(group_m=16),
+    "128x64": GluonGemmConfig(block_n=64),
+    "128x256": CONFIG_128x256,  # what select_config picks for 128x128-scaled B (fwd, dgrad)
+    "256x128": CONFIG_256x128,  # 1x128-scaled B only; what select_config picks for wgrad
 }

@@ -2,7 +2,7 @@
 """Sustained GEMM throughput with the SM clock and board power seen while it runs (H100/H200).
 
     python -m tools.probe_gemm_clocks                                  # ours vs cuBLAS, 3 shapes
-    python -m tools.probe_gemm_clocks --configs n256 --seconds 3 --rounds 3 --json out.json
+    python -m tools.probe_gemm_clocks --configs 128x256 --seconds 3 --rounds 3 --json out.json
 
 Why: a short ``do_bench`` (60 ms in check_gluon_gemm.py, 150 ms in bench_gemm.py) of an FP8 GEMM on
 the H200 can run at a clock the card does not hold under sustained load (the power limit pulls the SM
@@ -58,7 +58,7 @@ def ceiling_fns(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="n256,m256", help="comma list of tools.gemm_variants names (default: those picked)")
+    ap.add_argument("--configs", default="128x256,256x128", help="comma list of tools.gemm_variants names (default: the picked)")
     ap.add_argument("--shapes", nargs="*", default=None, help="MxNxK GEMM shapes (default: 3 of bench_gemm's)")
     ap.add_argument("--forms", default="fwd,wgrad")
     ap.add_argument("--seconds", type=float, default=2.0, help="sustained run per contender and round")

@@ -93,7 +93,7 @@ def test_undefined_register_scan_finds_a_read_of_an_unwritten_register():
 def test_fingerprints_ignore_addresses_encodings_and_debug_lines():
     """fingerprint.py hashes instructions only: the same code at other addresses, with other
     encodings or source lines, has the same fingerprint; one changed operand changes it."""
-    from tools.fingerprint import _digest, amdgcn_instructions, compare, sass_instructions
+    from tools.fingerprint import _digest, amdgcn_instructions, compare, renamed, sass_instructions
 
     sass_a = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                        /* 0x00000a00ff017b82 */
@@ -106,3 +106,6 @@ def test_fingerprints_ignore_addresses_encodings_and_debug_lines():
     gcn = '\t.loc 1 42 7\n.LBB0_1:\n\tv_mul_f32_e32 v1, v2, v3 ; comment\n\t.file 1 "x.py"\n\ts_endpgm\n'
     assert amdgcn_instructions(gcn) == ["v_mul_f32_e32 v1, v2, v3", "s_endpgm"]
     assert compare({"a": "1", "b": "2"}, {"a": "1", "b": "3", "c": "4"}) == ["changed  b", "added    c"]
+    # a renamed variant compares with its new name; a rename that does not apply changes nothing
+    assert renamed({"g[n256:b1d]": "1", "q[x]": "2"}, ["n256:=128x256:", "zz=yy"]) == {"g[128x256:b1d]": "1", "q[x]": "2"}
+    assert compare(renamed({"g[n256]": "1"}, ["n256=128x256"]), {"g[128x256]": "1"}) == []
