@@ -38,7 +38,7 @@ RAGGED_SUB_M = 16
 RAGGED_NUM_WARPS = 4
 MAX_DIM = 2**31 // BLOCK  # in-tile offsets (row * K, col * M within a 128-tile) are int32
 MAX_GRID_Y = 65535 * BLOCK  # K blocks run on grid axis 1, which CUDA caps at 65535 programs
-NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
+NUM_STAGES = 3  # passed explicitly so that the AOT check (tools/aot_triton.py) compiles the binary that runs
 
 
 @triton.jit

@@ -16,10 +16,9 @@ along M):
   (in-thread, then 3 shuffles across the 8 K lanes), its scale, FP8 stored from registers (8-byte
   stores); scale_inv ``[kb, m]`` of ``[ceil(K/128), pad4(M)]``, padding rows written 1.0.
 
-The earlier version reduced the columns in the ``L`` registers (across warps through shared memory)
-and sent the scales back and the FP8 tile through a second buffer: 8 block barriers, 75-77% of copy
-bandwidth on the H200, against 87-89% now in ``tools/check_quant_hopper.py`` and 90% in
-``benchmarks/bench_quant.py`` (docs/PERFORMANCE.md).
+The one barrier is the design's point: reducing the columns across warps in the ``L`` registers
+and sending the scales and the FP8 tile back through shared memory would take eight, and the
+kernel is bound by how often its warps wait for each other (``quantize_gluon_tiles.py``).
 
 Masked loads and stores handle partial tiles; the wrapper takes M % 16 == 0 and K % 16 == 0 (16-byte
 rows of both FP8 copies) and raises ``GluonUnsupported`` otherwise, so that the caller uses the

@@ -3,8 +3,8 @@
 writes.
 
 Why Gluon: the transposed copy. Plain Triton picks the register layouts itself; its weight kernel
-reads the block three times (the amax pass from HBM, one pass per copy from L2) and transposes bf16
-through shared memory (80-84% of copy bandwidth on the H200, docs/PERFORMANCE.md). Here the layouts
+reads the block three times (the amax pass from HBM, one pass per copy from L2) and transposes fp32
+values through shared memory. Here the layouts
 are explicit (``quantize_gluon_tiles.py``, shared with the act quantizer), so each thread owns 4 rows
 x (2 x 8) columns of the block: its 4 FP8 values of one column of W are 4 consecutive bytes of a row
 of W^T, one 32-bit word. Per program (one 128x128 block, 8 warps, 2-D grid, two block barriers):
@@ -14,13 +14,11 @@ of W^T, one 32-bit word. Per program (one 128x128 block, 8 warps, 2-D grid, two 
   barrier, and every thread reduces the 8 partials itself (the compiler's own cross-warp reduction
   takes two barriers); the scale rule of ``scales.py``;
 * W: quantize and store from registers (8-byte stores along K);
-* W^T: converted again from the N-first register order ``LN`` (FP8 pairs along N; converting from
-  the K-first order and repacking was miscompiled, docs/PERFORMANCE.md), stored transposed into a
-  shared buffer in 32-bit words (swizzled: conflict-free), read back and stored with 16-byte stores;
+* W^T: converted again from the N-first register order ``LN`` (FP8 pairs along N, so the 32-bit
+  words of W^T need no repacking: Triton 3.6 miscompiles pairs converted along K and repacked, which
+  ``tools/aot_triton.py``'s undefined-register check catches), stored transposed into a shared buffer
+  in 32-bit words (swizzled: conflict-free), read back and stored with 16-byte stores;
 * scale_inv of both copies, including TE's padding entries (so the wrapper launches nothing else).
-
-A version that also sent the raw block through shared memory (one barrier) was no faster: the
-kernel runs at 90-91% of copy bandwidth either way (docs/PERFORMANCE.md).
 
 Edges: masked loads (zeros never raise the amax) and masked stores, so any N and K; the wrapper
 takes K % 16 == 0 and N % 16 == 0 (the recipe's weight shapes; 16-byte vectors) and leaves other
@@ -53,7 +51,7 @@ def _quantize_128x128_gluon_kernel(
     B: gl.constexpr = 128
     NW: gl.constexpr = gl.num_warps()
     # tile order (grid axis 0 runs fastest): along each row of blocks first for tall weights, down
-    # each column first otherwise (about 1.5% apart on the H200 at 16384x4096, docs/PERFORMANCE.md)
+    # each column first otherwise (about 1.5% apart on the H200 at 16384x4096)
     if ROW_FIRST:
         pid_k = gl.program_id(0)
         pid_n = gl.program_id(1)
