@@ -87,22 +87,50 @@ def test_operands_on_different_devices_are_refused():
         )
 
 
-def test_hopper_backend_routes_each_gemm(monkeypatch):
-    """``hopper``: Gluon (Triton backend) for fwd, dgrad and accumulating wgrad, cuBLAS for plain wgrad,
-    each with the caller's arguments."""
-    from primus_fp8_plugin.backends.cublas import CublasBackend
-    from primus_fp8_plugin.backends.hopper import HopperBackend
-    from primus_fp8_plugin.backends.triton import TritonBackend
+class _Recorder:
+    """Stands in for a backend: every operation returns (its name, the operation, the arguments)."""
 
-    for cls in (TritonBackend, CublasBackend):
-        for op in ("gemm_fwd", "gemm_dgrad", "gemm_wgrad"):
-            monkeypatch.setattr(cls, op, lambda self, *args, _who=(cls.name, op): (*_who, *args))
-    hopper = HopperBackend()
+    def __init__(self, name):
+        self.name = name
+
+    def __getattr__(self, op):
+        return lambda *args, **kwargs: (self.name, op, *args, *kwargs.values())
+
+
+def test_hopper_backend_routes_each_gemm():
+    """``hopper`` holds the two backends it delegates to: Gluon (the triton backend) for fwd, dgrad,
+    accumulating wgrad and quantization, cuBLAS for plain wgrad, each with the caller's arguments;
+    by default its cublas backend shares its triton backend."""
+    from primus_fp8_plugin.backends.hopper import HopperBackend
+
+    hopper = HopperBackend(triton=_Recorder("triton"), cublas=_Recorder("cublas"))
     acc, bias = torch.zeros(2, 2), torch.ones(2)
     assert hopper.gemm_fwd("x", "w", bias, torch.bfloat16) == ("triton", "gemm_fwd", "x", "w", bias, torch.bfloat16)
     assert hopper.gemm_dgrad("dy", "w", torch.float16) == ("triton", "gemm_dgrad", "dy", "w", torch.float16)
     assert hopper.gemm_wgrad("dy", "x", torch.bfloat16, None) == ("cublas", "gemm_wgrad", "dy", "x", torch.bfloat16, None)
     assert hopper.gemm_wgrad("dy", "x", torch.float32, acc) == ("triton", "gemm_wgrad", "dy", "x", torch.float32, acc)
+    assert hopper.quantize_act("x", "p", rowwise=True, columnwise=False) == ("triton", "quantize_act", "x", "p", True, False)
+    assert hopper.quantize_weight("w", "p") == ("triton", "quantize_weight", "w", "p")
+    plain = HopperBackend()
+    assert plain.cublas.triton is plain.triton
+
+
+def test_cublas_backend_hands_what_cublas_cannot_take_to_its_triton_backend():
+    """E5M2 operands and dims that are not multiples of 16 go to the held triton backend's GEMMs, as
+    do both quantizations; nothing reaches cuBLAS (which a CPU machine does not have)."""
+    from types import SimpleNamespace
+
+    from primus_fp8_plugin.backends.cublas import CublasBackend
+
+    cublas = CublasBackend(triton=_Recorder("triton"))
+    e5 = SimpleNamespace(shape=(128, 128), fp8_dtype=torch.float8_e5m2)
+    e4 = SimpleNamespace(shape=(128, 128), fp8_dtype=torch.float8_e4m3fn)
+    ragged = SimpleNamespace(shape=(130, 128), fp8_dtype=torch.float8_e4m3fn)
+    assert cublas.gemm_fwd(e5, e4, None, torch.bfloat16) == ("triton", "gemm_fwd", e5, e4, None, torch.bfloat16)
+    assert cublas.gemm_dgrad(ragged, e4, torch.bfloat16) == ("triton", "gemm_dgrad", ragged, e4, torch.bfloat16)
+    wgrad = cublas.gemm_wgrad(ragged, ragged, torch.float32, None)  # M = 130
+    assert wgrad == ("triton", "gemm_wgrad", ragged, ragged, torch.float32, None)
+    assert cublas.quantize_weight("w", "p") == ("triton", "quantize_weight", "w", "p")
 
 
 def test_hopper_backend_needs_hopper_and_comes_first():

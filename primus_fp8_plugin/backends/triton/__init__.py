@@ -84,12 +84,18 @@ def hopper_or_portable_weight_quant(w, params):
 
 
 class TritonBackend(Backend):
-    """Triton kernels for all five operations. Subclasses that bring other GEMM kernels (cuBLAS,
-    FlyDSL) keep the Triton quantizers and replace ``_blockwise_gemm`` or the GEMM methods."""
+    """Triton kernels for all five operations: the Gluon kernels on Hopper, the portable ones elsewhere.
+
+    Args:
+        blockwise_gemm: the GEMM the three GEMM methods call, with ``blockwise_gemm``'s contract
+            (``C = A @ B^T`` with per-128-K-block promotion, scales in TE's layouts, triton/gemm.py);
+            another backend that brings its own GEMM kernel (FlyDSL) holds a TritonBackend built with it.
+    """
 
     name = "triton"
-    # C = A @ B^T with per-128-K-block promotion; scales in TE's layouts (triton/gemm.py).
-    _blockwise_gemm = staticmethod(hopper_or_portable_gemm)
+
+    def __init__(self, blockwise_gemm=hopper_or_portable_gemm) -> None:
+        self._blockwise_gemm = blockwise_gemm
 
     def availability(self, device):
         return device_availability(device)
