@@ -6,7 +6,8 @@ import torch
 
 from primus_fp8_plugin import BackendUnavailableError, available_backends, backend_availability, get_backend
 from primus_fp8_plugin import backends as registry
-from primus_fp8_plugin.backends.base import Availability
+from primus_fp8_plugin.backends.base import Availability, Backend
+from primus_fp8_plugin.backends.names import BackendEntry
 from primus_fp8_plugin.backends.reference import ReferenceBackend
 
 
@@ -25,8 +26,8 @@ def fake_backends(monkeypatch):
     mod.GpuOnly = _GpuOnly
     monkeypatch.setitem(sys.modules, "fake_gpu_backend", mod)
     reg = dict(registry._REGISTRY)
-    reg["gpu_only"] = registry._Entry("fake_gpu_backend", "GpuOnly", auto_rank=1)
-    reg["missing_dep"] = registry._Entry("no_such_module_xyz", "X", auto_rank=2)
+    reg["gpu_only"] = BackendEntry("fake_gpu_backend", "GpuOnly", auto_rank=1)
+    reg["missing_dep"] = BackendEntry("no_such_module_xyz", "X", auto_rank=2)
     monkeypatch.setattr(registry, "_REGISTRY", reg)
     monkeypatch.setattr(registry, "_INSTANCES", {})
     monkeypatch.setattr(registry, "_AVAILABILITY", {})
@@ -140,7 +141,39 @@ def test_hopper_backend_needs_hopper_and_comes_first():
     assert names.index("hopper") < names.index("cublas") < names.index("triton")  # auto's order on Hopper
 
 
-def test_config_schema_knows_every_backend():
+def test_every_named_backend_resolves_to_its_class():
+    """``names.BACKENDS`` is the one list (the registry and the config schema read it): each entry
+    names a module and a Backend class whose ``name`` is the entry's key, and the schema accepts
+    exactly ``auto`` and these names, in ``auto`` order."""
+    import importlib
+
+    from primus_fp8_plugin.backends import names
     from primus_fp8_plugin.config.schema import BACKENDS
 
-    assert set(BACKENDS) == {"auto", *registry.backend_names()}
+    for name, entry in names.BACKENDS.items():
+        try:
+            module = importlib.import_module(entry.module)
+        except ImportError:  # an optional dependency of that backend (flydsl, triton) is missing here
+            continue
+        cls = getattr(module, entry.cls)
+        assert issubclass(cls, Backend) and cls.name == name, (name, entry)
+    assert BACKENDS == ("auto", *names.backend_names()) == ("auto", *registry.backend_names())
+
+
+def test_the_names_table_imports_no_torch():
+    """backends/names.py is plain data: loaded on its own it brings no torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from primus_fp8_plugin.backends import names
+
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('names', {str(Path(names.__file__))!r}); "
+        "m = sys.modules['names'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(m.backend_names())"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() and "reference" in proc.stdout
