@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Blockwise FP8 GEMM throughput on the GPU: ours vs cuBLAS blockwise, BF16 cuBLAS and TE.
 
-    python benchmarks/bench_gemm.py [--json out.json] [--plot out.png] [--tune] [--gluon-configs 128x64 ...]
+    python benchmarks/bench_gemm.py [--json out.json] [--plot out.png] [--gluon-configs 128x64 ...]
     python benchmarks/bench_gemm.py --sustained 0      # do_bench's short timing instead of 1 s sustained runs
 
 ``ours`` is what the ``triton`` backend runs: on Hopper the warp-specialised Gluon kernel
@@ -16,15 +16,12 @@ an untimed settle run, and the SM clock and board power over each run are record
 H200 every FP8 GEMM then runs at the 700 W power limit (fwd/dgrad at 1.3-1.5 GHz, wgrad at 1.5-1.75),
 as in training. ``--sustained 0`` times with ``do_bench`` (150 ms) instead: that catches part of the
 boost clock and the power controller's transients, and our kernels' ratios to cuBLAS then moved by up
-to 10% between shapes and runs (docs/PERFORMANCE.md, "Ceilings" and the eighth session). ``--tune`` first
-sweeps the Triton kernel's launch configs per shape and writes the best into
-primus_fp8_plugin/backends/triton/gemm_configs.json (the committed table).
+to 10% between shapes and runs (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import sys
 from pathlib import Path
@@ -35,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: b
 
 from benchmarks.benchlib import (  # noqa: E402
     Timing,
-    bench_ms,
     bench_parser,
     environment,
     report,
@@ -47,7 +43,7 @@ from benchmarks.benchlib import (  # noqa: E402
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.cublas import CublasBackend  # noqa: E402
 from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm  # noqa: E402
-from primus_fp8_plugin.backends.triton.gemm import CONFIG_TABLE, GemmConfig, blockwise_gemm, select_config  # noqa: E402
+from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm  # noqa: E402
 from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon, supports  # noqa: E402
 from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual  # noqa: E402
 from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128  # noqa: E402
@@ -55,8 +51,6 @@ from tools.gemm_variants import VARIANTS  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568),
           (8192, 29568, 8192), (16384, 14336, 4096), (16384, 4096, 14336)]  # fmt: skip
-SWEEP = [GemmConfig(128, 128, 8, 8, 3), GemmConfig(128, 128, 8, 8, 4), GemmConfig(128, 256, 8, 8, 3),
-         GemmConfig(256, 128, 8, 8, 3), GemmConfig(128, 128, 8, 4, 4), GemmConfig(64, 256, 8, 4, 4)]  # fmt: skip
 
 
 def operands(m, n, k, direction, recipe):
@@ -104,29 +98,8 @@ def te_gemm_fn(te, tex, direction, m, n, k, recipe_fmt="E4M3"):
         return None, f"{type(err).__name__}: {err}"
 
 
-def tune(shapes, recipe) -> dict[str, dict]:
-    best = {}
-    for m, n, k in shapes:
-        for direction in ("fwd", "dgrad", "wgrad"):
-            meta, (a, sa, b, sb, bdim) = operands(m, n, k, direction, recipe)
-            gm, gn, gk = meta["dims"]
-            results = []
-            for cfg in SWEEP:
-                try:
-                    t = bench_ms(lambda: blockwise_gemm(a, sa, b, sb, b_block_dim=bdim, out_dtype=torch.bfloat16, config=cfg))
-                except Exception as err:  # noqa: BLE001 - e.g. out of shared memory for a big tile
-                    print(f"  skip {cfg}: {type(err).__name__}")
-                    continue
-                results.append((t, cfg))
-            t, cfg = min(results, key=lambda r: r[0])
-            best[f"{bdim}d:{gm}:{gn}:{gk}"] = cfg.__dict__
-            print(f"tune {direction} {gm}x{gn}x{gk}: best {cfg} {2 * gm * gn * gk / t / 1e9:.0f} TFLOPS")
-    return best
-
-
 def main() -> int:
     ap = bench_parser(__doc__, "MxNxK, e.g. 8192x8192x8192")
-    ap.add_argument("--tune", action="store_true", help="sweep launch configs and write the config table first")
     ap.add_argument("--gluon-configs", nargs="*", default=[], choices=sorted(VARIANTS), help="extra Gluon configs")
     ap.add_argument("--sustained", type=float, default=1.0, metavar="S",
                     help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi); "
@@ -136,11 +109,6 @@ def main() -> int:
         return 2
     shapes = shapes_or(args, SHAPES)
     recipe = BlockwiseRecipe()
-    if args.tune:
-        table = tune(shapes, recipe)
-        CONFIG_TABLE.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "configs": table}, indent=1))
-        select_config.__globals__["_tuned_table"].cache_clear()
-        print(f"wrote {CONFIG_TABLE}")
     te, tex = try_import_te()
     cublas = CublasBackend()
     have_cublas = bool(cublas.availability(torch.device("cuda")))

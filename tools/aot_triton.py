@@ -419,7 +419,7 @@ def compile_gemm(v: GemmVariant):
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("a_s_ptr", "b_s_ptr", "bias_ptr", "c_ptr")}
     attrs.update({(names.index(p),): [["tt.divisibility", 16]] for p in ("N", "K", "stride_as", "stride_cm")})
     src = GluonASTSource(fn=G._blockwise_gemm_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": G._maxnreg(cfg)})
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": G.MAXNREG})
 
 
 def inspect_gemm(kernel) -> dict:

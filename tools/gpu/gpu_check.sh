@@ -14,6 +14,5 @@ for b in triton cublas; do
 done
 [ "${1:-}" = "quick" ] && exit 0
 python3 benchmarks/bench_quant.py --variants --json "$OUT/bench_quant.json" --plot "$OUT/bench_quant.png" 2>&1 | tee "$OUT/bench_quant.log" | tail -30
-python3 benchmarks/bench_gemm.py ${GEMM_TUNE:-} --json "$OUT/bench_gemm.json" --plot "$OUT/bench_gemm.png" > "$OUT/bench_gemm.log" 2>&1
+python3 benchmarks/bench_gemm.py --json "$OUT/bench_gemm.json" --plot "$OUT/bench_gemm.png" > "$OUT/bench_gemm.log" 2>&1
 tail -35 "$OUT/bench_gemm.log"
-cp primus_fp8_plugin/backends/triton/gemm_configs.json "$OUT/" 2>/dev/null || true

@@ -83,6 +83,9 @@ from .launch import FastLauncher, aligned, int_class
 from .sm90 import SMEM_LIMIT, TORCH_TO_GL, GluonUnsupported, num_sms, runs_on
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
+# registers per thread at launch, every config: 12 warps (2 consumer warpgroups + the producer's
+# warpgroup) share the 64K-register file, 168 * 384 <= 65536; setmaxnreg then moves registers between them
+MAXNREG = 168
 
 
 @dataclass(frozen=True)
@@ -720,12 +723,6 @@ def _tma_ready_scale(scale: torch.Tensor, cols: int) -> torch.Tensor:
     return padded
 
 
-def _maxnreg(cfg: GluonGemmConfig) -> int:
-    # 12 warps (2 consumer warpgroups + the producer's warpgroup); setmaxnreg moves registers
-    # between them, the kernel-wide budget is 64K registers: maxnreg * 384 <= 65536.
-    return 168
-
-
 def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
     # wrong inputs: ValueError / TypeError (the contract shared with the portable kernel) ...
     check_operands(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
@@ -857,6 +854,6 @@ def blockwise_gemm_gluon(
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
         stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
-        num_warps=4, maxnreg=_maxnreg(cfg),
+        num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return c
