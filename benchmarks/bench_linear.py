@@ -17,7 +17,7 @@ microbatch always includes the weight quantization.
 
 ``--sustained S`` runs each contender's step (and its four microbatches) back to back for S seconds
 instead of ``do_bench``'s 150 ms, and records the SM clock and board power over the one-step run: the
-H200 then sits at its 700 W limit, as in training (docs/PERFORMANCE.md, "Ceilings").
+H200 then sits at its 700 W limit, as in training (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

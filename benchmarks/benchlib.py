@@ -52,7 +52,7 @@ def sustained_ms(fn, seconds: float) -> tuple[float, float, float]:
     ``SETTLE_S`` of the same, and the timed run's wall-clock start and end (``time.time()``, as
     ``PowerLog`` stamps its samples). CUDA events around the whole timed run; no L2 flush between
     calls (``bench_ms`` flushes before each call and takes the median). Long enough for the H200's
-    power limit to hold the SM clock where a training run holds it (docs/PERFORMANCE.md, "Ceilings").
+    power limit to hold the SM clock where a training run holds it (docs/PERFORMANCE.md).
     Returns (ms per call, t0, t1)."""
     fn()
     torch.cuda.synchronize()

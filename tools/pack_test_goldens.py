@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Copy a TE golden directory into tests/data as xz-compressed safetensors, optionally a subset.
 
-    python -m tools.pack_test_goldens --src ../shared/te_golden --dst tests/data/te_golden \
+    python -m tools.pack_test_goldens --src my_goldens --dst tests/data/te_golden \
         --linear-cases lin_272x384_640 lin_256x512_384_hybrid
 
 The test suite and ``python -m primus_fp8_plugin.validate`` read ``*.safetensors.xz`` directly.

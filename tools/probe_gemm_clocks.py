@@ -7,7 +7,7 @@
 Why: a short ``do_bench`` (60 ms in check_gluon_gemm.py, 150 ms in bench_gemm.py) of an FP8 GEMM on
 the H200 can run at a clock the card does not hold under sustained load (the power limit pulls the SM
 clock down from ~1.98 GHz to 1.3-1.75 GHz), and our kernel's throughput moved by ~10% between runs
-where cuBLAS's moved 2-4% (docs/PERFORMANCE.md, 2026-12-01, fifth session). Here each contender runs
+where cuBLAS's moved 2-4% (docs/PERFORMANCE.md). Here each contender runs
 back to back for ``--seconds`` per round (after an untimed settle run), the rounds interleaved, on
 operands drawn afresh each round (so that their placement in memory varies too), while
 ``nvidia-smi`` samples the SM clock and power every 50 ms. Printed per contender: TFLOPS, median SM

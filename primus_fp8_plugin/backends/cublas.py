@@ -1,12 +1,12 @@
 """The cuBLAS backend: blockwise FP8 GEMMs through ``torch.nn.functional.scaled_mm`` (cuBLASLt >= 12.9,
 NVIDIA Hopper only), with the Triton quantization kernels.
 
-cuBLAS layout rules (FACTS.md §3), satisfied without copies by TE's layouts where possible:
+cuBLAS layout rules (docs/NUMERICS.md, "Scale layouts"), satisfied without copies by TE's layouts where possible:
 * A [M, K] row-major with 1x128 scales as an ``[M, K/128]`` view of strides ``(1, M)``;
 * B [K, N] column-major (our K-major copy, transposed view);
 * 128x128 scales of B as ``[pad4(K/128), N/128]`` with strides ``(1, pad4(K/128))``: the K-block
   dim **padded to a multiple of 4** (torch 2.11 checks the padded shape when K/128 is odd; an
-  unpadded contiguous tensor is silently wrong, FACTS.md §3). TE's 2D layout is exactly that;
+  unpadded contiguous tensor is silently wrong: relative errors up to 1e17 with K/128 odd). TE's 2D layout is exactly that;
 * both operands E4M3 (cuBLAS blockwise has no E5M2: HYBRID gradients go to the Triton GEMM);
 * 1x128 scales of B (wgrad) as ``[N, K/128]`` with strides ``(1, N)``.
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU call with Transformer Engine (staged first with ../shared/tools/te-on-device): record TE
-# goldens, validate against them, GPU tests, and the benchmarks with TE as a contender.
+# One GPU call with Transformer Engine (its wheels staged in .te/ beforehand; .te/small/device.sh
+# installs them): record TE goldens, validate against them, GPU tests, and the benchmarks with TE as
+# a contender.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
