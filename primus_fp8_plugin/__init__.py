@@ -6,6 +6,7 @@ from .backends import (
     backend_availability,
     get_backend,
 )
+from .convert import convert_to_fp8_blockwise
 from .gemm import gemm_dgrad, gemm_fwd, gemm_wgrad
 from .linear import fp8_blockwise_linear
 from .module import Fp8BlockwiseLinear
@@ -27,6 +28,7 @@ __all__ = [
     "WeightCache",
     "available_backends",
     "backend_availability",
+    "convert_to_fp8_blockwise",
     "fp8_blockwise_linear",
     "gemm_dgrad",
     "gemm_fwd",

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load
 
-GOLDEN_FILES = ("quant", "linear")
 _VARIANT = re.compile(r"^dim(?P<dim>[12])_pow2(?P<pow2>[01])(?P<e5m2>_e5m2)?$")
 
 

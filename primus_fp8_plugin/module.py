@@ -89,3 +89,33 @@ class Fp8BlockwiseLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"fp8={fmt}, backend={self.backend}, weight_cache={'on' if self._weight_cache is not None else 'off'}"
         )
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        *,
+        recipe: BlockwiseRecipe | None = None,
+        backend: str = "auto",
+        cache_weight: bool = True,
+    ) -> Fp8BlockwiseLinear:
+        """An ``Fp8BlockwiseLinear`` computing ``linear``'s function with FP8 blockwise GEMMs.
+
+        The new layer holds ``linear``'s own ``weight`` and ``bias`` Parameters (no copy: the same
+        device, dtype, ``requires_grad``, values and state-dict keys; an optimizer built on ``linear``
+        keeps updating them) and its train/eval mode. ``recipe``, ``backend`` and ``cache_weight`` as
+        for the constructor. Raises TypeError if ``linear`` is not an ``nn.Linear``.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear takes a torch.nn.Linear, got {type(linear).__name__}")
+        weight = linear.weight
+        new = cls(
+            linear.in_features, linear.out_features, bias=False, device="meta", dtype=weight.dtype,
+            recipe=recipe, backend="auto", cache_weight=cache_weight,
+        )  # fmt: skip
+        new.weight = weight
+        new.bias = linear.bias
+        new.backend = backend
+        if backend != "auto":  # as the constructor checks it, for the weight's real device
+            get_backend(backend, weight.device if weight.device.type != "meta" else None)
+        return new.train(linear.training)

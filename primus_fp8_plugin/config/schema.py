@@ -1,7 +1,8 @@
 """Structured (typed) configuration of a training run, validated at start-up.
 
-Hydra composes ``configs/`` into these dataclasses (``configs/README.md``); a wrong type fails at
-composition and a wrong value fails in ``validate`` with a message naming the field.
+Hydra composes ``configs/`` (one folder per group below: model, fp8, backend, parallel, data, train,
+checkpoint, logging) into these dataclasses; a wrong type fails at composition and a wrong value
+fails in ``validate`` with a message naming the field.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backends.names import backend_names
+
 FP8_MODES = ("bf16", "blockwise", "te_blockwise", "te_bf16", "te_spec_blockwise")
 TE_MODES = ("te_blockwise", "te_bf16", "te_spec_blockwise")  # built from TE's layer spec
-BACKENDS = ("auto", "triton", "cublas", "hopper", "flydsl", "reference")
+BACKENDS = ("auto", *backend_names())  # the registry's names (backends/names.py)
 
 
 @dataclass
