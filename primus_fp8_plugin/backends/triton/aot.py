@@ -26,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import gemm, quantize_act, quantize_weight
+from . import aot_fused, gemm, quantize_act, quantize_weight
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx950": GPUTarget("hip", "gfx950", 64)}
 
@@ -43,6 +43,8 @@ class KernelSpec:
     expect: dict[str, list[str]] = field(default_factory=dict)
     # compile with the int arguments specialised as multiples of 16 (aligned shapes) or not (ragged)
     ints_divisible: bool = True
+    # further compile options, as the launcher passes them (e.g. enable_fp_fusion)
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -143,6 +145,7 @@ def kernel_specs() -> list[KernelSpec]:
         _quant_weight_spec(),
         _gemm_spec("fwd"),
         _gemm_spec("wgrad"),
+        *(KernelSpec(**spec) for spec in aot_fused.kernel_specs()),  # norm, SwiGLU, RoPE
     ]
 
 
@@ -253,7 +256,8 @@ def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, st
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible_ints}
     attrs.update({(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty[0] == "*"})
     src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
-    k = triton.compile(src, target=TARGETS[target], options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, **spec.options}
+    k = triton.compile(src, target=TARGETS[target], options=options)
     shared = int(getattr(k.metadata, "shared", 0))
     if target == "sm90":
         res, sass = sm90_resources(k.asm["cubin"])

@@ -50,10 +50,9 @@ def welford_merge_lanes(mean, m2, count, R: tl.constexpr):
     """Chan's pairwise merge of 128 per-lane Welford states ``[R, 128]`` (lane 2i with lane 2i+1 per
     level) -> (mean [R], m2 [R]). ``count`` [R, 128] fp32; empty lanes (count 0) merge as nothing."""
     for _ in tl.static_range(7):
-        w2: tl.constexpr = mean.shape[1] // 2
-        ma, mb = tl.split(tl.reshape(mean, [R, w2, 2]))
-        qa, qb = tl.split(tl.reshape(m2, [R, w2, 2]))
-        na, nb = tl.split(tl.reshape(count, [R, w2, 2]))
+        ma, mb = tl.split(tl.reshape(mean, [R, mean.shape[1] // 2, 2]))
+        qa, qb = tl.split(tl.reshape(m2, [R, m2.shape[1] // 2, 2]))
+        na, nb = tl.split(tl.reshape(count, [R, count.shape[1] // 2, 2]))
         n = na + nb
         w = tl.where(n > 0.0, tl.div_rn(nb, tl.where(n > 0.0, n, 1.0)), 0.0)
         delta = mb - ma
