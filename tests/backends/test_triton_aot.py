@@ -27,8 +27,11 @@ def reports(tmp_path_factory):
 
 
 def test_every_kernel_compiled_for_both_targets(reports):
+    from primus_fp8_plugin.backends.triton import aot_fused
+
     kernels = {r["kernel"] for r in reports}
     assert {"blockwise_gemm[fwd]", "blockwise_gemm[wgrad]", "quantize_128x128[bf16->fp8e4nv]"} <= kernels
+    assert {spec["name"] for spec in aot_fused.kernel_specs()} <= kernels  # norm, SwiGLU, RoPE (no FMA, checked below)
     for k in kernels:
         assert {r["target"] for r in reports if r["kernel"] == k} == {"sm90", "gfx950"}
 
