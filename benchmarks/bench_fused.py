@@ -8,7 +8,8 @@ plus the norm, SwiGLU and RoPE backward passes, with the bytes each contender mo
 Contenders (triton backend; on Hopper its unfused quantizer is the Gluon kernel):
 
 * ``fused``: the one-pass kernels (norm: the row-statistics kernel, then the kernel that writes the
-  rowwise 1x128 and columnwise 128x1 FP8 copies from x; SwiGLU: one kernel from fc1's output);
+  rowwise 1x128 and columnwise 128x1 FP8 copies from x; SwiGLU: one kernel from fc1's output); on
+  Hopper that kernel is the Gluon one, and ``fused (Triton kernel)`` times the portable one;
 * ``unfused (plugin)``: the plugin's own op writing its bf16 output, then the activation quantizer: the
   composition ``fused`` is bit-exact with;
 * ``unfused (torch)``: torch's ``F.layer_norm`` / ``F.rms_norm`` / ``F.silu(a) * b`` then the quantizer
@@ -42,6 +43,10 @@ except ModuleNotFoundError:  # a checkout that keeps benchlib.py in scripts/
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.reference_fused import rope_cos_sin  # noqa: E402
+from primus_fp8_plugin.backends.triton import norm as triton_norm  # noqa: E402
+from primus_fp8_plugin.backends.triton.fused_act import quantize_fused_triton  # noqa: E402
+from primus_fp8_plugin.backends.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU  # noqa: E402
+from primus_fp8_plugin.backends.triton.hopper import runs_on  # noqa: E402
 from primus_fp8_plugin.tensor import ceil_div, pad4  # noqa: E402
 
 NORM_SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]
@@ -98,12 +103,21 @@ def _norm_rows(timing, be, p, shapes, rows):
         for kind in ("LayerNorm", "RMSNorm"):
             beta = b if kind == "LayerNorm" else None
             tnorm = (lambda: F.layer_norm(x, (h,), w, b, 1e-5)) if beta is not None else (lambda: F.rms_norm(x, (h,), w, 1e-5))
+            code = OP_LAYERNORM if kind == "LayerNorm" else OP_RMSNORM
+
+            def triton_kernel():
+                mean, rstd = triton_norm.norm_stats(x, 1e-5, kind)
+                return quantize_fused_triton(x, code, p, k=h, mean=mean, rstd=rstd, gamma=w, beta=beta, rowwise=True,
+                                             columnwise=True)  # fmt: skip
+
             contenders = {
                 "fused": (lambda: be.quantize_norm_act(x, w, beta, 1e-5, kind, p, rowwise=True, columnwise=True), "fused"),
                 "unfused (plugin)": (lambda: be.quantize_act(be.norm_fwd(x, w, beta, 1e-5, kind)[0], p, rowwise=True,
                                                              columnwise=True), "unfused"),
                 "unfused (torch)": (lambda: be.quantize_act(tnorm(), p, rowwise=True, columnwise=True), "unfused"),
             }  # fmt: skip
+            if runs_on(x.device):
+                contenders["fused (Triton kernel)"] = (triton_kernel, "fused")
             _add(rows, timing, f"{kind}+quant", f"{m}x{h}", contenders, lambda how: bytes_norm(m, h, 2, how), copy_bw)
 
 
@@ -119,6 +133,11 @@ def _swiglu_rows(timing, be, p, shapes, rows):
             "unfused (plugin)": (lambda: be.quantize_act(be.swiglu_fwd(hh), p, rowwise=True, columnwise=True), "plugin"),
             "unfused (torch)": (lambda: be.quantize_act(F.silu(a) * b, p, rowwise=True, columnwise=True), "torch"),
         }
+        if runs_on(hh.device):
+            contenders["fused (Triton kernel)"] = (
+                lambda: quantize_fused_triton(hh, OP_SWIGLU, p, k=f, up_offset=f, rowwise=True, columnwise=True),
+                "fused",
+            )
         _add(rows, timing, "SwiGLU+quant", f"{m}x{f}", contenders, lambda how: bytes_swiglu(m, f, 2, how), copy_bw)
 
 

@@ -58,7 +58,9 @@ def test_no_register_spills_and_resources_fit(reports, target):
 # conversion, 16 wide (4- to 16-byte) transposing shared-memory stores per thread, no byte-wise or
 # 16-bit shared traffic, no undefined PTX registers (a Triton miscompile their first version hit).
 # All: no spills, shared memory fits.
-GLUON_KERNELS = [("gemm_gluon", 19), ("quantize_act_gluon", 36), ("quantize_weight_gluon", 24)]
+# The Hopper fused quantizer (norm / SwiGLU producer + the act quantizer), 12 variants: the same checks,
+# and no FMA contracted in its PTX.
+GLUON_KERNELS = [("gemm_gluon", 19), ("quantize_act_gluon", 36), ("quantize_weight_gluon", 24), ("fused_act_gluon", 12)]
 
 
 @pytest.mark.parametrize("module, variants", GLUON_KERNELS, ids=[m for m, _ in GLUON_KERNELS])

@@ -105,6 +105,32 @@ def test_swiglu_kernels_are_the_spec_bit_for_bit(m, f, dtype):
     assert_same(be.swiglu_bwd(dy.cuda(), h.cuda()), REF.swiglu_bwd(dy, h), "swiglu backward")
 
 
+@pytest.mark.parametrize("op, m, k", [("LayerNorm", 2048, 4096), ("RMSNorm", 512, 1040), ("SwiGLU", 1024, 3584)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gluon_fused_quantizer_is_the_triton_one_on_hopper(op, m, k, dtype):
+    from primus_fp8_plugin.backends.triton.fused_act import quantize_fused_triton
+    from primus_fp8_plugin.backends.triton.fused_act_gluon import quantize_fused_gluon, unsupported_reason
+    from primus_fp8_plugin.backends.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
+    from primus_fp8_plugin.backends.triton.norm import norm_stats
+
+    width = 2 * k if op == "SwiGLU" else k
+    src = (make_input((m, width), dtype=torch.float32, seed=k, spread=False) * 3).to(dtype).cuda()
+    src[5, 7] = float("nan")
+    if unsupported_reason(src, k, P_IN) is not None:
+        pytest.skip(unsupported_reason(src, k, P_IN))
+    kw = {"k": k}
+    if op == "SwiGLU":
+        code, kw["up_offset"] = OP_SWIGLU, k
+    else:
+        code = OP_LAYERNORM if op == "LayerNorm" else OP_RMSNORM
+        kw["mean"], kw["rstd"] = norm_stats(src, 1e-5, op)
+        kw["gamma"] = (torch.rand(k, device="cuda") + 0.5).to(dtype)
+        kw["beta"] = torch.randn(k, device="cuda").to(dtype) if op == "LayerNorm" else None
+    for row, col in ((True, True), (True, False), (False, True)):
+        gluon = quantize_fused_gluon(src, code, P_IN, rowwise=row, columnwise=col, **kw)
+        assert_same_fp8(gluon, quantize_fused_triton(src, code, P_IN, rowwise=row, columnwise=col, **kw), f"{op} {row} {col}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_swiglu_is_torchs_cuda_silu_times_b_on_every_input(dtype):
     every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)

@@ -5,9 +5,10 @@ layout rules hold (K % 16 == 0, N % 8 == 0, 16-byte aligned operands); the porta
 (``gemm.py``) everywhere else (other shapes, gfx950, the CPU interpreter).
 Quantization: on Hopper the Gluon kernels (``quantize_act_gluon.py``, ``quantize_weight_gluon.py``;
 both dims multiples of 16), else the Triton ones.
-Fused ops (Triton, any target): LayerNorm / RMSNorm and SwiGLU with their output quantized to FP8
-directly (``norm.py``, ``swiglu.py``, ``fused_act.py``), RoPE (``rope.py``), bit for bit the
-reference backend's.
+Fused ops: LayerNorm / RMSNorm and SwiGLU with their output quantized to FP8 directly (``norm.py``,
+``swiglu.py``, ``fused_act.py``; on Hopper the quantizing kernel is Gluon, ``fused_act_gluon.py``,
+where M, K and the row stride are multiples of 16), RoPE (``rope.py``), bit for bit the reference
+backend's.
 
 On a CPU it runs through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before import
 (for tests: slow, exact once ``interpreter_fix`` corrects the interpreter's float casts).

@@ -15,7 +15,8 @@ TE's layouts. So a program owns one 128x128 tile of the output; the norm's stati
 rows come from memory. The high-precision output is never written in the fused path.
 
 ``_apply_kernel`` writes the output in the input dtype instead (the unfused path of the triton
-backend: the same producer, so the same bits before quantization).
+backend: the same producer, so the same bits before quantization). On Hopper ``quantize_fused`` runs
+``fused_act_gluon.py``'s kernel where M, K and the row stride are multiples of 16.
 """
 
 from __future__ import annotations
@@ -26,14 +27,12 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
-from .fused_math import FP_OPTIONS, swiglu_value
+from .fused_act_gluon import GluonFusedUnsupported, quantize_fused_gluon
+from .fused_math import FP_OPTIONS, OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU, swiglu_value
+from .hopper import runs_on
 from .launch import FastLauncher
 from .quantize_act import MAX_DIM, MAX_GRID_Y, NUM_STAGES, _column_scales, _columnwise_copy, _rowwise_copy, dual_outputs
 from .scales import amax_nan, max_nan, scale_and_inverse
-
-OP_LAYERNORM = 0
-OP_RMSNORM = 1
-OP_SWIGLU = 2
 
 # Launch configs (SUB_M rows per pass, warps): checked spill-free ahead of time (aot_fused.py)
 FULL_TILE = {OP_LAYERNORM: (128, 8), OP_RMSNORM: (128, 8), OP_SWIGLU: (64, 8)}  # M, K multiples of 16
@@ -189,7 +188,21 @@ def quantize_fused(src: torch.Tensor, op: int, params: QuantParams, *, k: int, u
     """Rowwise and/or columnwise 1x128 quantization of the fused op's output ``[M, k]`` made from
     ``src`` (rows of ``src.stride(0)`` elements, last dim contiguous); the same bits as
     ``quantize_1x128_dual`` of that output. Norms: ``mean`` (LayerNorm), ``rstd`` fp32 [M], ``gamma``
-    [k], ``beta`` [k] or None. SwiGLU: ``up_offset`` = F, the offset of ``b`` in each row."""
+    [k], ``beta`` [k] or None. SwiGLU: ``up_offset`` = F, the offset of ``b`` in each row. On Hopper the
+    Gluon kernel where its rules hold (``fused_act_gluon.py``), else the Triton kernel."""
+    if runs_on(src.device):  # the Gluon kernel where it applies (fused_act_gluon.py), the same bits
+        try:
+            return quantize_fused_gluon(src, op, params, k=k, up_offset=up_offset, mean=mean, rstd=rstd, gamma=gamma,
+                                        beta=beta, rowwise=rowwise, columnwise=columnwise)  # fmt: skip
+        except GluonFusedUnsupported:
+            pass
+    return quantize_fused_triton(src, op, params, k=k, up_offset=up_offset, mean=mean, rstd=rstd, gamma=gamma, beta=beta,
+                                 rowwise=rowwise, columnwise=columnwise)  # fmt: skip
+
+
+def quantize_fused_triton(src: torch.Tensor, op: int, params: QuantParams, *, k: int, up_offset: int = 0, mean=None,
+                          rstd=None, gamma=None, beta=None, rowwise: bool, columnwise: bool) -> BlockwiseFp8Tensor:  # fmt: skip
+    """``quantize_fused`` by the Triton kernel (any target, the CPU interpreter included)."""
     m = src.shape[0]
     _check_dims(m, k)
     stride = src.stride(0)

@@ -14,6 +14,11 @@ import triton.language as tl
 FP_OPTIONS = {"enable_fp_fusion": False}
 """Launch and compile options of every kernel that uses these functions."""
 
+# the producers of fused_act.py's kernels (constexpr OP)
+OP_LAYERNORM = 0
+OP_RMSNORM = 1
+OP_SWIGLU = 2
+
 LANES = tl.constexpr(128)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
