@@ -23,7 +23,7 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
 from .fused_math import FP_OPTIONS, OP_SWIGLU, swiglu_value
 from .hopper import runs_on
-from .launch import FastLauncher
+from .launch import FastLauncher, aligned
 from .quantize_act import MAX_DIM, MAX_GRID_Y, dual_outputs
 from .quantize_act_gluon import NUM_WARPS, _layouts
 from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_tile
@@ -135,12 +135,17 @@ def quantize_fused_gluon(src, op, params, *, k, up_offset=0, mean=None, rstd=Non
         q_any = row_q if row_q is not None else col_q
         s_any = row_s if row_s is not None else col_s
         stats = rstd if rstd is not None else s_any  # pointers the kernel does not read for this OP
-        _launch(
-            (ceil_div(m, BLOCK), ceil_div(k, BLOCK)), src, row_q if rowwise else q_any, row_s if rowwise else s_any,
+        pow2 = bool(params.pow2_scales)
+        # what can vary between calls; unsupported_reason fixes the rest (M, K, the stride and so F
+        # multiples of 16 below MAX_DIM, pad4(M) == M, a 16-byte aligned source; float scalars)
+        hint = (src.dtype, params.fp8_dtype, op, beta is not None, rowwise, columnwise, pow2,
+                aligned(row_q, row_s, col_q, col_s, mean, rstd, gamma, beta))  # fmt: skip
+        _launch.hinted(
+            hint, (ceil_div(m, BLOCK), ceil_div(k, BLOCK)), src, row_q if rowwise else q_any, row_s if rowwise else s_any,
             col_q if columnwise else q_any, col_s if columnwise else s_any, mean if mean is not None else stats, stats,
             gamma if gamma is not None else src, beta if beta is not None else src, m, k, pad4(m), pad4(k),
             src.stride(0), up_offset, params.fp8_max, float(params.amax_epsilon), torch.finfo(src.dtype).max,
-            op, beta is not None, rowwise, columnwise, bool(params.pow2_scales), lay, lay_n, lt_raw, t_raw,
+            op, beta is not None, rowwise, columnwise, pow2, lay, lay_n, lt_raw, t_raw,
             num_warps=NUM_WARPS, **FP_OPTIONS,
         )  # fmt: skip
     elif m == 0 and columnwise:
