@@ -32,10 +32,11 @@ def quantized_weight(weight, recipe, backend, cache, refresh) -> BlockwiseFp8Ten
         return backend.quantize_weight(weight.detach().contiguous(), p_w)
 
 
-def linear_backward(ctx, dy2d, need_dinput: bool, input_dtype):
+def linear_backward(ctx, dy2d, need_dinput: bool, input_dtype, x_col, x_col_scale, weight):
     """dY's quantization, dgrad (if ``need_dinput``), wgrad and the bias gradient of a fused op's
-    linear: ``(d_input [M, K] or None, dW, db)``. ``ctx`` holds ``wq``, ``recipe``, ``backend``,
-    ``has_bias`` and the input's columnwise copy (``x_col``, ``x_col_scale``, ``x_meta``)."""
+    linear: ``(d_input [M, K] or None, dW, db)``. ``x_col``/``x_col_scale``: the input's saved
+    columnwise copy; ``ctx`` holds ``wq``, ``recipe``, ``backend``, ``has_bias``, ``x_meta``,
+    ``need_dw`` and ``need_db``."""
     backend: Backend = ctx.backend
     need_dw, need_db = ctx.need_dw, ctx.need_db
     dyq = backend.quantize_act(dy2d, ctx.recipe.params(TensorRole.GRAD_OUTPUT), rowwise=need_dinput, columnwise=need_dw)
@@ -43,18 +44,19 @@ def linear_backward(ctx, dy2d, need_dinput: bool, input_dtype):
     dw = None
     if need_dw:
         (m, k), fp8 = ctx.x_meta
-        xq = BlockwiseFp8Tensor((m, k), 1, fp8, input_dtype, columnwise_data=ctx.x_col, columnwise_scale_inv=ctx.x_col_scale)
-        dw = weight_gradient(backend, dyq, xq, ctx.weight)
+        xq = BlockwiseFp8Tensor((m, k), 1, fp8, input_dtype, columnwise_data=x_col, columnwise_scale_inv=x_col_scale)
+        dw = weight_gradient(backend, dyq, xq, weight)
     db = dy2d.sum(0) if (ctx.has_bias and need_db) else None
     ctx.wq = None
     return d_input, dw, db
 
 
-def save_linear(ctx, xq: BlockwiseFp8Tensor, wq, weight, bias, recipe, backend) -> None:
-    """What ``linear_backward`` reads (the columnwise copy only when the weight needs a gradient)."""
-    ctx.x_col, ctx.x_col_scale = xq.columnwise_data, xq.columnwise_scale_inv
+def save_linear(ctx, xq: BlockwiseFp8Tensor, wq, bias, recipe, backend) -> tuple:
+    """Keep what ``linear_backward`` reads on ``ctx``; returns the tensors to add to ``save_for_backward``
+    (the columnwise copy, None without one, as linear.py saves it)."""
     ctx.x_meta = (tuple(xq.shape), xq.fp8_dtype)
-    ctx.wq, ctx.weight, ctx.recipe, ctx.backend, ctx.has_bias = wq, weight, recipe, backend, bias is not None
+    ctx.wq, ctx.recipe, ctx.backend, ctx.has_bias = wq, recipe, backend, bias is not None
+    return xq.columnwise_data, xq.columnwise_scale_inv
 
 
 class _Fp8NormLinearFn(torch.autograd.Function):
@@ -69,20 +71,19 @@ class _Fp8NormLinearFn(torch.autograd.Function):
                                                    rowwise=True, columnwise=weight.requires_grad)  # fmt: skip
         wq = quantized_weight(weight, recipe, backend, cache, refresh)
         y = backend.gemm_fwd(xq, wq, bias, x.dtype)
-        ctx.save_for_backward(x2d, gamma, mean, rstd)
-        save_linear(ctx, xq, wq, weight, bias, recipe, backend)
+        ctx.save_for_backward(x2d, gamma, mean, rstd, *save_linear(ctx, xq, wq, bias, recipe, backend), weight)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.view(*lead, n)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, gamma, mean, rstd = ctx.saved_tensors
+        x2d, gamma, mean, rstd, x_col, x_col_scale, weight = ctx.saved_tensors
         need_dx, need_dgamma, need_dbeta, ctx.need_dw, ctx.need_db = ctx.needs_input_grad[:5]
         need_dnormed = need_dx or need_dgamma or need_dbeta
         dy2d = dy.reshape(-1, dy.shape[-1])
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
-        dnormed, dw, db = linear_backward(ctx, dy2d, need_dnormed, ctx.x_dtype)
+        dnormed, dw, db = linear_backward(ctx, dy2d, need_dnormed, ctx.x_dtype, x_col, x_col_scale, weight)
         dx = dgamma = dbeta = None
         if need_dnormed:
             dx, dgamma, dbeta = ctx.backend.norm_bwd(dnormed, x2d, gamma, mean, rstd, need_dgamma=need_dgamma,

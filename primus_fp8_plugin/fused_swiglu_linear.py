@@ -32,19 +32,18 @@ class _Fp8SwigluLinearFn(torch.autograd.Function):
         xq = backend.quantize_swiglu_act(h2d, recipe.params(TensorRole.INPUT), rowwise=True, columnwise=weight.requires_grad)
         wq = quantized_weight(weight, recipe, backend, cache, refresh)
         y = backend.gemm_fwd(xq, wq, bias, h.dtype)
-        ctx.save_for_backward(h2d)
-        save_linear(ctx, xq, wq, weight, bias, recipe, backend)
+        ctx.save_for_backward(h2d, *save_linear(ctx, xq, wq, bias, recipe, backend), weight)
         ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
         return y.view(*lead, n)
 
     @staticmethod
     def backward(ctx, dy):
-        (h2d,) = ctx.saved_tensors
+        h2d, x_col, x_col_scale, weight = ctx.saved_tensors
         need_dh, ctx.need_dw, ctx.need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
-        dact, dw, db = linear_backward(ctx, dy2d, need_dh, ctx.h_dtype)
+        dact, dw, db = linear_backward(ctx, dy2d, need_dh, ctx.h_dtype, x_col, x_col_scale, weight)
         dh = ctx.backend.swiglu_bwd(dact, h2d).view(ctx.h_shape) if need_dh else None
         return dh, dw, db, None, None, None, None
 

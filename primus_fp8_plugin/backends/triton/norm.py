@@ -171,13 +171,19 @@ def norm_stats(x: torch.Tensor, eps: float, normalization: str) -> tuple[torch.T
     return mean, rstd
 
 
+def _contiguous(*ts):
+    return [None if t is None else t.contiguous() for t in ts]
+
+
 def norm_fwd(x, gamma, beta, eps, normalization):
+    gamma, beta = _contiguous(gamma, beta)
     mean, rstd = norm_stats(x, eps, normalization)
     y = apply_fused(x, _op(normalization), k=x.shape[1], mean=mean, rstd=rstd, gamma=gamma, beta=beta)
     return y, mean, rstd
 
 
 def quantize_norm_act(x, gamma, beta, eps, normalization, params, *, rowwise, columnwise):
+    gamma, beta = _contiguous(gamma, beta)
     mean, rstd = norm_stats(x, eps, normalization)
     xq = quantize_fused(x, _op(normalization), params, k=x.shape[1], mean=mean, rstd=rstd, gamma=gamma, beta=beta,
                         rowwise=rowwise, columnwise=columnwise)  # fmt: skip
@@ -185,6 +191,7 @@ def quantize_norm_act(x, gamma, beta, eps, normalization, params, *, rowwise, co
 
 
 def norm_bwd(dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta):
+    (gamma,) = _contiguous(gamma)
     m, h = x.shape
     rms = mean is None
     dx = torch.empty(m, h, dtype=x.dtype, device=x.device)
