@@ -32,6 +32,30 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"bias must be [{weight.shape[0]}] on {weight.device}, got {tuple(bias.shape)} on {bias.device}")
 
 
+def weight_gradient(backend: Backend, dyq: BlockwiseFp8Tensor, xq: BlockwiseFp8Tensor, weight: torch.Tensor):
+    """The weight's gradient from the columnwise copies of dY and X: ``dW = dY^T X`` in the weight's
+    dtype, or, when the weight has a ``main_grad`` (Megatron), accumulated into it in fp32 and a
+    placeholder (or None) returned to autograd."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or not getattr(weight, "fuse_wgrad_accumulation", True):
+        return backend.gemm_wgrad(dyq, xq, weight.dtype, None)
+    # Megatron's gradient-accumulation fusion: accumulate in fp32 into main_grad and hand autograd a
+    # dummy gradient so that the parameter's backward hooks still run.
+    if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape or not main_grad.is_contiguous():
+        raise ValueError(
+            f"weight.main_grad must be a contiguous float32 tensor of the weight's shape {tuple(weight.shape)}, "
+            f"got {main_grad.dtype} {tuple(main_grad.shape)} (contiguous={main_grad.is_contiguous()}); "
+            "set weight.fuse_wgrad_accumulation = False to get the gradient in weight.grad instead"
+        )
+    backend.gemm_wgrad(dyq, xq, torch.float32, main_grad)
+    dw = None
+    if hasattr(weight, "grad_added_to_main_grad"):
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        dw = make(weight.shape, dtype=weight.dtype, device=weight.device)
+    weight.grad_added_to_main_grad = True
+    return dw
+
+
 class _Fp8BlockwiseLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe, backend, cache, refresh_cache):
@@ -76,23 +100,7 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
         dw = None
         if need_dw:
             xq = BlockwiseFp8Tensor((m, k), 1, x_fp8, x_dtype, columnwise_data=x_col, columnwise_scale_inv=x_col_scale)
-            main_grad = getattr(weight, "main_grad", None)
-            if main_grad is not None and getattr(weight, "fuse_wgrad_accumulation", True):
-                # Megatron's gradient-accumulation fusion: accumulate in fp32 into main_grad and
-                # hand autograd a dummy gradient so that the parameter's backward hooks still run.
-                if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape or not main_grad.is_contiguous():
-                    raise ValueError(
-                        f"weight.main_grad must be a contiguous float32 tensor of the weight's shape {tuple(weight.shape)}, "
-                        f"got {main_grad.dtype} {tuple(main_grad.shape)} (contiguous={main_grad.is_contiguous()}); "
-                        "set weight.fuse_wgrad_accumulation = False to get the gradient in weight.grad instead"
-                    )
-                backend.gemm_wgrad(dyq, xq, torch.float32, main_grad)
-                if hasattr(weight, "grad_added_to_main_grad"):
-                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-                    dw = make(weight.shape, dtype=weight.dtype, device=weight.device)
-                weight.grad_added_to_main_grad = True
-            else:
-                dw = backend.gemm_wgrad(dyq, xq, weight.dtype, None)
+            dw = weight_gradient(backend, dyq, xq, weight)
         # TE's own bias gradient under Float8BlockScaling (unfused): a sum in dY's dtype, which torch
         # accumulates in fp32 and rounds once, without an fp32 copy of dY.
         db = dy2d.sum(0) if (ctx.has_bias and need_db) else None

@@ -30,7 +30,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from primus_fp8_plugin.backends.triton import gemm, quantize_act, quantize_weight
+from primus_fp8_plugin.backends.triton import aot_fused, gemm, quantize_act, quantize_weight
+from primus_fp8_plugin.backends.triton.fused_math import OP_SWIGLU
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx950": GPUTarget("hip", "gfx950", 64)}
 
@@ -47,6 +48,8 @@ class KernelSpec:
     expect: dict[str, list[str]] = field(default_factory=dict)
     # compile with the int arguments specialised as multiples of 16 (aligned shapes) or not (ragged)
     ints_divisible: bool = True
+    # further compile options, as the launcher passes them (e.g. enable_fp_fusion)
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -147,6 +150,7 @@ def kernel_specs() -> list[KernelSpec]:
         _quant_weight_spec(),
         _gemm_spec("fwd"),
         _gemm_spec("wgrad"),
+        *(KernelSpec(**spec) for spec in aot_fused.kernel_specs()),  # norm, SwiGLU, RoPE
     ]
 
 
@@ -257,7 +261,8 @@ def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, st
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible_ints}
     attrs.update({(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty[0] == "*"})
     src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
-    k = triton.compile(src, target=TARGETS[target], options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, **spec.options}
+    k = triton.compile(src, target=TARGETS[target], options=options)
     shared = int(getattr(k.metadata, "shared", 0))
     if target == "sm90":
         res, sass = sm90_resources(k.asm["cubin"])
@@ -305,7 +310,7 @@ def dump_asm(dump_dir: Path, name: str, asm: dict[str, str]) -> None:
 # The Hopper Gluon kernels (sm_90 only)
 # --------------------------------------------------------------------------------------------------
 
-GLUON_KERNELS = ("gemm", "quantize_act", "quantize_weight")  # --gluon NAME
+GLUON_KERNELS = ("gemm", "quantize_act", "quantize_weight", "fused_act")  # --gluon NAME
 
 # what the Gluon GEMM's PTX / SASS must contain
 GEMM_EXPECT_SM90 = {
@@ -559,6 +564,69 @@ def check_weight_quant(verbose: bool = True) -> bool:
     return check_quantizer_variants(weight_quant_aot_variants(), compile_weight_quant, name, lambda v: True, verbose)
 
 
+_FUSED_OPS = {"layernorm": (0, True), "rmsnorm": (1, False), "swiglu": (OP_SWIGLU, False)}
+
+
+def fused_act_variants() -> list[tuple]:
+    """(op, input dtype, FP8 dtype, pow2, rowwise, columnwise) the wrapper launches in training:
+    the input role is E4M3; bf16 with and without the columnwise copy, fp16 and fp32 with it."""
+    out = []
+    for op in _FUSED_OPS:
+        for dtype, modes in ((torch.bfloat16, ((True, True), (True, False))), (torch.float16, ((True, True),)),
+                             (torch.float32, ((True, True),))):  # fmt: skip
+            out += [(op, dtype, torch.float8_e4m3fn, True, r, c) for r, c in modes]
+    return out
+
+
+def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise):
+    """Compile one variant for sm_90 without a GPU, as a launch with M, K, the stride multiples of 16 compiles."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from primus_fp8_plugin.backends.triton.fused_act_gluon import NUM_WARPS, _layouts, _quantize_fused_gluon_kernel
+    from primus_fp8_plugin.backends.triton.fused_math import FP_OPTIONS
+
+    t, f8 = sig_type(in_dtype), sig_type(fp8_dtype)
+    sig = {"src_ptr": f"*{t}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}", "col_s_ptr": "*fp32",
+           "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "gamma_ptr": f"*{t}", "beta_ptr": f"*{t}", "M": "i32", "K": "i32",
+           "M_PAD": "i32", "K_PAD": "i32", "stride_sm": "i32", "up_offset": "i32", "fp8_max": "fp32", "amax_eps": "fp32",
+           "in_max": "fp32", "OP": "constexpr", "HAS_BETA": "constexpr", "ROWWISE": "constexpr", "COLWISE": "constexpr",
+           "POW2": "constexpr", "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr"}  # fmt: skip
+    lay, lay_n, lt_raw, t_raw = _layouts(torch.finfo(in_dtype).bits // 8)
+    names = list(sig)
+    divisible_by_16 = ("src_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "mean_ptr", "rstd_ptr", "gamma_ptr",
+                       "beta_ptr", "M", "K", "M_PAD", "K_PAD", "stride_sm", "up_offset")  # fmt: skip
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
+    code, has_beta = _FUSED_OPS[op]
+    cons = {"OP": code, "HAS_BETA": has_beta, "ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "L": lay,
+            "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw}  # fmt: skip
+    src = GluonASTSource(fn=_quantize_fused_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": NUM_WARPS, **FP_OPTIONS})
+
+
+def check_fused_act_quant(verbose: bool = True) -> bool:
+    """Compile and check every variant (``check_quantizer_variants``) of fused_act_gluon.py, and that no FMA was contracted."""
+
+    def name(v):
+        return f"{v[0]}:{sig_type(v[1])}->{sig_type(v[2])}:row={int(v[4])}:col={int(v[5])}"
+
+    def compile_no_fma(*v):
+        kernel = compile_fused_act_variant(*v)
+        if "fma.rn.f32" in kernel.asm["ptx"]:
+            raise RuntimeError("the PTX holds fma.rn.f32: an FMA was contracted (compile with enable_fp_fusion=False)")
+        return kernel
+
+    # check_quantizer_variants reads v[1] as the FP8 dtype and v[4] as the columnwise flag: pass it views
+    # of each variant shaped like the act quantizer's (in dtype, fp8 dtype, pow2, row, col) plus the op
+    variants = [(v[1], v[2], v[3], v[4], v[5], v[0]) for v in fused_act_variants()]
+    return check_quantizer_variants(
+        variants,
+        lambda i, f, p, r, c, op: compile_no_fma(op, i, f, p, r, c),
+        lambda v: name((v[5], *v[:5])),
+        lambda v: v[4],
+        verbose,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="AOT-compile the Triton kernels for sm_90 and gfx950 and check them")
     ap.add_argument("--json", type=Path, help="write the reports as JSON")
@@ -576,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
             from tools.gemm_variants import VARIANTS as configs
         return 0 if check_gemm(args.dump, configs=configs) else 1
     if args.gluon:
+        if args.gluon == "fused_act":
+            return 0 if check_fused_act_quant() else 1
         return 0 if {"quantize_act": check_act_quant, "quantize_weight": check_weight_quant}[args.gluon]() else 1
     reports = run_all(args.dump)
     print(f"{'kernel':58} {'target':7} {'regs':>5} {'spill B':>8} {'vgpr sp':>7} {'sgpr sp':>7} {'smem':>7}  instructions")

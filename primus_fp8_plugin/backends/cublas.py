@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Availability, Backend
+from .base import Availability, Backend, fused_ops_from_triton
 from .triton import TritonBackend, device_availability
 
 
@@ -49,6 +49,7 @@ def _cublas_can(a, b, *dims: int) -> bool:
     return e4m3 and all(d % 16 == 0 for d in dims) and min(dims) > 0
 
 
+@fused_ops_from_triton
 class CublasBackend(Backend):
     """cuBLAS blockwise GEMMs (Hopper) + Triton quantization.
 

@@ -17,11 +17,12 @@ wgrad is the Gluon kernel's, whose 1x128 x 1x128 product differs from cuBLAS's i
 
 from __future__ import annotations
 
-from .base import Backend
+from .base import Backend, fused_ops_from_triton
 from .cublas import CublasBackend
 from .triton import TritonBackend
 
 
+@fused_ops_from_triton
 class HopperBackend(Backend):
     """Gluon GEMMs for fwd, dgrad and accumulating wgrad; cuBLAS for plain wgrad (Hopper only).
 

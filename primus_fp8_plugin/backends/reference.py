@@ -25,6 +25,7 @@ import torch
 
 from ..recipe import BLOCK, QuantParams
 from ..tensor import BlockwiseFp8Tensor, ceil_div, scales_to_te_layout
+from . import reference_fused as fused
 from .base import Availability, Backend
 
 _EXPONENT_MASK = 0x7F800000
@@ -155,3 +156,26 @@ class ReferenceBackend(Backend):
             out_dtype,
             accumulate_into=accumulate_into,
         )
+
+    # fused ops: the torch composition is the spec (reference_fused.py)
+    def norm_fwd(self, x, gamma, beta, eps, normalization):
+        return fused.norm_fwd(x, gamma, beta, eps, normalization)
+
+    def quantize_norm_act(self, x, gamma, beta, eps, normalization, params, *, rowwise, columnwise):
+        y, mean, rstd = fused.norm_fwd(x, gamma, beta, eps, normalization)
+        return self.quantize_act(y, params, rowwise=rowwise, columnwise=columnwise), mean, rstd
+
+    def norm_bwd(self, dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta):
+        return fused.norm_bwd(dy, x, gamma, mean, rstd, need_dgamma=need_dgamma, need_dbeta=need_dbeta)
+
+    def swiglu_fwd(self, h):
+        return fused.swiglu_fwd(h)
+
+    def quantize_swiglu_act(self, h, params, *, rowwise, columnwise):
+        return self.quantize_act(fused.swiglu_fwd(h), params, rowwise=rowwise, columnwise=columnwise)
+
+    def swiglu_bwd(self, dy, h):
+        return fused.swiglu_bwd(dy, h)
+
+    def rope(self, t, cos, sin, *, interleaved, backward):
+        return fused.rope(t, cos, sin, interleaved=interleaved, backward=backward)

@@ -30,8 +30,11 @@ def reports(tmp_path_factory):
 
 
 def test_every_kernel_compiled_for_both_targets(reports):
+    from primus_fp8_plugin.backends.triton import aot_fused
+
     kernels = {r["kernel"] for r in reports}
     assert {"blockwise_gemm[fwd]", "blockwise_gemm[wgrad]", "quantize_128x128[bf16->fp8e4nv]"} <= kernels
+    assert {spec["name"] for spec in aot_fused.kernel_specs()} <= kernels  # norm, SwiGLU, RoPE (no FMA, checked below)
     for k in kernels:
         assert {r["target"] for r in reports if r["kernel"] == k} == {"sm90", "gfx950"}
 
@@ -58,7 +61,9 @@ def test_no_register_spills_and_resources_fit(reports, target):
 # conversion, 16 wide (4- to 16-byte) transposing shared-memory stores per thread, no byte-wise or
 # 16-bit shared traffic, no undefined PTX registers (a Triton miscompile their first version hit).
 # All: no spills, shared memory fits.
-GLUON_KERNELS = [("gemm", 19), ("quantize_act", 36), ("quantize_weight", 24)]
+# The Hopper fused quantizer (norm / SwiGLU producer + the act quantizer), 12 variants: the same checks,
+# and no FMA contracted in its PTX.
+GLUON_KERNELS = [("gemm", 19), ("quantize_act", 36), ("quantize_weight", 24), ("fused_act", 12)]
 
 
 @pytest.mark.parametrize("module, variants", GLUON_KERNELS, ids=[m for m, _ in GLUON_KERNELS])

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from ..base import Availability, Backend
+from ..base import Availability, Backend, fused_ops_from_triton
 from ..triton import TritonBackend, device_availability
 from .gemm import blockwise_gemm
 
 
+@fused_ops_from_triton
 class FlydslBackend(Backend):
     """FlyDSL GEMMs (tile-aligned E4M3 shapes; the rest go to the Triton GEMM) + Triton quantizers.
 

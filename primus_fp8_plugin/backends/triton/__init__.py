@@ -5,6 +5,10 @@ layout rules hold (K % 16 == 0, N % 8 == 0, 16-byte aligned operands); the porta
 (``gemm.py``) everywhere else (other shapes, gfx950, the CPU interpreter).
 Quantization: on Hopper the Gluon kernels (``quantize_act_gluon.py``, ``quantize_weight_gluon.py``;
 both dims multiples of 16), else the Triton ones.
+Fused ops: LayerNorm / RMSNorm and SwiGLU with their output quantized to FP8 directly (``norm.py``,
+``swiglu.py``, ``fused_act.py``; on Hopper the quantizing kernel is Gluon, ``fused_act_gluon.py``,
+where M, K and the row stride are multiples of 16), RoPE (``rope.py``), bit for bit the reference
+backend's.
 
 On a CPU it runs through Triton's interpreter when ``TRITON_INTERPRET=1`` is set before import
 (for tests: slow, exact once ``interpreter_fix`` corrects the interpreter's float casts).
@@ -17,6 +21,7 @@ import os
 import torch
 
 from ..base import Availability, Backend
+from . import norm, rope, swiglu
 from .gemm import blockwise_gemm
 from .gemm_gluon import blockwise_gemm_gluon
 from .quantize_act import quantize_1x128_dual
@@ -123,3 +128,25 @@ class TritonBackend(Backend):
             dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
             b_block_dim=1, out_dtype=out_dtype, accumulate_into=accumulate_into,
         )  # fmt: skip
+
+    # fused ops: bit for bit the reference backend's (reference_fused.py)
+    def norm_fwd(self, x, gamma, beta, eps, normalization):
+        return norm.norm_fwd(x, gamma, beta, eps, normalization)
+
+    def quantize_norm_act(self, x, gamma, beta, eps, normalization, params, *, rowwise, columnwise):
+        return norm.quantize_norm_act(x, gamma, beta, eps, normalization, params, rowwise=rowwise, columnwise=columnwise)
+
+    def norm_bwd(self, dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta):
+        return norm.norm_bwd(dy, x, gamma, mean, rstd, need_dgamma=need_dgamma, need_dbeta=need_dbeta)
+
+    def swiglu_fwd(self, h):
+        return swiglu.swiglu_fwd(h)
+
+    def quantize_swiglu_act(self, h, params, *, rowwise, columnwise):
+        return swiglu.quantize_swiglu_act(h, params, rowwise=rowwise, columnwise=columnwise)
+
+    def swiglu_bwd(self, dy, h):
+        return swiglu.swiglu_bwd(dy, h)
+
+    def rope(self, t, cos, sin, *, interleaved, backward):
+        return rope.rope(t, cos, sin, interleaved=interleaved, backward=backward)
