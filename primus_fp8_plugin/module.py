@@ -21,7 +21,8 @@ class Fp8BlockwiseLinear(nn.Module):
         recipe: a ``BlockwiseRecipe`` (default: TE's defaults).
         backend: backend name or ``"auto"`` (resolved per call for the input's device).
         cache_weight: keep the quantized weight (W and W^T) between calls while the weight is
-            unchanged (default True); it is never part of ``state_dict``.
+            provably unchanged (default True; what that covers and what it cannot see:
+            ``weight_cache.py``); it is never part of ``state_dict``.
 
     Attributes:
         is_first_microbatch: Megatron sets it to True on the first microbatch of each step; the
@@ -70,7 +71,9 @@ class Fp8BlockwiseLinear(nn.Module):
         return y
 
     def invalidate_weight_cache(self) -> None:
-        """Forget the quantized weight (needed only after writing the weight through ``.data``)."""
+        """Forget the quantized weight. Needed only after a write the cache cannot see: through
+        ``.data``, through another tensor sharing the weight's storage, or by a collective, outside an
+        optimizer step (``weight_cache.py``)."""
         if self._weight_cache is not None:
             self._weight_cache.invalidate()
 
