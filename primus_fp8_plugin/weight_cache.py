@@ -35,6 +35,9 @@ the same storage with a counter of its own (``.data`` views, ``torch.frombuffer`
 aliases, parameters tied through ``.data``), or by a collective or kernel writing the memory
 (``dist.broadcast(w, 0)``, ``dist.all_reduce(w.data)``). After such a write call ``invalidate()``
 (``Fp8BlockwiseLinear.invalidate_weight_cache()``) or :func:`mark_weights_changed`.
+``PRIMUS_FP8_CHECK_WEIGHT_CACHE=1`` (or ``WeightCache(check=True)``) re-quantizes the weight on every
+use and raises :class:`StaleWeightCacheError` where the stored copy differs: a debug mode, at the
+cost of a full quantization per call.
 
 Where no key can be checked
 ---------------------------
@@ -53,6 +56,7 @@ Where no key can be checked
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 
 import torch
@@ -62,6 +66,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .backends import Backend
 from .recipe import QuantParams
 from .tensor import BlockwiseFp8Tensor
+
+CHECK_ENV = "PRIMUS_FP8_CHECK_WEIGHT_CACHE"
+"""Set to 1 to compare every copy a cache serves with a fresh quantization (read when a cache is made)."""
 
 _epochs = itertools.count(1)
 _weight_epoch = 0
@@ -91,19 +98,47 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+class StaleWeightCacheError(RuntimeError):
+    """A weight cache in check mode found its stored copy different from a fresh quantization."""
+
+
+def _same_bits(a: BlockwiseFp8Tensor, b: BlockwiseFp8Tensor) -> bool:
+    """Whether two quantized weights hold the same bits (NaN scales compare equal to NaN)."""
+    pairs = (
+        (a.rowwise_data, b.rowwise_data),
+        (a.rowwise_scale_inv, b.rowwise_scale_inv),
+        (a.columnwise_data, b.columnwise_data),
+        (a.columnwise_scale_inv, b.columnwise_scale_inv),
+    )
+    for x, y in pairs:
+        if (x is None) != (y is None):
+            return False
+        if x is not None and not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            return False
+    return True
+
+
 class WeightCache:
     """Quantized copies of one weight (W and W^T), served while the weight is provably unchanged.
 
+    Args:
+        check: compare every served copy with a fresh quantization and raise
+            ``StaleWeightCacheError`` on a difference (a debug mode). None (the default) reads
+            ``PRIMUS_FP8_CHECK_WEIGHT_CACHE`` (``1`` turns it on) when the cache is made.
+
     Attributes:
         refreshes: how many times the weight was quantized through this cache.
+        checks: how many served copies check mode compared.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, check: bool | None = None) -> None:
         self._value: BlockwiseFp8Tensor | None = None
         self._tensor_ref: weakref.ref | None = None
         self._storage_ref: StorageWeakRef | None = None
         self._key: tuple | None = None
+        self.check = os.environ.get(CHECK_ENV, "0") == "1" if check is None else bool(check)
         self.refreshes = 0
+        self.checks = 0
 
     @staticmethod
     def _key_of(weight: torch.Tensor, version: int, params: QuantParams, backend: Backend) -> tuple:
@@ -146,6 +181,8 @@ class WeightCache:
             return value
         key = self._key_of(weight, version, params, backend)
         if not refresh and self._holds(weight, key):
+            if self.check:
+                self._check(weight, params, backend)
             return self._value
         self._value = self._quantize(weight, params, backend)
         self._tensor_ref = weakref.ref(weight)
@@ -159,13 +196,26 @@ class WeightCache:
         with torch.no_grad():
             return backend.quantize_weight(weight.detach().contiguous(), params)
 
+    def _check(self, weight: torch.Tensor, params: QuantParams, backend: Backend) -> None:
+        self.checks += 1
+        if not _same_bits(self._quantize(weight, params, backend), self._value):
+            raise StaleWeightCacheError(
+                f"the weight cache was about to serve a stale FP8 copy of a {weight.dtype} weight "
+                f"{list(weight.shape)} on {weight.device}: the weight's values changed without a version-counter "
+                "bump (a write through .data, through another tensor sharing its storage, or by a collective) "
+                "and outside an optimizer step. After such a write call invalidate() "
+                "(Fp8BlockwiseLinear.invalidate_weight_cache()) or "
+                "primus_fp8_plugin.weight_cache.mark_weights_changed(); see 'What the weight cache guarantees' "
+                "in the README."
+            )
+
     def __getstate__(self) -> dict:
         # copies (copy.copy / deepcopy of a module) and pickles start empty: a copy's weight is another
         # tensor, and the storage weak reference must never be duplicated (each one frees itself once)
-        return {}
+        return {"check": self.check}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.__init__(check=state["check"])
 
     def invalidate(self) -> None:
         """Drop the cached copies; the next ``get`` re-quantizes."""

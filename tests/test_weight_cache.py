@@ -1,6 +1,7 @@
 """The weight cache: reused across microbatches and by backward, refreshed by every kind of weight
 change, never stale, never in a state dict; never serving one tensor's copy for another (a new tensor
-at the freed address of the old one, a transposed view, a replaced parameter or storage)."""
+at the freed address of the old one, a transposed view, a replaced parameter or storage); the writes
+it cannot see caught by check mode."""
 
 from __future__ import annotations
 
@@ -308,3 +309,52 @@ def test_mark_weights_changed_refreshes_every_cache():
     mark_weights_changed()
     for lay in layers:
         assert torch.equal(run(lay, x), fresh_output(lay, x))
+
+
+# ---- writes no key can see: documented, and caught by check mode ---------------------------------
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """Another tensor over ``t``'s storage, with a version counter of its own."""
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+UNSEEN_WRITES = {
+    "data_add": lambda w: w.data.add_(torch.randn_like(w)),  # the textbook SGD loop's update
+    "ema_swap": lambda w: w.data.copy_(torch.randn_like(w)),  # evaluating EMA weights
+    "shared_storage": lambda w: _alias(w).mul_(-2.0),  # parameters tied through .data, buffers, views
+}
+
+
+@pytest.mark.parametrize("write", list(UNSEEN_WRITES))
+def test_writes_that_bypass_the_version_counter_are_caught_by_check_mode(write):
+    from primus_fp8_plugin.weight_cache import StaleWeightCacheError
+
+    x = make_input((16, 256), seed=8)
+    for check in (False, True):
+        torch.manual_seed(0)
+        layer = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend="reference")
+        layer._weight_cache.check = check
+        run(layer, x)
+        UNSEEN_WRITES[write](layer.weight)
+        if not check:  # the documented limit: served stale
+            assert not torch.equal(run(layer, x), fresh_output(layer, x))
+            continue
+        with pytest.raises(StaleWeightCacheError, match=r"stale FP8 copy of a torch.bfloat16 weight \[128, 256\]"):
+            run(layer, x)
+        layer.invalidate_weight_cache()  # what the message says to do
+        assert torch.equal(run(layer, x), fresh_output(layer, x))
+        assert torch.equal(run(layer, x), fresh_output(layer, x))  # a checked hit
+        assert layer._weight_cache.checks == 2
+
+
+def test_check_mode_follows_the_environment(monkeypatch):
+    from primus_fp8_plugin.weight_cache import CHECK_ENV
+
+    monkeypatch.delenv(CHECK_ENV, raising=False)
+    assert WeightCache().check is False and WeightCache(check=True).check is True
+    monkeypatch.setenv(CHECK_ENV, "1")
+    assert WeightCache().check is True and WeightCache(check=False).check is False
+    assert make_layer()._weight_cache.check is True
+    monkeypatch.setenv(CHECK_ENV, "0")
+    assert WeightCache().check is False
