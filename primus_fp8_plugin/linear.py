@@ -7,6 +7,8 @@ Saved:    the columnwise FP8 copy of X and its scales (about 0.52x the bytes of 
 Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W   (W^T copy)
           dW = dY^T X (columnwise copies), or main_grad += dW in fp32 (Megatron's gradient-
           accumulation fusion) when the weight has a ``main_grad``; db = sum of dY over rows.
+          Only what is needed is quantized and computed: a frozen weight skips X's columnwise copy
+          and wgrad; with neither dX nor dW needed (bias-only training), dY is not quantized.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
         dy2d = dy.reshape(-1, n)
         if not dy2d.is_contiguous():
             dy2d = dy2d.contiguous()
-        dyq = backend.quantize_act(dy2d, ctx.recipe.params(TensorRole.GRAD_OUTPUT), rowwise=need_dx, columnwise=need_dw)
+        dyq = None
+        if need_dx or need_dw:  # bias-only training (a frozen weight, no input gradient) needs no FP8 dY
+            dyq = backend.quantize_act(dy2d, ctx.recipe.params(TensorRole.GRAD_OUTPUT), rowwise=need_dx, columnwise=need_dw)
 
         dx = backend.gemm_dgrad(dyq, ctx.wq, x_dtype).view(*lead, k) if need_dx else None
         dw = None

@@ -155,3 +155,27 @@ def test_bad_input_is_refused():
         Fp8BlockwiseLinear(128, 64, backend="cublas")
     with pytest.raises(BackendUnavailableError, match="cublas"):
         fp8_blockwise_linear(torch.randn(4, 128), layer.weight, backend="cublas")
+
+
+# ---- frozen weights, retained graphs, main_grad without Megatron, compile, inference tensors ------
+
+
+def test_bias_only_training(backend):
+    """A frozen weight (BitFit, frozen layers): only the bias (and the input, if it asks) get gradients."""
+    torch.manual_seed(0)
+    layer = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend=backend)
+    layer.weight.requires_grad_(False)
+    x, dy = make_input((48, 256), seed=1), make_input((48, 128), seed=2)
+    layer(x).backward(dy)  # nothing but the bias needs a gradient: dY is not quantized at all
+    assert layer.weight.grad is None and torch.equal(layer.bias.grad, dy.sum(0))
+    xg = x.clone().requires_grad_(True)
+    layer(xg).backward(dy)
+    _, dgrad, _ = oracle(x, layer.weight, layer.bias.detach(), dy, layer.recipe, backend)
+    assert rel_frobenius(xg.grad, dgrad) < 5e-3
+    opt = torch.optim.SGD([layer.bias], lr=0.5)
+    before = layer.weight.detach().clone()
+    for _ in range(3):
+        opt.zero_grad()
+        layer(x).float().square().mean().backward()
+        opt.step()
+    assert torch.equal(layer.weight, before)
