@@ -9,6 +9,7 @@ Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W  
           accumulation fusion) when the weight has a ``main_grad``; db = sum of dY over rows.
           Only what is needed is quantized and computed: a frozen weight skips X's columnwise copy
           and wgrad; with neither dX nor dW needed (bias-only training), dY is not quantized.
+          ``backward(retain_graph=True)`` keeps the quantized weight for the next backward.
 """
 
 from __future__ import annotations
@@ -100,8 +101,16 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
         # TE's own bias gradient under Float8BlockScaling (unfused): a sum in dY's dtype, which torch
         # accumulates in fp32 and rounds once, without an fp32 copy of dY.
         db = dy2d.sum(0) if (ctx.has_bias and need_db) else None
-        ctx.wq = None
+        if not _keeps_graph():
+            ctx.wq = None  # the graph is freed after this backward: so is the quantized weight
         return dx, dw, db, None, None, None, None
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``), so it may run again
+    (True where torch cannot say: the quantized weight is then freed with the graph)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
 
 
 def fp8_blockwise_linear(

@@ -179,3 +179,21 @@ def test_bias_only_training(backend):
         layer(x).float().square().mean().backward()
         opt.step()
     assert torch.equal(layer.weight, before)
+
+
+def test_backward_twice_with_retain_graph(backend):
+    torch.manual_seed(0)
+    x = make_input((40, 256), seed=3).requires_grad_(True)
+    dy = make_input((40, 128), seed=4)
+    for cache_weight in (True, False):
+        layer = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend=backend, cache_weight=cache_weight)
+        x.grad = None
+        y = layer(x)
+        node = y.grad_fn
+        y.backward(dy, retain_graph=True)
+        first = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+        assert node.wq is not None  # kept for the next backward
+        y.backward(dy)
+        for name, got, once in zip(("dgrad", "wgrad", "bgrad"), (x.grad, layer.weight.grad, layer.bias.grad), first):
+            assert torch.allclose(got.float(), 2 * once.float(), rtol=1e-2, atol=0), name
+        assert node.wq is None  # the graph is gone: so is the quantized weight
