@@ -83,19 +83,7 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
             xq = BlockwiseFp8Tensor((m, k), 1, x_fp8, x_dtype, columnwise_data=x_col, columnwise_scale_inv=x_col_scale)
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is not None and getattr(weight, "fuse_wgrad_accumulation", True):
-                # Megatron's gradient-accumulation fusion: accumulate in fp32 into main_grad and
-                # hand autograd a dummy gradient so that the parameter's backward hooks still run.
-                if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape or not main_grad.is_contiguous():
-                    raise ValueError(
-                        f"weight.main_grad must be a contiguous float32 tensor of the weight's shape {tuple(weight.shape)}, "
-                        f"got {main_grad.dtype} {tuple(main_grad.shape)} (contiguous={main_grad.is_contiguous()}); "
-                        "set weight.fuse_wgrad_accumulation = False to get the gradient in weight.grad instead"
-                    )
-                backend.gemm_wgrad(dyq, xq, torch.float32, main_grad)
-                if hasattr(weight, "grad_added_to_main_grad"):
-                    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-                    dw = make(weight.shape, dtype=weight.dtype, device=weight.device)
-                weight.grad_added_to_main_grad = True
+                dw = _accumulate_into_main_grad(backend, dyq, xq, weight, main_grad)
             else:
                 dw = backend.gemm_wgrad(dyq, xq, weight.dtype, None)
         # TE's own bias gradient under Float8BlockScaling (unfused): a sum in dY's dtype, which torch
@@ -113,6 +101,27 @@ def _keeps_graph() -> bool:
     return True if query is None else bool(query())
 
 
+def _accumulate_into_main_grad(backend: Backend, dyq, xq, weight: torch.Tensor, main_grad: torch.Tensor):
+    """Megatron's gradient-accumulation fusion: ``main_grad += dY^T X`` in fp32. Returns what autograd
+    gets as the weight's gradient: under Megatron's protocol (the weight has a
+    ``grad_added_to_main_grad`` attribute, which Megatron's DDP sets and whose backward hook discards
+    ``weight.grad``) a dummy tensor, so that the parameter's hooks run (zeros if the weight asks for
+    ``zero_out_wgrad``, else uninitialised, as TE does); otherwise None, so that ``weight.grad``
+    stays None and the gradient is only in ``main_grad``."""
+    if main_grad.dtype != torch.float32 or main_grad.shape != weight.shape or not main_grad.is_contiguous():
+        raise ValueError(
+            f"weight.main_grad must be a contiguous float32 tensor of the weight's shape {tuple(weight.shape)}, "
+            f"got {main_grad.dtype} {tuple(main_grad.shape)} (contiguous={main_grad.is_contiguous()}); "
+            "set weight.fuse_wgrad_accumulation = False to get the gradient in weight.grad instead"
+        )
+    backend.gemm_wgrad(dyq, xq, torch.float32, main_grad)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
 def fp8_blockwise_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -127,8 +136,11 @@ def fp8_blockwise_linear(
 
     Args:
         x: ``[..., in_features]``, bfloat16/float16/float32; any number of leading dims, any M.
-        weight: ``[out_features, in_features]``. If it has a ``main_grad`` (Megatron), the weight
-            gradient is accumulated into it in fp32 and ``weight.grad_added_to_main_grad`` is set.
+        weight: ``[out_features, in_features]``. If it has a ``main_grad`` (fp32, contiguous, its
+            shape) and ``fuse_wgrad_accumulation`` is not False, the weight gradient is accumulated
+            into ``main_grad`` in fp32; autograd then gets a dummy gradient if the weight has
+            Megatron's ``grad_added_to_main_grad`` attribute (set to True), else None
+            (``weight.grad`` stays None).
         bias: ``[out_features]`` or None.
         recipe: numerics (default ``BlockwiseRecipe()``: TE's Float8BlockScaling defaults).
         backend: a backend name, ``"auto"``, or a ``Backend``.

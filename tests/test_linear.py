@@ -197,3 +197,32 @@ def test_backward_twice_with_retain_graph(backend):
         for name, got, once in zip(("dgrad", "wgrad", "bgrad"), (x.grad, layer.weight.grad, layer.bias.grad), first):
             assert torch.allclose(got.float(), 2 * once.float(), rtol=1e-2, atol=0), name
         assert node.wq is None  # the graph is gone: so is the quantized weight
+
+
+def test_main_grad_without_megatrons_protocol_leaves_weight_grad_none(backend):
+    """A standalone layer whose weight has a ``main_grad`` (and no ``grad_added_to_main_grad``,
+    which Megatron's DDP adds together with a hook that discards ``weight.grad``): the gradient goes
+    to ``main_grad`` only, ``weight.grad`` stays None over any number of backwards."""
+    layer = Fp8BlockwiseLinear(256, 128, bias=False, dtype=torch.bfloat16, backend=backend)
+    w = layer.weight
+    w.main_grad = torch.zeros(128, 256, dtype=torch.float32)
+    x, dy = make_input((64, 256), seed=1), make_input((64, 128), seed=2)
+    for i in range(3):
+        layer(x).backward(dy)
+        assert w.grad is None, f"backward {i + 1} put {w.grad.abs().max()} into weight.grad"
+    assert not hasattr(w, "grad_added_to_main_grad")
+    once = torch.zeros_like(w.main_grad)
+    plain = Fp8BlockwiseLinear(256, 128, bias=False, dtype=torch.bfloat16, backend=backend)
+    plain.load_state_dict(layer.state_dict())
+    plain.weight.main_grad = once
+    plain(x).backward(dy)
+    assert once.abs().sum() > 0 and torch.allclose(w.main_grad, 3 * once, rtol=1e-6, atol=1e-6)
+
+
+def test_megatrons_zero_out_wgrad_gets_a_zero_dummy_gradient():
+    layer = Fp8BlockwiseLinear(256, 128, bias=False, dtype=torch.bfloat16, backend="reference")
+    w = layer.weight
+    w.main_grad = torch.zeros(128, 256, dtype=torch.float32)
+    w.grad_added_to_main_grad, w.zero_out_wgrad = False, True
+    layer(make_input((32, 256), seed=1)).backward(make_input((32, 128), seed=2))
+    assert w.grad_added_to_main_grad is True and torch.equal(w.grad, torch.zeros_like(w))
