@@ -10,6 +10,9 @@ Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W  
           Only what is needed is quantized and computed: a frozen weight skips X's columnwise copy
           and wgrad; with neither dX nor dW needed (bias-only training), dY is not quantized.
           ``backward(retain_graph=True)`` keeps the quantized weight for the next backward.
+
+Inside ``torch.compile`` the op runs eagerly between compiled graphs (the backend's kernels, bit
+for bit, and the weight cache's checks on every call).
 """
 
 from __future__ import annotations
@@ -152,5 +155,19 @@ def fp8_blockwise_linear(
         ``[..., out_features]`` in ``x``'s dtype.
     """
     _check_inputs(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return _outside_compiled_graphs(x, weight, bias, recipe, backend, weight_cache, refresh_weight_cache)
+    return _linear(x, weight, bias, recipe, backend, weight_cache, refresh_weight_cache)
+
+
+def _linear(x, weight, bias, recipe, backend, weight_cache, refresh_weight_cache):
     impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
     return _Fp8BlockwiseLinearFn.apply(x, weight, bias, recipe or BlockwiseRecipe(), impl, weight_cache, refresh_weight_cache)
+
+
+@torch.compiler.disable
+def _outside_compiled_graphs(*args):
+    """The FP8 linear inside a ``torch.compile``d model: run eagerly between compiled graphs, so that its
+    numerics are the backend's own kernels' (bit for bit, not a traced re-implementation) and the
+    weight cache checks its key on every call (a traced check would be frozen into the graph)."""
+    return _linear(*args)
