@@ -143,7 +143,8 @@ def fp8_blockwise_linear(
             shape) and ``fuse_wgrad_accumulation`` is not False, the weight gradient is accumulated
             into ``main_grad`` in fp32; autograd then gets a dummy gradient if the weight has
             Megatron's ``grad_added_to_main_grad`` attribute (set to True), else None
-            (``weight.grad`` stays None).
+            (``weight.grad`` stays None). An inference tensor (made under
+            ``torch.inference_mode()``) works under ``no_grad``/``inference_mode``, not in autograd.
         bias: ``[out_features]`` or None.
         recipe: numerics (default ``BlockwiseRecipe()``: TE's Float8BlockScaling defaults).
         backend: a backend name, ``"auto"``, or a ``Backend``.
@@ -153,6 +154,9 @@ def fp8_blockwise_linear(
 
     Returns:
         ``[..., out_features]`` in ``x``'s dtype.
+
+    Raises:
+        RuntimeError: an inference-tensor weight in a forward that autograd records.
     """
     _check_inputs(x, weight, bias)
     if torch.compiler.is_compiling():
@@ -161,6 +165,13 @@ def fp8_blockwise_linear(
 
 
 def _linear(x, weight, bias, recipe, backend, weight_cache, refresh_weight_cache):
+    if weight.is_inference() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        if x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad):
+            raise RuntimeError(
+                "the weight is an inference tensor (made or loaded under torch.inference_mode()), which autograd "
+                "cannot save for backward: build or load the layer outside inference_mode to train it, or run "
+                "this forward under torch.no_grad() or torch.inference_mode()"
+            )
     impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
     return _Fp8BlockwiseLinearFn.apply(x, weight, bias, recipe or BlockwiseRecipe(), impl, weight_cache, refresh_weight_cache)
 

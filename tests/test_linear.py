@@ -254,3 +254,34 @@ def test_torch_compile_of_a_training_model_with_the_cache():
     torch._dynamo.reset()
     assert train(compiled, torch.compile(compiled)) == train(eager, eager)
     assert [compiled[i]._weight_cache.refreshes for i in (0, 2)] == [3, 3]
+
+
+def fresh_output(layer, x):
+    with torch.no_grad():
+        return fp8_blockwise_linear(x, layer.weight.clone(), None if layer.bias is None else layer.bias.clone(),
+                                    recipe=layer.recipe, backend=layer.backend)  # fmt: skip
+
+
+def test_a_layer_made_or_loaded_under_inference_mode():
+    x = make_input((16, 256), seed=5)
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        made = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend="reference")
+        y1, y2 = made(x), made(x)
+        assert made._weight_cache.refreshes == 2  # inference tensors: no version counter to trust in here
+        made.weight.mul_(-1.0)  # an untracked in-place write, allowed in inference mode
+        y3 = made(x)
+    assert torch.equal(y1, y2) and torch.equal(y3, fresh_output(made, x)) and not torch.equal(y3, y1)
+    with torch.no_grad():  # outside inference mode an inference tensor cannot be written: cached
+        assert torch.equal(made(x), y3) and torch.equal(made(x), y3)
+    assert made._weight_cache.refreshes == 4
+    with pytest.raises(RuntimeError, match="inference tensor .* build or load the layer outside inference_mode"):
+        made(x.clone().requires_grad_(True))
+    # a normal layer loaded under inference mode trains as usual
+    layer = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend="reference")
+    layer(x)
+    with torch.inference_mode():
+        layer.load_state_dict(made.state_dict())
+    assert torch.equal(layer(x), fresh_output(made, x))
+    layer(x).float().sum().backward()
+    assert layer.weight.grad is not None
