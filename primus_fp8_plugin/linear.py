@@ -12,7 +12,8 @@ Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W  
           ``backward(retain_graph=True)`` keeps the quantized weight for the next backward.
 
 Inside ``torch.compile`` the op runs eagerly between compiled graphs (the backend's kernels, bit
-for bit, and the weight cache's checks on every call).
+for bit, and the weight cache's checks on every call). ``in_features == 0`` or ``out_features == 0``
+is computed exactly without FP8 (y = bias, or an empty output).
 """
 
 from __future__ import annotations
@@ -26,16 +27,28 @@ from .weight_cache import WeightCache
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"input and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"input has dtype {x.dtype}; FP8 blockwise linear takes bfloat16, float16 or float32")
+    if weight.dtype not in HIGH_PRECISION_DTYPES:
+        fix = (
+            "use torch.nn.Linear for complex weights" if weight.dtype.is_complex else "convert it, e.g. layer.to(torch.bfloat16)"
+        )
+        raise TypeError(
+            f"weight has dtype {weight.dtype}; FP8 blockwise linear takes bfloat16, float16 or float32 weights: {fix}"
+        )
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input's last dim is {x.shape[-1] if x.dim() else None} but in_features is {weight.shape[1]}")
     if x.device != weight.device:
         raise ValueError(f"input is on {x.device} but the weight is on {weight.device}")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.device != weight.device):
-        raise ValueError(f"bias must be [{weight.shape[0]}] on {weight.device}, got {tuple(bias.shape)} on {bias.device}")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],) or bias.device != weight.device:
+            raise ValueError(f"bias must be [{weight.shape[0]}] on {weight.device}, got {tuple(bias.shape)} on {bias.device}")
+        if bias.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"bias has dtype {bias.dtype}; FP8 blockwise linear takes bfloat16, float16 or float32 biases")
 
 
 class _Fp8BlockwiseLinearFn(torch.autograd.Function):
@@ -139,11 +152,11 @@ def fp8_blockwise_linear(
 
     Args:
         x: ``[..., in_features]``, bfloat16/float16/float32; any number of leading dims, any M.
-        weight: ``[out_features, in_features]``. If it has a ``main_grad`` (fp32, contiguous, its
-            shape) and ``fuse_wgrad_accumulation`` is not False, the weight gradient is accumulated
-            into ``main_grad`` in fp32; autograd then gets a dummy gradient if the weight has
-            Megatron's ``grad_added_to_main_grad`` attribute (set to True), else None
-            (``weight.grad`` stays None). An inference tensor (made under
+        weight: ``[out_features, in_features]``, bfloat16/float16/float32, any strides. If it has a
+            ``main_grad`` (fp32, contiguous, its shape) and ``fuse_wgrad_accumulation`` is not False,
+            the weight gradient is accumulated into ``main_grad`` in fp32; autograd then gets a dummy
+            gradient if the weight has Megatron's ``grad_added_to_main_grad`` attribute (set to True),
+            else None (``weight.grad`` stays None). An inference tensor (made under
             ``torch.inference_mode()``) works under ``no_grad``/``inference_mode``, not in autograd.
         bias: ``[out_features]`` or None.
         recipe: numerics (default ``BlockwiseRecipe()``: TE's Float8BlockScaling defaults).
@@ -156,6 +169,8 @@ def fp8_blockwise_linear(
         ``[..., out_features]`` in ``x``'s dtype.
 
     Raises:
+        TypeError: an input, weight or bias dtype other than bfloat16, float16 or float32.
+        ValueError: mismatched shapes or devices.
         RuntimeError: an inference-tensor weight in a forward that autograd records.
     """
     _check_inputs(x, weight, bias)
@@ -165,6 +180,10 @@ def fp8_blockwise_linear(
 
 
 def _linear(x, weight, bias, recipe, backend, weight_cache, refresh_weight_cache):
+    if weight.shape[0] == 0 or weight.shape[1] == 0:
+        # nothing to quantize: y = bias (K = 0) or an empty [..., 0] output (N = 0), exactly
+        b = None if bias is None else bias.to(x.dtype)
+        return torch.nn.functional.linear(x, weight.to(x.dtype), b)
     if weight.is_inference() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
         if x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad):
             raise RuntimeError(

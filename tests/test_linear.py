@@ -285,3 +285,38 @@ def test_a_layer_made_or_loaded_under_inference_mode():
     assert torch.equal(layer(x), fresh_output(made, x))
     layer(x).float().sum().backward()
     assert layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.bool, torch.complex64])
+def test_unsupported_weight_dtypes_are_named_with_the_fix(dtype):
+    x = torch.randn(4, 128)
+    w = torch.ones(64, 128, dtype=dtype)
+    fix = "use torch.nn.Linear for complex weights" if dtype.is_complex else r"convert it, e.g. layer.to\(torch.bfloat16\)"
+    with pytest.raises(TypeError, match=rf"weight has dtype {dtype}; .*: {fix}"):
+        fp8_blockwise_linear(x, w)
+    layer = Fp8BlockwiseLinear(128, 64)
+    if dtype.is_floating_point or dtype.is_complex:
+        layer.to(dtype)  # nn.Module.to converts floating weights, complex ones via .to(complex)
+        with pytest.raises(TypeError, match=f"weight has dtype {dtype}"):
+            layer(x.to(torch.float32))
+    if dtype in (torch.float64, torch.complex64):
+        with pytest.raises(TypeError, match=rf"dtype={dtype}: Fp8BlockwiseLinear keeps bfloat16, float16 or float32"):
+            Fp8BlockwiseLinear(128, 64, dtype=dtype)
+
+
+@pytest.mark.parametrize("k, n", [(0, 128), (256, 0), (0, 0)])
+def test_empty_in_or_out_features_compute_exactly(k, n):
+    torch.manual_seed(0)
+    layer = Fp8BlockwiseLinear(k, n, dtype=torch.bfloat16, backend="reference")
+    ref = nn.Linear(k, n, dtype=torch.bfloat16)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(6, 3, k, dtype=torch.bfloat16)
+    dy = torch.randn(6, 3, n, dtype=torch.bfloat16)
+    outs = []
+    for lay in (layer, ref):
+        xi = x.clone().requires_grad_(True)
+        y = lay(xi)
+        y.backward(dy)
+        outs.append((y, xi.grad, lay.weight.grad, lay.bias.grad))
+    for a, b in zip(*outs):
+        assert a.shape == b.shape and torch.equal(a, b)
