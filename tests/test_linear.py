@@ -320,3 +320,31 @@ def test_empty_in_or_out_features_compute_exactly(k, n):
         outs.append((y, xi.grad, lay.weight.grad, lay.bias.grad))
     for a, b in zip(*outs):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+# ---- range: where the per-block promotion overflows ----------------------------------------------
+
+FP32_MAX = torch.finfo(torch.float32).max
+SAFE_INPUT = FP32_MAX / (128 * 448 * 17 / 16)  # docs/NUMERICS.md: a block's partial * A's scale stays finite
+
+
+def test_promotion_range_limit(backend):
+    """The reference (and portable Triton) GEMM promotes each K block as ``(partial * a_scale) * b_scale``,
+    the order of TE's cuBLAS GEMMs: inputs up to SAFE_INPUT (~5.6e33) give finite outputs for any
+    weight, even in the worst case (every product of a block with one sign); above it the intermediate
+    ``partial * a_scale`` can overflow although the true output is finite, as in TE."""
+    k, n = 256, 128
+    g = torch.Generator().manual_seed(0)
+    w = (torch.rand(n, k, generator=g) * 1e-3 + 1e-3).to(torch.bfloat16)  # ~1e-3, one sign: worst case
+    for amax, finite in ((2.0**112, True), (2.0**116, False), (1e38, False)):
+        assert (amax <= SAFE_INPUT) == finite
+        x = (torch.rand(64, k, generator=g) * 0.5 + 0.5) * amax
+        x[:, :128] = amax  # a block whose partial * a_scale is 128 * 448 * (its value / 448) * 448
+        x = x.to(torch.bfloat16)
+        truth = x.double() @ w.double().t()
+        assert truth.abs().max() < FP32_MAX / 4  # the true output is well inside fp32
+        y = fp8_blockwise_linear(x.float(), w, backend=backend).double()
+        if finite:
+            assert torch.isfinite(y).all() and rel_frobenius(y, truth) < 0.08
+        else:
+            assert not torch.isfinite(y).any(), "the documented overflow did not happen"
