@@ -157,3 +157,64 @@ def test_torch_compile_of_a_training_model_with_the_cache():
     print(f"torch.compile training, cache on: losses differing from eager: {stale} of {len(a)}; "
           f"refreshes {[compiled[i]._weight_cache.refreshes for i in (0, 2)]} (4 steps)")  # fmt: skip
     assert stale == 0 and [compiled[i]._weight_cache.refreshes for i in (0, 2)] == [4, 4]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["distributed_optimizer", "overlapped_param_gather"])
+def test_megatron_distributed_optimizer_steps_refresh_every_cache(nccl_world, overlap):
+    """Megatron's distributed optimizer on one GPU writes the new bf16 params into the parameter
+    buffer and all-gathers them, with ``overlap_param_gather`` from the next forward's pre-hooks
+    (CUDA streams: not testable on the CPU). Every cache in check mode; one batch throughout, so the
+    microbatches of a step must give the same loss."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from primus_fp8_plugin.megatron import get_gpt_block_spec
+    from primus_fp8_plugin.megatron.cpu import FUSIONS_OFF
+    from primus_fp8_plugin.megatron.layers import _Fp8LinearMixin
+
+    config = TransformerConfig(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048,
+                               params_dtype=torch.bfloat16, bf16=True, hidden_dropout=0.0, attention_dropout=0.0,
+                               **FUSIONS_OFF)  # fmt: skip
+    torch.manual_seed(0)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_block_spec(2, backend="auto"), vocab_size=1024,
+                   max_sequence_length=256).cuda()  # fmt: skip
+    model = Float16Module(config, gpt)
+    layers = [m for m in model.modules() if isinstance(m, _Fp8LinearMixin)]
+    for m in layers:
+        m._weight_cache.check = True
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
+                                      overlap_grad_reduce=overlap, overlap_param_gather=overlap),
+        model,
+    )  # fmt: skip
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True, overlap_param_gather=overlap),
+        [ddp],
+    )
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, 1024, (2, 256), generator=g, device="cuda")
+    pos = torch.arange(256, device="cuda").unsqueeze(0).expand(2, -1)
+    steps, micro, losses = 3, 3, []
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        for _ in range(micro):
+            loss = ddp(ids, pos, None, labels=ids).float().mean()
+            loss.backward()
+            losses.append(loss.item())
+        ddp.finish_grad_sync()
+        ok, _, _ = opt.step()
+        assert ok
+    per_step = [losses[i * micro : (i + 1) * micro] for i in range(steps)]
+    refreshes = [m._weight_cache.refreshes for m in layers]
+    print(f"Megatron distributed optimizer (overlap_param_gather={overlap}): losses per step {per_step}; "
+          f"refreshes per layer {sorted(set(refreshes))} for {steps} steps; stale forwards: 0 of "
+          f"{sum(m._weight_cache.checks for m in layers)} checked cache hits")  # fmt: skip
+    assert all(len(set(s)) == 1 for s in per_step), per_step
+    assert len({s[0] for s in per_step}) == steps
+    assert all(r == steps for r in refreshes), refreshes
