@@ -358,3 +358,47 @@ def test_check_mode_follows_the_environment(monkeypatch):
     assert make_layer()._weight_cache.check is True
     monkeypatch.setenv(CHECK_ENV, "0")
     assert WeightCache().check is False
+
+
+def _broadcast_worker(rank: int, port: int, out_dir: str) -> None:
+    """Rank 1's layer, cached, receives rank 0's weight by ``dist.broadcast``, which bumps no version
+    counter: served stale without check mode, caught with it."""
+    import os
+
+    import torch.distributed as dist
+
+    from primus_fp8_plugin.weight_cache import StaleWeightCacheError
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)  # different weights on the two ranks
+    x = make_input((16, 256), seed=11)
+    result = {}
+    for check in (False, True):
+        layer = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend="reference")
+        layer._weight_cache.check = check
+        run(layer, x)
+        with torch.no_grad():
+            dist.broadcast(layer.weight, 0)
+        try:
+            result[check] = "fresh" if torch.equal(run(layer, x), fresh_output(layer, x)) else "stale"
+        except StaleWeightCacheError:
+            result[check] = "raised"
+            layer.invalidate_weight_cache()
+            result["after_invalidate"] = "fresh" if torch.equal(run(layer, x), fresh_output(layer, x)) else "stale"
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_collective_writing_the_weight_is_caught_by_check_mode(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_broadcast_worker, args=(port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    on_rank1 = torch.load(tmp_path / "rank1.pt")
+    assert on_rank1 == {False: "stale", True: "raised", "after_invalidate": "fresh"}, on_rank1
+    assert torch.load(tmp_path / "rank0.pt") == {False: "fresh", True: "fresh"}  # the sender's weight is unchanged
