@@ -82,8 +82,9 @@ class QuantParams:
 
 
 def _check_bool(name: str, value) -> None:
-    """``value`` must be a real bool: a string such as "no" or "false" is truthy and would mean True."""
-    if not isinstance(value, bool):
+    """``value`` must be a bool (or the int 0 or 1): a string such as "no" or "false" is truthy and
+    would silently mean True."""
+    if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 

@@ -64,7 +64,7 @@ def test_quant_params_validation():
     assert QuantParams(torch.float8_e4m3fn, 1).tile == (1, 128)
 
 
-@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+@pytest.mark.parametrize("value", ["no", "false", "1", 2, None, 1.0])
 def test_pow2_scales_must_be_a_bool(value):
     # a string is truthy: "no" would silently mean power-of-2 scales
     with pytest.raises(TypeError, match=rf"pow2_scales must be True or False, got {value!r}"):
@@ -72,3 +72,4 @@ def test_pow2_scales_must_be_a_bool(value):
     with pytest.raises(TypeError, match="pow2_scales must be True or False"):
         QuantParams(torch.float8_e4m3fn, 1, pow2_scales=value)
     assert BlockwiseRecipe(pow2_scales=False).params(TensorRole.WEIGHT).pow2_scales is False
+    assert QuantParams(torch.float8_e4m3fn, 1, pow2_scales=0).pow2_scales == 0  # 0 and 1 are unambiguous
