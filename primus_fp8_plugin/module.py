@@ -10,6 +10,7 @@ from torch import nn
 from .backends import get_backend
 from .linear import fp8_blockwise_linear
 from .recipe import BlockwiseRecipe
+from .tensor import HIGH_PRECISION_DTYPES
 from .weight_cache import WeightCache
 
 
@@ -21,7 +22,11 @@ class Fp8BlockwiseLinear(nn.Module):
         recipe: a ``BlockwiseRecipe`` (default: TE's defaults).
         backend: backend name or ``"auto"`` (resolved per call for the input's device).
         cache_weight: keep the quantized weight (W and W^T) between calls while the weight is
-            unchanged (default True); it is never part of ``state_dict``.
+            provably unchanged (default True; what that covers and what it cannot see:
+            ``weight_cache.py``); it is never part of ``state_dict``.
+
+    Raises:
+        TypeError: for a weight dtype other than bfloat16, float16 or float32.
 
     Attributes:
         is_first_microbatch: Megatron sets it to True on the first microbatch of each step; the
@@ -41,6 +46,12 @@ class Fp8BlockwiseLinear(nn.Module):
         cache_weight: bool = True,
     ) -> None:
         super().__init__()
+        resolved = dtype if dtype is not None else torch.get_default_dtype()
+        if resolved not in HIGH_PRECISION_DTYPES:
+            raise TypeError(
+                f"dtype={resolved}: Fp8BlockwiseLinear keeps bfloat16, float16 or float32 weights "
+                "(pass dtype=torch.bfloat16, or use torch.nn.Linear for other dtypes)"
+            )
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
@@ -70,7 +81,9 @@ class Fp8BlockwiseLinear(nn.Module):
         return y
 
     def invalidate_weight_cache(self) -> None:
-        """Forget the quantized weight (needed only after writing the weight through ``.data``)."""
+        """Forget the quantized weight. Needed only after a write the cache cannot see: through
+        ``.data``, through another tensor sharing the weight's storage, or by a collective, outside an
+        optimizer step (``weight_cache.py``)."""
         if self._weight_cache is not None:
             self._weight_cache.invalidate()
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..config import validate
 from ..config.schema import ConfigError
+from ..weight_cache import mark_weights_changed
 from . import data as data_mod
 from .model import build_model, transformer_config
 
@@ -240,6 +241,7 @@ def run(cfg) -> dict:
             end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
         )  # fmt: skip
         start, consumed = load_checkpoint(cfg, model, optimizer, scheduler)
+        mark_weights_changed()  # weights were loaded: no cache may serve a copy made before
         dp_rank = parallel_state.get_data_parallel_rank()
         # each data-parallel rank reads its own interleaved share of the global batch
         train_iter = data_mod.batches(train_ds, t.micro_batch_size, consumed + dp_rank * t.micro_batch_size * n_micro, device)
@@ -261,6 +263,7 @@ def run(cfg) -> dict:
                 seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size, forward_only=False,
             )  # fmt: skip
             ok, grad_norm, _ = optimizer.step()
+            mark_weights_changed()  # whatever path the optimizer wrote the weights through
             scheduler.step(increment=1)
             consumed += t.global_batch_size
             window_steps += 1
