@@ -196,7 +196,7 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
 def run(cfg) -> dict:
     """Train as ``cfg`` says. Returns a summary (final loss, tokens/s, steps, paths)."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -228,6 +228,9 @@ def run(cfg) -> dict:
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer
         )
         model = DistributedDataParallel(tconfig, ddp_config, model)
+        # after each step's backward passes: the data-parallel gradient reduction, the tensor-parallel
+        # all-reduce of sequence-parallel norm gradients, and the rest of Megatron's gradient fix-ups
+        tconfig.finalize_model_grads_func = finalize_model_grads
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=0.9,
                             adam_beta2=0.95, bf16=True, clip_grad=t.clip_grad,
