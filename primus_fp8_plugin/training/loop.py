@@ -244,8 +244,10 @@ def run(cfg) -> dict:
         )  # fmt: skip
         start, consumed = load_checkpoint(cfg, model, optimizer, scheduler)
         dp_rank = parallel_state.get_data_parallel_rank()
-        # each data-parallel rank reads its own interleaved share of the global batch
-        train_iter = data_mod.batches(train_ds, t.micro_batch_size, consumed + dp_rank * t.micro_batch_size * n_micro, device)
+        # each data-parallel rank reads its own share of each global batch
+        train_iter = data_mod.rank_batches(
+            train_ds, t.micro_batch_size, n_micro, t.global_batch_size, consumed, dp_rank, device
+        )
         forward_backward = get_forward_backward_func()
         step_fn = _forward_step()
         metrics = Metrics(cfg, rank, start)
