@@ -12,6 +12,7 @@ gradient path (accumulation, data-parallel reduction, sequence-parallel norm gra
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -57,7 +58,8 @@ def runs(tmp_path_factory):
     # the settings of test_train.train that matter here: the reference backend and the shared corpus
     settings = ["backend=reference", f"data.cache_dir={tmp / 'data'}", *COMMON, f"train.micro_batch_size={G}"]
     cmd = [sys.executable, "-m", "tests.train_reference", str(ref), *settings]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = json.loads(ref.read_text())
     reference["loss"] = {int(k): v for k, v in reference["loss"].items()}
