@@ -16,7 +16,18 @@ import sys
 import warnings
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+def find_config_dir() -> Path:
+    """The Hydra config tree: ``configs/`` inside the package (an installed wheel carries it; in a
+    checkout it links to the top-level ``configs/``), else the checkout's ``configs/``."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parent / "configs"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    return here / "configs"
+
+
+CONFIG_DIR = find_config_dir()
 
 
 def _register_schema() -> None:
@@ -29,8 +40,8 @@ def _register_schema() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (also the ``primus-fp8-train`` console script)."""
-    if not CONFIG_DIR.is_dir():
-        print(f"error: config directory {CONFIG_DIR} not found (run from a checkout of primus-fp8-plugin)", file=sys.stderr)
+    if not (CONFIG_DIR / "config.yaml").is_file():
+        print(f"error: config directory {CONFIG_DIR} not found (a broken install: reinstall primus-fp8-plugin)", file=sys.stderr)
         return 2
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
