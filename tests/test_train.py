@@ -29,6 +29,7 @@ def train(tmp_path, *overrides, torchrun=0, name="run", progress=False):
     else:
         cmd = [sys.executable, "-m", "primus_fp8_plugin.train", *args]
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as scripts/run.sh: no spinning threads on a shared CPU
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     records = []
     path = tmp_path / name / "metrics.jsonl"

@@ -51,8 +51,22 @@ def install_cpu_standins() -> None:
     tf_utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = causal_mask_on_cpu
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _CpuStream()  # DDP's gradient sync waits on it
     mp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     _installed = True
+
+
+class _CpuStream:
+    """What Megatron's gradient sync asks of ``torch.cuda.current_stream()``; CPU work is in order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class CudaAsCpu(TorchFunctionMode):

@@ -116,18 +116,39 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 def _forward_step():
+    """Megatron's ``forward_step_func``. The loss it returns is the micro-batch's mean token
+    cross-entropy, which Megatron's schedule divides **in place** by the number of micro-batches for
+    the backward pass; what is reported (``"lm loss"``) is a separate fp32 tensor
+    ``[sum of token losses, token count]`` that the loop sums over micro-batches and data-parallel
+    ranks (``_batch_mean``)."""
+
     def step(data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         mask = batch["loss_mask"].float()
 
         def loss_func(per_token):
-            loss = (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
-            return loss, {"lm loss": loss.detach()}
+            total = (per_token.float() * mask).sum()
+            count = mask.sum()
+            loss = total / count.clamp_min(1.0)
+            return loss, {"lm loss": torch.stack([total.detach(), count])}  # a new tensor
 
         return output, loss_func
 
     return step
+
+
+def _batch_mean(reports: list[dict]) -> float:
+    """Mean token loss over all micro-batches of all data-parallel ranks, from the loss function's
+    ``[sum, count]`` reports (empty off the last pipeline stage: NaN)."""
+    from megatron.core import parallel_state
+
+    if not reports:
+        return float("nan")
+    total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return float(total[0] / total[1].clamp_min(1.0))
 
 
 def _rng_state() -> dict:
@@ -194,10 +215,30 @@ def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
     return int(state["iteration"]), int(state["consumed_samples"])
 
 
+def build_run_datasets(cfg):
+    """(train, valid) GPTDatasets of a run (collective: rank 0 writes the stdlib corpus once, everyone
+    reads it). Training global batch ``k`` is train samples ``[k*G, (k+1)*G)``; every evaluation
+    reads valid samples ``[0, train.eval_steps * G)`` (``G = train.global_batch_size``)."""
+    t = cfg.train
+    if cfg.data.source == "stdlib":
+        if dist.get_rank() == 0:
+            data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes)
+        dist.barrier()
+        prefix = data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, log=lambda *_: None)
+    else:
+        prefix = cfg.data.path
+    n_evals = t.steps // max(t.eval_interval, 1) + 1
+    sizes = [t.steps * t.global_batch_size, n_evals * t.eval_steps * t.global_batch_size, 0]
+    train_ds, valid_ds, _ = data_mod.build_datasets(
+        prefix, cfg.model.seq_length, t.seed, cfg.data.split, sizes, cfg.data.cache_dir
+    )
+    return train_ds, valid_ds
+
+
 def run(cfg) -> dict:
     """Train as ``cfg`` says. Returns a summary (final loss, tokens/s, steps, paths)."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -209,19 +250,7 @@ def run(cfg) -> dict:
         t = cfg.train
         n_micro = t.global_batch_size // (t.micro_batch_size * dp)
 
-        # data: rank 0 writes the corpus once, everyone reads it
-        if cfg.data.source == "stdlib":
-            if rank == 0:
-                data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes)
-            dist.barrier()
-            prefix = data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, log=lambda *_: None)
-        else:
-            prefix = cfg.data.path
-        n_evals = t.steps // max(t.eval_interval, 1) + 1
-        sizes = [t.steps * t.global_batch_size, n_evals * t.eval_steps * t.micro_batch_size * dp, 0]
-        train_ds, valid_ds, _ = data_mod.build_datasets(
-            prefix, cfg.model.seq_length, t.seed, cfg.data.split, sizes, cfg.data.cache_dir
-        )
+        train_ds, valid_ds = build_run_datasets(cfg)
 
         tconfig = transformer_config(cfg, device.type == "cuda")
         model = build_model(cfg, tconfig, data_mod.ByteTokenizer.vocab_size, device)
@@ -229,6 +258,9 @@ def run(cfg) -> dict:
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer
         )
         model = DistributedDataParallel(tconfig, ddp_config, model)
+        # after each step's backward passes: the data-parallel gradient reduction, the tensor-parallel
+        # all-reduce of sequence-parallel norm gradients, and the rest of Megatron's gradient fix-ups
+        tconfig.finalize_model_grads_func = finalize_model_grads
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=0.9,
                             adam_beta2=0.95, bf16=True, clip_grad=t.clip_grad,
@@ -243,8 +275,8 @@ def run(cfg) -> dict:
         start, consumed = load_checkpoint(cfg, model, optimizer, scheduler)
         mark_weights_changed()  # weights were loaded: no cache may serve a copy made before
         dp_rank = parallel_state.get_data_parallel_rank()
-        # each data-parallel rank reads its own interleaved share of the global batch
-        train_iter = data_mod.batches(train_ds, t.micro_batch_size, consumed + dp_rank * t.micro_batch_size * n_micro, device)
+        # each data-parallel rank reads its own share of each global batch
+        train_iter = data_mod.rank_batches(train_ds, t.micro_batch_size, n_micro, t.global_batch_size, consumed, dp_rank, device)
         forward_backward = get_forward_backward_func()
         step_fn = _forward_step()
         metrics = Metrics(cfg, rank, start)
@@ -268,7 +300,7 @@ def run(cfg) -> dict:
             consumed += t.global_batch_size
             window_steps += 1
             metrics.advance()
-            loss = float(torch.stack([x["lm loss"] for x in losses]).mean()) if losses else float("nan")
+            loss = _batch_mean(losses)
             if parallel_state.is_pipeline_last_stage() and not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step + 1}")
             if (step + 1) % cfg.logging.log_interval == 0 or step + 1 == t.steps or step == start:
@@ -301,17 +333,22 @@ def run(cfg) -> dict:
 
 
 def evaluate(cfg, model, dataset, device, step_fn, n_micro) -> float:
+    """Mean token loss over ``train.eval_steps`` global batches of ``dataset`` from its start, split
+    into ranks and micro-batches as in training (so the value does not depend on the split)."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    it = data_mod.batches(dataset, cfg.train.micro_batch_size, 0, device)
-    losses = []
+    t = cfg.train
+    it = data_mod.rank_batches(
+        dataset, t.micro_batch_size, n_micro, t.global_batch_size, 0, parallel_state.get_data_parallel_rank(), device
+    )
+    reports = []
     model.eval()
     with torch.no_grad():
-        for _ in range(cfg.train.eval_steps):
-            out = get_forward_backward_func()(
-                forward_step_func=step_fn, data_iterator=it, model=[model], num_microbatches=1,
-                seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size, forward_only=True,
+        for _ in range(t.eval_steps):
+            reports += get_forward_backward_func()(
+                forward_step_func=step_fn, data_iterator=it, model=[model], num_microbatches=n_micro,
+                seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size, forward_only=True,
             )  # fmt: skip
-            losses += [float(x["lm loss"]) for x in out]
     model.train()
-    return float(np.mean(losses)) if losses else float("nan")
+    return _batch_mean(reports)
