@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from .config import ConfigError
+    from .config.schema import composition_error_message
 
     # Megatron's notices about absent apex/TE fallbacks and GPTModel's deprecation are not the user's business.
     warnings.filterwarnings("ignore", module=r"megatron\..*")
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = compose(config_name="config", overrides=overrides)
         OmegaConf.set_readonly(cfg, True)
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"error: bad configuration: {err}", file=sys.stderr)
+        print(f"error: bad configuration: {composition_error_message(err)}", file=sys.stderr)
         return 2
     from .training.loop import run
 

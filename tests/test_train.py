@@ -51,6 +51,10 @@ def losses(records):
         ("fp8=nonsense", "Could not find 'fp8/nonsense'"),
         ("train.lr=fast", "train.lr"),
         ("model.attention=flash", "model.attention: 'flash' is not one of local, sdpa"),
+        ("train.steps=abc", "train.steps=abc\n  Value 'abc' of type 'str' could not be converted to Integer"),
+        ("+train.foo=1", "train.foo: unknown key"),
+        ("fp8.bf16_layers=[5]", "fp8.bf16_layers: [5] out of range for model.num_layers=2"),
+        ("train.micro_batch_size=0", "train.micro_batch_size: must be > 0"),
     ],
 )
 def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override, message):
