@@ -55,6 +55,7 @@ def losses(records):
         ("+train.foo=1", "train.foo: unknown key"),
         ("fp8.bf16_layers=[5]", "fp8.bf16_layers: [5] out of range for model.num_layers=2"),
         ("train.micro_batch_size=0", "train.micro_batch_size: must be > 0"),
+        ("model.seq_length=1000000", "model.seq_length: a training step needs at least"),
     ],
 )
 def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override, message):
@@ -62,6 +63,18 @@ def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_unusable_paths_stop_the_run_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc, _ = train(tmp_path, f"checkpoint.dir={blocker / 'ckpt'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"checkpoint.dir: cannot write to {blocker / 'ckpt'}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    proc, _ = train(tmp_path, "data=indexed", f"data.path={tmp_path / 'nowhere'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"data.path: {tmp_path / 'nowhere'}.bin not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])

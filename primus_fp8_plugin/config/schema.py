@@ -163,7 +163,9 @@ def _did_you_mean(name: str, choices, prefix: str = "") -> str:
 
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Check keys and values (types were checked by the schema). Raises ConfigError naming the field.
-    Pure: reads nothing but ``cfg``."""
+
+    Pure: reads nothing but ``cfg``. What depends on the machine (writable directories, the data
+    files, memory) is checked by ``config.resources`` once the device is known."""
     _check_keys(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _require(cfg.fp8.mode in FP8_MODES, "fp8.mode", f"{cfg.fp8.mode!r} is not one of {FP8_MODES}")

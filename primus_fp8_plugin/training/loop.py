@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ..config import validate
+from ..config.resources import check_resources
 from ..config.schema import ConfigError
 from . import data as data_mod
-from .model import build_model, transformer_config
+from .model import build_model, padded_vocab, transformer_config
 
 
 def _free_port() -> int:
@@ -51,6 +52,8 @@ def init_runtime(cfg) -> tuple[torch.device, contextlib.ExitStack]:
         install_cpu_standins()
         stack.enter_context(CudaAsCpu())  # Megatron's optimizer hard-codes CUDA buffers
         device = torch.device("cpu")
+    # before any data is built or weight allocated: memory for one step, writable directories, data files
+    check_resources(cfg, world, device, padded_vocab(data_mod.ByteTokenizer.vocab_size, cfg.parallel.tp))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
