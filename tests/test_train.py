@@ -128,6 +128,7 @@ def test_short_cpu_run_learns_and_logs(tmp_path):
 def test_resume_reproduces_the_next_steps_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["train.steps=8", "logging.log_interval=1", f"checkpoint.dir={ckpt}", "checkpoint.save_interval=4"]
+    common += ["data.split='100,0,0'"]  # no validation share: evaluation is off (train.eval_interval=0)
     proc, full = train(tmp_path, *common, name="full")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (ckpt / "iter_0000004").is_dir() and (ckpt / "latest.txt").read_text() == "iter_0000008"

@@ -219,7 +219,7 @@ def run(cfg) -> dict:
             prefix = data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, log=lambda *_: None)
         else:
             prefix = cfg.data.path
-        n_evals = t.steps // max(t.eval_interval, 1) + 1
+        n_evals = t.steps // t.eval_interval + 1 if t.eval_interval else 0  # no validation samples without
         sizes = [t.steps * t.global_batch_size, n_evals * t.eval_steps * t.micro_batch_size * dp, 0]
         train_ds, valid_ds, _ = data_mod.build_datasets(
             prefix, cfg.model.seq_length, t.seed, cfg.data.split, sizes, cfg.data.cache_dir
