@@ -104,6 +104,9 @@ class CheckpointConfig:
     dir: str | None = None
     save_interval: int = 0  # 0: only at the end (when dir is set)
     resume: bool = True
+    # check every file of the checkpoint against its manifest (size, sha256) before loading it;
+    # false loads a checkpoint without a manifest (or skips hashing a very large one)
+    verify: bool = True
 
 
 @dataclass

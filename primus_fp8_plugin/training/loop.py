@@ -20,7 +20,7 @@ from ..config import validate
 from ..config.resources import check_resources
 from ..config.schema import ConfigError
 from . import data as data_mod
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, resume_point, save_checkpoint
 from .model import build_model, padded_vocab, transformer_config
 
 
@@ -143,6 +143,7 @@ def run(cfg) -> dict:
 
     device, stack = init_runtime(cfg)
     with stack:
+        resume_from = resume_point(cfg)  # a bad checkpoint stops the run here, before data and model are built
         rank = dist.get_rank()
         dp = parallel_state.get_data_parallel_world_size()
         t = cfg.train
@@ -179,7 +180,8 @@ def run(cfg) -> dict:
             lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
             end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
         )  # fmt: skip
-        start, consumed = load_checkpoint(cfg, model, optimizer, scheduler)
+        resumed = load_checkpoint(cfg, model, optimizer, scheduler, resume_from)
+        start, consumed = resumed.iteration, resumed.consumed_samples
         dp_rank = parallel_state.get_data_parallel_rank()
         # each data-parallel rank reads its own interleaved share of the global batch
         train_iter = data_mod.batches(train_ds, t.micro_batch_size, consumed + dp_rank * t.micro_batch_size * n_micro, device)
@@ -191,6 +193,8 @@ def run(cfg) -> dict:
             n_params = sum(p.numel() for p in model.parameters())
             metrics.log({"event": "start", "params": n_params, "fp8": cfg.fp8.mode, "backend": cfg.backend.name,
                          "device": str(device), "world_size": dist.get_world_size(), "start_step": start})  # fmt: skip
+            if resumed.path is not None:
+                metrics.log({"event": "resume", "checkpoint": str(resumed.path), "step": start})
         last = {}
         window_t, window_steps = time.perf_counter(), 0
         for step in range(start, t.steps):

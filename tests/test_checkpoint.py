@@ -1,0 +1,130 @@
+"""Checkpoints of the trainer: corrupted, partial and mismatched checkpoints stop the run at start-up
+with a message naming the file (exit 2, no traceback); the manifest's checks one by one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("hydra")
+
+from primus_fp8_plugin.config.schema import ConfigError  # noqa: E402
+from primus_fp8_plugin.training.checkpoint import (  # noqa: E402
+    CheckpointError,
+    check_same_model,
+    latest_checkpoint,
+    read_manifest,
+    verify_files,
+)
+from tests.hydra_compose import compose  # noqa: E402
+from tests.test_train import train  # noqa: E402
+
+COMMON = ["logging.log_interval=1", "data.max_bytes=2000000"]  # a small corpus: written once, quickly
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory):
+    """(data-cache override, checkpoint dir) of a 4-step run (cosine to 3e-4 from 3e-3, 2 warmup steps)
+    saved at its end; the data cache is shared by the tests of this module."""
+    root = tmp_path_factory.mktemp("four")
+    proc, _ = train(root, "train.steps=4", *COMMON, f"checkpoint.dir={root / 'ckpt'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return f"data.cache_dir={root / 'data'}", root / "ckpt"
+
+
+def copy_of(ckpt, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def test_the_manifest_lists_every_file_with_its_hash(four_steps):
+    _, ckpt = four_steps
+    path = ckpt / "iter_0000004"
+    assert (ckpt / "latest.txt").read_text() == "iter_0000004"
+    manifest = json.loads((path / "manifest.json").read_text())
+    files = sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == files and any(f.endswith(".distcp") for f in files)
+    for name in files:
+        data = (path / name).read_bytes()
+        assert manifest["files"][name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert manifest["iteration"] == 4 and manifest["config"]["model"]["hidden_size"] == 256
+
+
+def _flip_low_bits(path, n=100_000, seed=0):
+    import random
+
+    data = bytearray(path.read_bytes())
+    rng = random.Random(seed)
+    for i in rng.sample(range(len(data)), n):
+        data[i] ^= 1
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["bit flips", "other model"])
+def test_a_bad_checkpoint_stops_the_resume_naming_the_file(four_steps, tmp_path, case):
+    data, ckpt = four_steps
+    ckpt = copy_of(ckpt, tmp_path)
+    path = ckpt / "iter_0000004"
+    extra = []
+    if case == "bit flips":  # 100k low bits of the tensor data flipped: loads and trains without the check
+        _flip_low_bits(path / "__0_0.distcp")
+        message = f"checkpoint.dir: {path / '__0_0.distcp'} is corrupted: its SHA-256 differs"
+    else:
+        extra = ["model.hidden_size=128", "model.num_attention_heads=2"]
+        message = f"checkpoint.dir: {path} holds a different model (model.hidden_size=256 there, 128 here"
+    proc, records = train(tmp_path, "train.steps=8", *COMMON, data, *extra, f"checkpoint.dir={ckpt}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not records  # stopped before the run started: nothing logged
+
+
+def test_a_partial_or_unreadable_checkpoint_is_named(four_steps, tmp_path):
+    _, ckpt = four_steps
+    ckpt = copy_of(ckpt, tmp_path)
+    path = ckpt / "iter_0000004"
+    cfg = compose(f"checkpoint.dir={ckpt}", "train.steps=8")
+    assert latest_checkpoint(cfg) == path
+    manifest = read_manifest(path)
+    verify_files(path, manifest)  # intact
+    check_same_model(path, manifest, cfg)
+
+    meta = path / ".metadata"
+    good = meta.read_bytes()
+    meta.write_bytes(good[:-10])
+    with pytest.raises(CheckpointError, match=f"{meta} has {len(good) - 10} bytes, manifest.json says {len(good)}"):
+        verify_files(path, manifest)
+    meta.unlink()
+    with pytest.raises(CheckpointError, match=f"{meta} is missing .* the checkpoint is incomplete"):
+        verify_files(path, manifest)
+
+    (path / "manifest.json").write_text('{"format": ')
+    with pytest.raises(CheckpointError, match="manifest.json is unreadable"):
+        read_manifest(path)
+    (path / "manifest.json").write_text('{"files": {}}')
+    with pytest.raises(CheckpointError, match="manifest.json is not a manifest of this trainer"):
+        read_manifest(path)
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json not found: the save of iter_0000004 did not finish"):
+        read_manifest(path)
+
+    (ckpt / "latest.txt").write_text("iter_0000009")
+    with pytest.raises(CheckpointError, match=r"latest.txt names 'iter_0000009', which is not a checkpoint directory"):
+        latest_checkpoint(cfg)
+    assert latest_checkpoint(compose(f"checkpoint.dir={ckpt}", "checkpoint.resume=false")) is None
+    assert latest_checkpoint(compose(f"checkpoint.dir={tmp_path / 'empty'}")) is None
+
+
+def test_model_check_reads_seq_length_only_for_learned_positions(four_steps):
+    _, ckpt = four_steps
+    path = ckpt / "iter_0000004"
+    manifest = read_manifest(path)
+    with pytest.raises(CheckpointError, match="model.seq_length=128 there, 256 here"):
+        check_same_model(path, manifest, compose("model.seq_length=256"))
+    with pytest.raises(CheckpointError, match="model.position_embedding_type='learned_absolute' there, 'rope' here"):
+        check_same_model(path, manifest, compose("model.seq_length=256", "model.position_embedding_type=rope"))
+    assert issubclass(CheckpointError, ConfigError)  # the trainer's main exits 2 on it
