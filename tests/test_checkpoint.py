@@ -1,5 +1,6 @@
-"""Checkpoints of the trainer: corrupted, partial and mismatched checkpoints stop the run at start-up
-with a message naming the file (exit 2, no traceback); the manifest's checks one by one."""
+"""Checkpoints of the trainer: a resume with a changed schedule follows the new schedule as an
+uninterrupted run would; corrupted, partial and mismatched checkpoints stop the run at start-up with a
+message naming the file (exit 2, no traceback); the manifest's checks one by one."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ from primus_fp8_plugin.training.checkpoint import (  # noqa: E402
     verify_files,
 )
 from tests.hydra_compose import compose  # noqa: E402
-from tests.test_train import train  # noqa: E402
+from tests.test_train import losses, train  # noqa: E402
 
 COMMON = ["logging.log_interval=1", "data.max_bytes=2000000"]  # a small corpus: written once, quickly
+# what the resumed run and its uninterrupted control change against the 4-step run that saved
+NEW_SCHEDULE = ["train.steps=8", "train.lr=1e-3", "train.min_lr=1e-4", "train.warmup_steps=3",
+                "train.lr_decay_style=linear", "train.weight_decay=0.05"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +46,10 @@ def copy_of(ckpt, tmp_path):
     return dst
 
 
+def lrs(records):
+    return {r["step"]: r["lr"] for r in records if "lr" in r and "event" not in r}
+
+
 def test_the_manifest_lists_every_file_with_its_hash(four_steps):
     _, ckpt = four_steps
     path = ckpt / "iter_0000004"
@@ -53,6 +61,28 @@ def test_the_manifest_lists_every_file_with_its_hash(four_steps):
         data = (path / name).read_bytes()
         assert manifest["files"][name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert manifest["iteration"] == 4 and manifest["config"]["model"]["hidden_size"] == 256
+
+
+def test_resume_with_a_changed_schedule_follows_it(four_steps, tmp_path):
+    """4 steps saved; resumed to 8 with another lr, min_lr, warmup, decay style and weight decay:
+    steps 5-8 get the learning rates an uninterrupted 8-step run with those values has."""
+    data, ckpt = four_steps
+    ckpt = copy_of(ckpt, tmp_path)
+    proc, resumed = train(tmp_path, *COMMON, data, *NEW_SCHEDULE, f"checkpoint.dir={ckpt}", name="resumed")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, control = train(tmp_path, *COMMON, data, *NEW_SCHEDULE, name="control")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    event = next(r for r in resumed if r.get("event") == "resume")
+    assert event["step"] == 4 and event["changed"] == {
+        "train.steps": [4, 8], "train.lr": [3e-3, 1e-3], "train.min_lr": [3e-4, 1e-4], "train.warmup_steps": [2, 3],
+        "train.lr_decay_style": ["cosine", "linear"], "train.weight_decay": [0.1, 0.05],
+    }  # fmt: skip
+    got, want = lrs(resumed), lrs(control)
+    assert sorted(got) == [5, 6, 7, 8]
+    assert all(got[s] == want[s] for s in got), (got, want)
+    # linear decay from 1e-3 after 3 warmup steps to 1e-4 at step 8
+    assert all(got[s] == pytest.approx(1e-4 + 9e-4 * (1 - (s - 3) / 5), rel=1e-12) for s in got)
+    assert sorted(losses(resumed)) == [5, 6, 7, 8]
 
 
 def _flip_low_bits(path, n=100_000, seed=0):

@@ -13,6 +13,12 @@ through a rename, so that neither is ever half-written). A resume reads ``latest
 every file of the manifest is there with its size and hash (the work again spread over the ranks) and
 that the checkpoint's model has this run's shape, then loads. A checkpoint that is corrupted,
 incomplete or of another model stops the run with a ``CheckpointError`` naming the file, on every rank.
+
+On resume the schedule of this run's configuration applies from the checkpoint's step on:
+``train.steps``, ``lr``, ``min_lr``, ``warmup_steps``, ``lr_decay_style`` and ``weight_decay`` may
+change, and the learning rate of each later step is then the one an uninterrupted run with the new
+values would have had at that step (Megatron's ``override_opt_param_scheduler``). What changed is
+returned (and logged by the loop).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,16 @@ MODEL_SHAPE_FIELDS = (
     "swiglu", "position_embedding_type", "add_bias_linear", "num_experts",
 )  # fmt: skip
 
+# OptimizerParamScheduler.state_dict() keys and the train.* fields they come from
+SCHEDULE_FIELDS = {
+    "lr_decay_steps": "train.steps",
+    "max_lr": "train.lr",
+    "min_lr": "train.min_lr",
+    "lr_warmup_steps": "train.warmup_steps",
+    "lr_decay_style": "train.lr_decay_style",
+    "start_wd": "train.weight_decay",
+}
+
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from; the message names the file and what to do."""
@@ -50,12 +66,13 @@ class CheckpointError(ConfigError):
 
 @dataclass
 class Resumed:
-    """Where a run starts: step and consumed samples (0, 0 for a fresh start) and, for a resume, the
-    checkpoint's directory."""
+    """Where a run starts: step and consumed samples (0, 0 for a fresh start); for a resume, the
+    checkpoint's directory and the schedule fields that changed since it was saved (old, new)."""
 
     iteration: int = 0
     consumed_samples: int = 0
     path: Path | None = None
+    changed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -299,7 +316,9 @@ def resume_point(cfg) -> Path | None:
 
 def load_checkpoint(cfg, model, optimizer, scheduler, path: Path | None) -> Resumed:
     """Load the checkpoint at ``path`` (from ``resume_point``; None: a fresh start) into model, optimizer,
-    scheduler and the RNGs (collective)."""
+    scheduler and the RNGs (collective), and apply this run's schedule from its step on.
+
+    ``scheduler`` must be built from this run's configuration with ``override_opt_param_scheduler=True``."""
     from megatron.core import dist_checkpointing
 
     if path is None:
@@ -307,16 +326,19 @@ def load_checkpoint(cfg, model, optimizer, scheduler, path: Path | None) -> Resu
     try:
         state = dist_checkpointing.load(_checkpoint_state(model, optimizer, scheduler, 0, 0, loading=True), str(path))
         _check_steps(cfg, path, int(state["iteration"]))
+        saved_schedule, schedule = state["scheduler"], scheduler.state_dict()
         model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        _load_optimizer(optimizer, state["optimizer"], saved_schedule, schedule)
+        scheduler.load_state_dict(saved_schedule)  # keeps this run's schedule (override), takes the step count
         _set_rng_state(state["rng"])
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - whatever Megatron/torch raise for a checkpoint they cannot load
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise CheckpointError(f"checkpoint.dir: cannot load {path}: {type(err).__name__}: {first[:500]}") from err
-    return Resumed(int(state["iteration"]), int(state["consumed_samples"]), path)
+    changed = {f: (saved_schedule.get(k), schedule[k]) for k, f in SCHEDULE_FIELDS.items()}
+    changed = {f: (old, new) for f, (old, new) in changed.items() if old != new}
+    return Resumed(int(state["iteration"]), int(state["consumed_samples"]), path, changed)
 
 
 def _check_steps(cfg, path: Path, iteration: int) -> None:
@@ -325,3 +347,21 @@ def _check_steps(cfg, path: Path, iteration: int) -> None:
             f"train.steps: {cfg.train.steps}, but the checkpoint {path} is at step {iteration}; "
             "raise train.steps to continue it, or set checkpoint.resume=false to start over"
         )
+
+
+def _load_optimizer(optimizer, state: dict, saved_schedule: dict, schedule: dict) -> None:
+    """Load the optimizer state, keeping this run's per-group ``max_lr``/``min_lr``. Megatron matches saved
+    parameter groups to the current ones by these values, so for the load the current groups take the
+    values they were saved with, and get this run's back afterwards."""
+    groups = optimizer.param_groups
+    mine = [(g.get("max_lr"), g.get("min_lr")) for g in groups]
+    for g in groups:
+        if g.get("max_lr") == schedule["max_lr"]:
+            g["max_lr"] = saved_schedule.get("max_lr", g["max_lr"])
+        if g.get("min_lr") == schedule["min_lr"]:
+            g["min_lr"] = saved_schedule.get("min_lr", g["min_lr"])
+    try:
+        optimizer.load_state_dict(state)
+    finally:
+        for g, (max_lr, min_lr) in zip(optimizer.param_groups, mine, strict=True):
+            g["max_lr"], g["min_lr"] = max_lr, min_lr

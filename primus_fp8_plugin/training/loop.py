@@ -179,6 +179,7 @@ def run(cfg) -> dict:
             optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
             lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
             end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,  # a resume takes this schedule
         )  # fmt: skip
         resumed = load_checkpoint(cfg, model, optimizer, scheduler, resume_from)
         start, consumed = resumed.iteration, resumed.consumed_samples
@@ -194,7 +195,8 @@ def run(cfg) -> dict:
             metrics.log({"event": "start", "params": n_params, "fp8": cfg.fp8.mode, "backend": cfg.backend.name,
                          "device": str(device), "world_size": dist.get_world_size(), "start_step": start})  # fmt: skip
             if resumed.path is not None:
-                metrics.log({"event": "resume", "checkpoint": str(resumed.path), "step": start})
+                metrics.log({"event": "resume", "checkpoint": str(resumed.path), "step": start,
+                             "changed": {k: list(v) for k, v in resumed.changed.items()}})  # fmt: skip
         last = {}
         window_t, window_steps = time.perf_counter(), 0
         for step in range(start, t.steps):
