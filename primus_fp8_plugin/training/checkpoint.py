@@ -60,6 +60,13 @@ SCHEDULE_FIELDS = {
 }
 
 
+# The distributed optimizer's state in Megatron's "dp_reshardable" format: a run may resume with another
+# data-parallel size, not another TP/PP split (that load fails with a CheckpointError). Its default
+# format (flattened ranges) cannot be saved by Megatron-core 0.19; "fully_reshardable" cannot be loaded
+# into torch's Adam (its tensor "step" state), which the CPU runs use.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from; the message names the file and what to do."""
 
@@ -245,12 +252,25 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _give_fresh_distributed_optimizer_state(optimizer) -> None:
+    """Megatron's distributed optimizer reads the step count from its inner optimizer's state while it
+    builds the state dict to load into, and a fresh one has none (without Apex or TE, as on a CPU, that
+    is an AssertionError): give it placeholder state (Megatron's zero-gradient step), which the load
+    then overwrites."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init is not None and len(opt.optimizer.state) == 0:
+            init()
+
+
 def _checkpoint_state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool = False) -> dict:
     inner = model.module  # DDP's own (sharded_)state_dict would prefix every key with "module."
     kw = {"is_loading": True} if loading else {}
+    if loading:
+        _give_fresh_distributed_optimizer_state(optimizer)
     return {
         "model": inner.sharded_state_dict(),
-        "optimizer": optimizer.sharded_state_dict(inner.sharded_state_dict(), **kw),
+        "optimizer": optimizer.sharded_state_dict(inner.sharded_state_dict(), metadata=OPTIMIZER_METADATA, **kw),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
@@ -365,3 +385,19 @@ def _load_optimizer(optimizer, state: dict, saved_schedule: dict, schedule: dict
     finally:
         for g, (max_lr, min_lr) in zip(optimizer.param_groups, mine, strict=True):
             g["max_lr"], g["min_lr"] = max_lr, min_lr
+    _restore_torch_adam_steps(optimizer)
+
+
+def _restore_torch_adam_steps(optimizer) -> None:
+    """Without Apex or TE (CPU runs) Megatron's distributed optimizer saves torch Adam's step count in
+    each parameter group, and its load leaves every parameter's ``step`` at the placeholder's value
+    (see ``_give_fresh_distributed_optimizer_state``): set it to the group's saved count."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if st and isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = torch.tensor(float(group["step"]), dtype=st["step"].dtype, device=st["step"].device)
