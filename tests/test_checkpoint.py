@@ -85,16 +85,18 @@ def test_resume_with_a_changed_schedule_follows_it(four_steps, tmp_path):
     assert sorted(losses(resumed)) == [5, 6, 7, 8]
 
 
-def test_distributed_optimizer_checkpoint_resumes_exactly(four_steps, tmp_path):
-    """parallel=dp (Megatron's distributed optimizer, here over one rank): saved at step 2 of 4, resumed
-    in a fresh process, steps 3-4 repeat bit for bit."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_distributed_optimizer_checkpoint_resumes_exactly(four_steps, tmp_path, ranks):
+    """parallel=dp (Megatron's distributed optimizer; 2 ranks: each reads its own half of every global
+    batch): saved at step 2 of 4, resumed in fresh processes, steps 3-4 repeat bit for bit."""
     data, _ = four_steps
     ckpt = tmp_path / "ckpt"
-    common = [*COMMON, data, "parallel=dp", "train.steps=4", f"checkpoint.dir={ckpt}", "checkpoint.save_interval=2"]
-    proc, full = train(tmp_path, *common, name="full")
+    common = [*COMMON, data, "parallel=dp", "train.steps=4", f"checkpoint.dir={ckpt}", "checkpoint.save_interval=2",
+              f"train.global_batch_size={8 * ranks}"]  # fmt: skip
+    proc, full = train(tmp_path, *common, name="full", torchrun=ranks if ranks > 1 else 0)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (ckpt / "latest.txt").write_text("iter_0000002")
-    proc, resumed = train(tmp_path, *common, name="resumed")
+    proc, resumed = train(tmp_path, *common, name="resumed", torchrun=ranks if ranks > 1 else 0)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = losses(full), losses(resumed)
     assert sorted(b) == [3, 4] and all(a[s] == b[s] for s in b), (a, b)

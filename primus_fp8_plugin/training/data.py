@@ -114,13 +114,26 @@ def build_datasets(prefix: str, seq_length: int, seed: int, split: str, sizes: l
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
 
-def batches(dataset, micro_batch_size: int, start_sample: int = 0, device="cpu") -> Iterator[dict]:
-    """Micro-batches in dataset order from ``start_sample`` (so a resumed run sees the same data)."""
-    i = start_sample
+def batches(
+    dataset, micro_batch_size: int, start_sample: int = 0, device="cpu", *, per_step: int | None = None, stride: int | None = None
+) -> Iterator[dict]:
+    """Micro-batches in dataset order from ``start_sample`` (so a resumed run sees the same data).
+
+    With data parallelism each rank reads its share of every global batch: ``per_step`` samples
+    (micro_batch_size x micro-batches a step) from ``start_sample``, then the next global batch's share
+    ``stride`` (the global batch size) further on. Default: contiguous micro-batches."""
+    per_step = per_step or micro_batch_size
+    stride = stride or per_step
+    if per_step % micro_batch_size or stride < per_step:
+        raise ValueError(f"per_step={per_step} must be a multiple of micro_batch_size={micro_batch_size} and <= stride={stride}")
     n = len(dataset)
+    base, offset = start_sample, 0
     while True:
+        i = base + offset
         items = [dataset[(i + j) % n] for j in range(micro_batch_size)]
-        i += micro_batch_size
+        offset += micro_batch_size
+        if offset == per_step:
+            base, offset = base + stride, 0
         yield {
             k: torch.stack([torch.as_tensor(it[k]) for it in items]).to(device)
             for k in ("tokens", "labels", "loss_mask", "position_ids")

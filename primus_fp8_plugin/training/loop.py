@@ -184,8 +184,10 @@ def run(cfg) -> dict:
         resumed = load_checkpoint(cfg, model, optimizer, scheduler, resume_from)
         start, consumed = resumed.iteration, resumed.consumed_samples
         dp_rank = parallel_state.get_data_parallel_rank()
-        # each data-parallel rank reads its own interleaved share of the global batch
-        train_iter = data_mod.batches(train_ds, t.micro_batch_size, consumed + dp_rank * t.micro_batch_size * n_micro, device)
+        # each data-parallel rank reads its own share of every global batch
+        share = t.micro_batch_size * n_micro
+        train_iter = data_mod.batches(train_ds, t.micro_batch_size, consumed + dp_rank * share, device,
+                                      per_step=share, stride=t.global_batch_size)  # fmt: skip
         forward_backward = get_forward_backward_func()
         step_fn = _forward_step()
         metrics = Metrics(cfg, rank, start)
