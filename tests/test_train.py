@@ -52,6 +52,11 @@ def losses(records):
         ("fp8=nonsense", "Could not find 'fp8/nonsense'"),
         ("train.lr=fast", "train.lr"),
         ("model.attention=flash", "model.attention: 'flash' is not one of local, sdpa"),
+        ("train.steps=abc", "train.steps=abc\n  Value 'abc' of type 'str' could not be converted to Integer"),
+        ("+train.foo=1", "train.foo: unknown key"),
+        ("fp8.bf16_layers=[5]", "fp8.bf16_layers: [5] out of range for model.num_layers=2"),
+        ("train.micro_batch_size=0", "train.micro_batch_size: must be > 0"),
+        ("model.seq_length=1000000", "model.seq_length: a training step needs at least"),
     ],
 )
 def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override, message):
@@ -59,6 +64,18 @@ def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_unusable_paths_stop_the_run_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc, _ = train(tmp_path, f"checkpoint.dir={blocker / 'ckpt'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"checkpoint.dir: cannot write to {blocker / 'ckpt'}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    proc, _ = train(tmp_path, "data=indexed", f"data.path={tmp_path / 'nowhere'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"data.path: {tmp_path / 'nowhere'}.bin not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])
@@ -112,6 +129,7 @@ def test_short_cpu_run_learns_and_logs(tmp_path):
 def test_resume_reproduces_the_next_steps_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["train.steps=8", "logging.log_interval=1", f"checkpoint.dir={ckpt}", "checkpoint.save_interval=4"]
+    common += ["data.split='100,0,0'"]  # no validation share: evaluation is off (train.eval_interval=0)
     proc, full = train(tmp_path, *common, name="full")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (ckpt / "iter_0000004").is_dir() and (ckpt / "latest.txt").read_text() == "iter_0000008"

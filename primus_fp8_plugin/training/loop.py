@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import validate
+from ..config.resources import check_resources
 from ..config.schema import ConfigError
 from ..weight_cache import mark_weights_changed
 from . import data as data_mod
-from .model import build_model, transformer_config
+from .checkpoint import load_checkpoint, resume_point, save_checkpoint
+from .model import build_model, padded_vocab, transformer_config
 
 
 def _free_port() -> int:
@@ -52,6 +54,8 @@ def init_runtime(cfg) -> tuple[torch.device, contextlib.ExitStack]:
         install_cpu_standins()
         stack.enter_context(CudaAsCpu())  # Megatron's optimizer hard-codes CUDA buffers
         device = torch.device("cpu")
+    # before any data is built or weight allocated: memory for one step, writable directories, data files
+    check_resources(cfg, world, device, padded_vocab(data_mod.ByteTokenizer.vocab_size, cfg.parallel.tp))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -151,70 +155,6 @@ def _batch_mean(reports: list[dict]) -> float:
     return float(total[0] / total[1].clamp_min(1.0))
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _checkpoint_state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool = False) -> dict:
-    inner = model.module  # DDP's own (sharded_)state_dict would prefix every key with "module."
-    kw = {"is_loading": True} if loading else {}
-    return {
-        "model": inner.sharded_state_dict(),
-        "optimizer": optimizer.sharded_state_dict(inner.sharded_state_dict(), **kw),
-        "scheduler": scheduler.state_dict(),
-        "iteration": iteration,
-        "consumed_samples": consumed,
-        "rng": _rng_state(),
-    }
-
-
-def save_checkpoint(cfg, model, optimizer, scheduler, iteration: int, consumed: int) -> Path:
-    from megatron.core import dist_checkpointing
-
-    path = Path(cfg.checkpoint.dir) / f"iter_{iteration:07d}"
-    if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(_checkpoint_state(model, optimizer, scheduler, iteration, consumed), str(path))
-    if dist.get_rank() == 0:
-        (Path(cfg.checkpoint.dir) / "latest.txt").write_text(path.name)
-    dist.barrier()
-    return path
-
-
-def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
-    """(iteration, consumed samples) of the latest checkpoint, loaded into the objects; (0, 0) if none."""
-    from megatron.core import dist_checkpointing
-
-    latest = Path(cfg.checkpoint.dir or "") / "latest.txt"
-    if not (cfg.checkpoint.dir and cfg.checkpoint.resume and latest.exists()):
-        return 0, 0
-    path = latest.parent / latest.read_text().strip()
-    state = dist_checkpointing.load(_checkpoint_state(model, optimizer, scheduler, 0, 0, loading=True), str(path))
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
-    return int(state["iteration"]), int(state["consumed_samples"])
-
-
 def build_run_datasets(cfg):
     """(train, valid) GPTDatasets of a run (collective: rank 0 writes the stdlib corpus once, everyone
     reads it). Training global batch ``k`` is train samples ``[k*G, (k+1)*G)``; every evaluation
@@ -227,7 +167,7 @@ def build_run_datasets(cfg):
         prefix = data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, log=lambda *_: None)
     else:
         prefix = cfg.data.path
-    n_evals = t.steps // max(t.eval_interval, 1) + 1
+    n_evals = t.steps // t.eval_interval + 1 if t.eval_interval else 0  # no validation samples without
     sizes = [t.steps * t.global_batch_size, n_evals * t.eval_steps * t.global_batch_size, 0]
     train_ds, valid_ds, _ = data_mod.build_datasets(
         prefix, cfg.model.seq_length, t.seed, cfg.data.split, sizes, cfg.data.cache_dir
@@ -245,6 +185,7 @@ def run(cfg) -> dict:
 
     device, stack = init_runtime(cfg)
     with stack:
+        resume_from = resume_point(cfg)  # a bad checkpoint stops the run here, before data and model are built
         rank = dist.get_rank()
         dp = parallel_state.get_data_parallel_world_size()
         t = cfg.train
@@ -271,8 +212,10 @@ def run(cfg) -> dict:
             optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
             lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
             end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,  # a resume takes this schedule
         )  # fmt: skip
-        start, consumed = load_checkpoint(cfg, model, optimizer, scheduler)
+        resumed = load_checkpoint(cfg, model, optimizer, scheduler, resume_from)
+        start, consumed = resumed.iteration, resumed.consumed_samples
         mark_weights_changed()  # weights were loaded: no cache may serve a copy made before
         dp_rank = parallel_state.get_data_parallel_rank()
         # each data-parallel rank reads its own share of each global batch
@@ -285,6 +228,9 @@ def run(cfg) -> dict:
             n_params = sum(p.numel() for p in model.parameters())
             metrics.log({"event": "start", "params": n_params, "fp8": cfg.fp8.mode, "backend": cfg.backend.name,
                          "device": str(device), "world_size": dist.get_world_size(), "start_step": start})  # fmt: skip
+            if resumed.path is not None:
+                metrics.log({"event": "resume", "checkpoint": str(resumed.path), "step": start,
+                             "changed": {k: list(v) for k, v in resumed.changed.items()}})  # fmt: skip
         last = {}
         window_t, window_steps = time.perf_counter(), 0
         for step in range(start, t.steps):
