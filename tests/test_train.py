@@ -52,7 +52,7 @@ def losses(records):
         ("fp8=nonsense", "Could not find 'fp8/nonsense'"),
         ("train.lr=fast", "train.lr"),
         ("model.attention=flash", "model.attention: 'flash' is not one of local, sdpa"),
-        ("train.steps=abc", "train.steps=abc\n  Value 'abc' of type 'str' could not be converted to Integer"),
+        ("train.steps=abc", "train.steps=abc\nValue 'abc' of type 'str' could not be converted to Integer"),
         ("+train.foo=1", "train.foo: unknown key"),
         ("fp8.bf16_layers=[5]", "fp8.bf16_layers: [5] out of range for model.num_layers=2"),
         ("train.micro_batch_size=0", "train.micro_batch_size: must be > 0"),

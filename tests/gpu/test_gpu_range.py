@@ -61,10 +61,13 @@ def test_huge_inputs_against_transformer_engine():
         print(f"{name:>10}: NaN {torch.isnan(y).float().mean().item():.1%}, Inf {torch.isinf(y).float().mean().item():.1%}, "
               f"finite outputs' error vs fp64 {err:.2e}{vs_te}")  # fmt: skip
     assert not torch.isfinite(outs["reference"]).all()  # the documented overflow
-    for name in ("triton", "hopper"):
-        if name in outs:  # Gluon fprop: scales multiplied first
+    for name in ("triton", "cublas", "hopper"):
+        if name in outs:  # Gluon and cuBLAS fprop stay finite here
             assert torch.isfinite(outs[name]).all() and rel_frobenius(outs[name].double(), truth) < 0.08, name
     if te_out is not None:
-        assert not torch.isfinite(te_out).all()  # TE overflows too (its cuBLAS promotion order)
-        if "cublas" in outs:
-            assert _same(outs["cublas"], te_out)
+        # measured on the H200 with TE 2.20.2: TE's (cuBLAS's) fprop stays finite, and the Hopper
+        # backends' outputs equal it bit for bit; only the reference's promotion order overflows
+        assert torch.isfinite(te_out).all()
+        for name in ("triton", "cublas", "hopper"):
+            if name in outs:
+                assert _same(outs[name], te_out), name
