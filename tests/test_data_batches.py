@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from primus_fp8_plugin.training.data import batches
+from primus_fp8_plugin.training.data import batches, rank_batches
 
 
 class Indexed:
@@ -36,7 +36,7 @@ def test_data_parallel_ranks_read_each_global_batch_once(dp, mbs, n_micro):
     for step in range(steps):
         per_rank = []
         for rank in range(dp):
-            it = batches(Indexed(10_000), mbs, rank * share, per_step=share, stride=gbs)
+            it = rank_batches(Indexed(10_000), mbs, n_micro, gbs, 0, rank)
             per_rank.append(read(it, n_micro * (step + 1))[-share:])  # this rank's share at this step
         assert sorted(itertools.chain(*per_rank)) == list(range(step * gbs, (step + 1) * gbs))
         seen += itertools.chain(*per_rank)
@@ -46,13 +46,11 @@ def test_data_parallel_ranks_read_each_global_batch_once(dp, mbs, n_micro):
 def test_a_resumed_iterator_continues_the_uninterrupted_one():
     dp, mbs, n_micro, gbs = 2, 2, 2, 8
     for rank in range(dp):
-        full = read(batches(Indexed(1000), mbs, rank * 4, per_step=4, stride=gbs), 6 * n_micro)
+        full = read(rank_batches(Indexed(1000), mbs, n_micro, gbs, 0, rank), 6 * n_micro)
         consumed = 3 * gbs  # resumed after 3 steps
-        rest = read(batches(Indexed(1000), mbs, consumed + rank * 4, per_step=4, stride=gbs), 3 * n_micro)
+        rest = read(rank_batches(Indexed(1000), mbs, n_micro, gbs, consumed, rank), 3 * n_micro)
         assert full[3 * 4 :] == rest
 
 
-def test_default_is_contiguous_and_bad_shares_are_refused():
+def test_default_is_contiguous_and_wraps_around():
     assert read(batches(Indexed(7), 3, 2), 3) == [2, 3, 4, 5, 6, 0, 1, 2, 3]  # wraps around the dataset
-    with pytest.raises(ValueError, match="per_step=3 must be a multiple of micro_batch_size=2"):
-        next(batches(Indexed(7), 2, 0, per_step=3, stride=4))

@@ -50,7 +50,15 @@ def main(out: str, overrides: list[str]) -> None:
     from primus_fp8_plugin.training.loop import init_runtime
     from primus_fp8_plugin.training.model import build_model, transformer_config
 
-    cfg = compose([*overrides, "parallel.tp=1", "parallel.sequence_parallel=false", "parallel.use_distributed_optimizer=false"])
+    cfg = compose(
+        [
+            *overrides,
+            f"logging.dir={out}.logs",
+            "parallel.tp=1",
+            "parallel.sequence_parallel=false",
+            "parallel.use_distributed_optimizer=false",
+        ]
+    )
     t = cfg.train
     assert t.warmup_steps == 1, "the reference holds for steps on the initial weights (train.warmup_steps=1)"
     device, stack = init_runtime(cfg)
