@@ -20,6 +20,7 @@ from ..base import Availability, Backend
 from .gemm import blockwise_gemm
 from .gemm_gluon import GluonUnsupported, blockwise_gemm_gluon
 from .gemm_gluon import runs_on as runs_on_hopper
+from .grouped import TritonGrouped
 from .quantize_act import quantize_1x128_dual
 from .quantize_act_gluon import GluonActUnsupported, quantize_1x128_dual_gluon
 from .quantize_weight import quantize_128x128
@@ -81,9 +82,10 @@ def hopper_or_portable_weight_quant(w, params):
     return _hopper_or_portable(w.device, quantize_128x128_gluon, GluonWeightUnsupported, quantize_128x128, w, params)
 
 
-class TritonBackend(Backend):
-    """Triton kernels for all five operations. Subclasses that bring other GEMM kernels (cuBLAS,
-    FlyDSL) keep the Triton quantizers and replace ``_blockwise_gemm`` or the GEMM methods."""
+class TritonBackend(TritonGrouped, Backend):
+    """Triton kernels for all five operations, and their grouped (MoE) forms (``grouped.py``). Subclasses
+    that bring other GEMM kernels (cuBLAS, FlyDSL) keep the Triton quantizers and replace
+    ``_blockwise_gemm`` or the GEMM methods."""
 
     name = "triton"
     # C = A @ B^T with per-128-K-block promotion; scales in TE's layouts (triton/gemm.py).
