@@ -29,6 +29,9 @@ def reports(tmp_path_factory):
 def test_every_kernel_compiled_for_both_targets(reports):
     kernels = {r["kernel"] for r in reports}
     assert {"blockwise_gemm[fwd]", "blockwise_gemm[wgrad]", "quantize_128x128[bf16->fp8e4nv]"} <= kernels
+    grouped = {"grouped_gemm[fwd]", "grouped_gemm[dgrad]", "grouped_wgrad[main_grad]"}
+    grouped |= {"quantize_128x128_batched[bf16->fp8e4nv,table]"}
+    assert grouped <= kernels and any(k.startswith("quantize_grouped_1x128[") for k in kernels)  # the MoE kernels
     for k in kernels:
         assert {r["target"] for r in reports if r["kernel"] == k} == {"sm90", "gfx950"}
 

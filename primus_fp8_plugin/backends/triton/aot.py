@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from . import gemm, quantize_act, quantize_weight
+from .aot_specs_grouped import grouped_kernel_specs
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx950": GPUTarget("hip", "gfx950", 64)}
 
@@ -43,6 +44,8 @@ class KernelSpec:
     expect: dict[str, list[str]] = field(default_factory=dict)
     # compile with the int arguments specialised as multiples of 16 (aligned shapes) or not (ragged)
     ints_divisible: bool = True
+    # or with exactly these int arguments specialised as multiples of 16 (overrides ints_divisible)
+    divisible: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -143,6 +146,7 @@ def kernel_specs() -> list[KernelSpec]:
         _quant_weight_spec(),
         _gemm_spec("fwd"),
         _gemm_spec("wgrad"),
+        *(KernelSpec(**kw) for kw in grouped_kernel_specs()),  # the grouped (MoE) kernels
     ]
 
 
@@ -249,7 +253,10 @@ def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbo
 def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, str]]:
     # Integer arguments are specialised as multiples of 16, as a launch with aligned shapes would be
     # (ragged specs: not at all, the worst case for registers).
-    divisible_ints = [i for i, ty in enumerate(spec.signature.values()) if ty == "i32" and spec.ints_divisible]
+    if spec.divisible is not None:
+        divisible_ints = [i for i, name in enumerate(spec.signature) if name in spec.divisible]
+    else:
+        divisible_ints = [i for i, ty in enumerate(spec.signature.values()) if ty == "i32" and spec.ints_divisible]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible_ints}
     attrs.update({(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty[0] == "*"})
     src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
