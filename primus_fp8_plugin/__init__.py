@@ -7,6 +7,7 @@ from .backends import (
     get_backend,
 )
 from .gemm import gemm_dgrad, gemm_fwd, gemm_wgrad
+from .grouped_linear import Fp8GroupedLinear, GroupedWeightCache, fp8_grouped_linear
 from .linear import fp8_blockwise_linear
 from .module import Fp8BlockwiseLinear
 from .quantize import quantize_activation, quantize_weight
@@ -22,12 +23,15 @@ __all__ = [
     "BlockwiseRecipe",
     "Fp8BlockwiseLinear",
     "Fp8Format",
+    "Fp8GroupedLinear",
+    "GroupedWeightCache",
     "QuantParams",
     "TensorRole",
     "WeightCache",
     "available_backends",
     "backend_availability",
     "fp8_blockwise_linear",
+    "fp8_grouped_linear",
     "gemm_dgrad",
     "gemm_fwd",
     "gemm_wgrad",
