@@ -32,6 +32,9 @@ class ModelConfig:
     add_bias_linear: bool = True
     num_experts: int | None = None
     moe_router_topk: int = 2
+    # MoE experts: true = grouped (one grouped FP8 GEMM per pass for all local experts: Megatron's TEGroupedMLP
+    # with the plugin's grouped linears, or TE's in the te_* modes); false = SequentialMLP (a GEMM per expert)
+    moe_grouped_gemm: bool = False
     init_method_std: float = 0.02
 
 
@@ -145,6 +148,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     )
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length"):
         _require(getattr(m, name) > 0, f"model.{name}", "must be > 0")
+    _require(not m.moe_grouped_gemm or bool(m.num_experts), "model.moe_grouped_gemm", "needs model.num_experts (an MoE model)")
     _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size", "must be divisible by model.num_attention_heads")
     _require(p.tp >= 1 and p.pp >= 1, "parallel.tp", "tp and pp must be >= 1")
     _require(world_size % (p.tp * p.pp) == 0, "parallel.tp", f"tp*pp = {p.tp * p.pp} does not divide the world size {world_size}")
