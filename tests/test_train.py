@@ -128,7 +128,8 @@ def test_resume_reproduces_the_next_steps_exactly(tmp_path):
 
 def test_moe_run_with_grouped_experts(tmp_path):
     """model.moe_grouped_gemm=true: the experts are the plugin's grouped ones, and the MoE model trains."""
-    moe = ["model.num_experts=4", "model.add_bias_linear=false", "train.steps=6", "logging.log_interval=1"]
+    moe = ["model.num_experts=4", "model.add_bias_linear=false", "train.steps=6", "logging.log_interval=1",
+           "train.micro_batch_size=2", "train.global_batch_size=2"]  # fmt: skip
     proc, records = train(tmp_path, *moe, "model.moe_grouped_gemm=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert next(r for r in records if r.get("event") == "start")["experts"] == "TEGroupedMLP"

@@ -61,7 +61,7 @@ EDGES = [0, 1, 15, 16, 127, 128, 129]
 # (name, counts, K, N, fp8 format, bias, wgrad into main_grad (else into new tensors))
 ROUTINGS = [
     ("edges", EDGES, 144, 136, "E4M3", True, True),
-    ("edges-reversed", EDGES[::-1], 272, 128, "HYBRID", True, False),
+    ("edges-reversed", EDGES[::-1], 400, 128, "HYBRID", True, False),
     ("skewed-64", skewed(64, 0), 128, 128, "HYBRID", False, True),
     ("one-expert", [200], 256, 144, "E4M3", True, False),
     ("balanced-8", [37, 64, 90, 21, 50, 77, 64, 33], 144, 128, "E4M3", False, True),
