@@ -6,6 +6,7 @@ from .backends import (
     backend_availability,
     get_backend,
 )
+from .convert import convert_to_fp8_blockwise
 from .gemm import gemm_dgrad, gemm_fwd, gemm_wgrad
 from .grouped_linear import Fp8GroupedLinear, GroupedWeightCache, fp8_grouped_linear
 from .linear import fp8_blockwise_linear
@@ -30,6 +31,7 @@ __all__ = [
     "WeightCache",
     "available_backends",
     "backend_availability",
+    "convert_to_fp8_blockwise",
     "fp8_blockwise_linear",
     "fp8_grouped_linear",
     "gemm_dgrad",

@@ -66,6 +66,7 @@ class QuantParams:
             raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
         if self.block_dim not in (1, 2):
             raise ValueError(f"block_dim must be 1 (1x128 tiles) or 2 (128x128 blocks), got {self.block_dim}")
+        _check_bool("pow2_scales", self.pow2_scales)
         if not (self.amax_epsilon >= 0.0 and self.amax_epsilon < float("inf")):
             raise ValueError(f"amax_epsilon must be finite and >= 0, got {self.amax_epsilon}")
 
@@ -78,6 +79,13 @@ class QuantParams:
     def tile(self) -> tuple[int, int]:
         """Tile shape of the rowwise copy: (1, 128) or (128, 128)."""
         return (1, BLOCK) if self.block_dim == 1 else (BLOCK, BLOCK)
+
+
+def _check_bool(name: str, value) -> None:
+    """``value`` must be a bool (or the int 0 or 1): a string such as "no" or "false" is truthy and
+    would silently mean True."""
+    if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 def _pow2_default() -> bool:
@@ -118,6 +126,7 @@ class BlockwiseRecipe:
                 object.__setattr__(self, "fp8_format", Fp8Format(self.fp8_format.upper()))
             except ValueError:
                 raise ValueError(f"unknown fp8_format {self.fp8_format!r}: use 'E4M3' or 'HYBRID'") from None
+        _check_bool("pow2_scales", self.pow2_scales)
         if self.fp8_format is Fp8Format.E5M2:
             raise ValueError(
                 "Pure E5M2 training is not supported by FP8 block scaling (TE rejects it too): "

@@ -8,7 +8,9 @@
   ``dgrad``, ``wgrad``, ``bgrad`` within a relative Frobenius error of 2e-3 of
   TE's, and the SNR of ``out`` against an fp32 linear within 0.2 dB of TE's recorded SNR.
 
-Prints a table; exits 0 only if every check passes, 1 otherwise (naming what failed).
+Prints a table; exits 0 only if every check passes and there is at least one, 1 otherwise (naming
+what failed), 2 for usage errors and golden files that cannot be read or break the format (naming
+the file).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .backends import get_backend
-from .golden import LinearCase, QuantCase, load_linear_cases, load_quant_cases
+from .golden import GoldenFormatError, LinearCase, QuantCase, golden_file, load_linear_cases, load_quant_cases
 from .linear import fp8_blockwise_linear
 from .quantize import quantize_activation, quantize_weight
 from .recipe import BlockwiseRecipe, QuantParams
@@ -186,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         name = get_backend(args.backend, dev).name
         checks = validate(args.golden, name, dev)
+    except GoldenFormatError as err:
+        print(f"error: bad golden file {err}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -193,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(checks))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(c) for c in checks], indent=1))
+    if not checks:
+        print(f"\nFAILED: {args.golden} yields no checks (its golden files hold no cases): nothing was validated")
+        return 1
+    for kind, stem in (("quant", "quant"), ("linear", "linear")):
+        if not any(c.kind == kind for c in checks):
+            print(f"\nnote: {golden_file(Path(args.golden), stem)} holds no cases: no {kind} checks ran")
     failed = [c for c in checks if not c.passed]
     if failed:
         print(f"\nFAILED {len(failed)} of {len(checks)} checks:")

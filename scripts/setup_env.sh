@@ -19,7 +19,7 @@ echo "[setup] installing $TORCH_SPEC"
 "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
 echo "[setup] installing primus-fp8-plugin[dev] (editable)"
 "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
-# megatron-core 0.19.2 declares Python >= 3.12 but megatron.core runs on 3.11 (FACTS.md §5); its
+# megatron-core 0.19.2 declares Python >= 3.12 but megatron.core runs on 3.11 (docs/MEGATRON.md, "CPU contract"); its
 # declared dependencies pull in far more than megatron.core needs, so install it alone plus those.
 echo "[setup] installing megatron-core 0.19.2"
 "$VENV/bin/python" -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"

@@ -8,7 +8,7 @@ source scripts/setup_env.sh
 PY="$VENV/bin/python"
 
 echo "[test] ruff"
-"$PY" -m ruff check primus_fp8_plugin tests scripts
+"$PY" -m ruff check primus_fp8_plugin tools benchmarks tests scripts
 
 echo "[test] pytest"
 set +e

@@ -62,3 +62,14 @@ def test_quant_params_validation():
         QuantParams(torch.float8_e4m3fn, 3)
     assert QuantParams(torch.float8_e4m3fn, 2).tile == (128, 128)
     assert QuantParams(torch.float8_e4m3fn, 1).tile == (1, 128)
+
+
+@pytest.mark.parametrize("value", ["no", "false", "1", 2, None, 1.0])
+def test_pow2_scales_must_be_a_bool(value):
+    # a string is truthy: "no" would silently mean power-of-2 scales
+    with pytest.raises(TypeError, match=rf"pow2_scales must be True or False, got {value!r}"):
+        BlockwiseRecipe(pow2_scales=value)
+    with pytest.raises(TypeError, match="pow2_scales must be True or False"):
+        QuantParams(torch.float8_e4m3fn, 1, pow2_scales=value)
+    assert BlockwiseRecipe(pow2_scales=False).params(TensorRole.WEIGHT).pow2_scales is False
+    assert QuantParams(torch.float8_e4m3fn, 1, pow2_scales=0).pow2_scales == 0  # 0 and 1 are unambiguous

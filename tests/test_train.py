@@ -29,6 +29,7 @@ def train(tmp_path, *overrides, torchrun=0, name="run", progress=False):
     else:
         cmd = [sys.executable, "-m", "primus_fp8_plugin.train", *args]
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as scripts/run.sh: no spinning threads on a shared CPU
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     records = []
     path = tmp_path / name / "metrics.jsonl"
@@ -52,6 +53,11 @@ def losses(records):
         ("train.lr=fast", "train.lr"),
         ("model.attention=flash", "model.attention: 'flash' is not one of local, sdpa"),
         ("model.moe_grouped_gemm=true", "model.moe_grouped_gemm: needs model.num_experts"),
+        ("train.steps=abc", "train.steps=abc\nValue 'abc' of type 'str' could not be converted to Integer"),
+        ("+train.foo=1", "train.foo: unknown key"),
+        ("fp8.bf16_layers=[5]", "fp8.bf16_layers: [5] out of range for model.num_layers=2"),
+        ("train.micro_batch_size=0", "train.micro_batch_size: must be > 0"),
+        ("model.seq_length=1000000", "model.seq_length: a training step needs at least"),
     ],
 )
 def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override, message):
@@ -59,6 +65,18 @@ def test_bad_configuration_stops_at_start_up_naming_the_field(tmp_path, override
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_unusable_paths_stop_the_run_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc, _ = train(tmp_path, f"checkpoint.dir={blocker / 'ckpt'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"checkpoint.dir: cannot write to {blocker / 'ckpt'}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    proc, _ = train(tmp_path, "data=indexed", f"data.path={tmp_path / 'nowhere'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"data.path: {tmp_path / 'nowhere'}.bin not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("device", ["cpu", "auto"])
@@ -112,6 +130,7 @@ def test_short_cpu_run_learns_and_logs(tmp_path):
 def test_resume_reproduces_the_next_steps_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = ["train.steps=8", "logging.log_interval=1", f"checkpoint.dir={ckpt}", "checkpoint.save_interval=4"]
+    common += ["data.split='100,0,0'"]  # no validation share: evaluation is off (train.eval_interval=0)
     proc, full = train(tmp_path, *common, name="full")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (ckpt / "iter_0000004").is_dir() and (ckpt / "latest.txt").read_text() == "iter_0000008"

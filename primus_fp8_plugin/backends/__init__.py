@@ -1,16 +1,16 @@
 """The one backend registry: a backend name -> its kernels, availability and ``auto`` resolution.
 
-Adding a backend is one sub-module plus one ``_REGISTRY`` line; nothing outside this file
-branches on backend names.
+Adding a backend is one sub-module plus one line in ``names.BACKENDS`` (the table this registry and
+the config schema read); nothing outside these two files branches on backend names.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 
 import torch
 
+from . import names
 from .base import Availability, Backend
 
 __all__ = [
@@ -28,21 +28,7 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run here (the message says why and what to use)."""
 
 
-@dataclass(frozen=True)
-class _Entry:
-    module: str  # imported lazily, so an absent optional dependency costs nothing until asked for
-    cls: str
-    auto_rank: int  # lower = preferred by "auto" (fastest correct first)
-
-
-_REGISTRY: dict[str, _Entry] = {
-    "flydsl": _Entry("primus_fp8_plugin.backends.flydsl", "FlydslBackend", auto_rank=4),
-    # hopper: per GEMM the faster of the two below (0.5-2.6% per layer step at large shapes, sustained)
-    "hopper": _Entry("primus_fp8_plugin.backends.hopper", "HopperBackend", auto_rank=3),
-    "cublas": _Entry("primus_fp8_plugin.backends.cublas", "CublasBackend", auto_rank=5),
-    "triton": _Entry("primus_fp8_plugin.backends.triton", "TritonBackend", auto_rank=10),
-    "reference": _Entry("primus_fp8_plugin.backends.reference", "ReferenceBackend", auto_rank=100),
-}
+_REGISTRY: dict[str, names.BackendEntry] = dict(names.BACKENDS)  # a copy, so that tests can extend it
 
 _INSTANCES: dict[str, Backend] = {}
 # Availability cannot change within a process (device, drivers, imports, TRITON_INTERPRET are fixed),
@@ -52,7 +38,7 @@ _AVAILABILITY: dict[tuple[str, torch.device], Availability] = {}
 
 def backend_names() -> list[str]:
     """Every registered backend name, in ``auto`` preference order."""
-    return sorted(_REGISTRY, key=lambda n: _REGISTRY[n].auto_rank)
+    return names.backend_names(_REGISTRY)
 
 
 def _load(name: str) -> Backend | Availability:

@@ -1,5 +1,6 @@
 """What every backend implements: five operations on :class:`BlockwiseFp8Tensor`, and optionally their
-grouped (mixture-of-experts) forms on ``GroupedFp8Tensor`` / ``GroupedFp8Weight`` (``grouped_tensor.py``).
+grouped (mixture-of-experts) forms on ``GroupedFp8Tensor`` / ``GroupedFp8Weight`` (``grouped_tensor.py``)
+and the fused ops (norm, SwiGLU and RoPE, with or without the FP8 quantization of their output).
 
 Arguments reach a backend already checked by the public functions in
 ``primus_fp8_plugin.quantize`` and ``primus_fp8_plugin.gemm`` (dtypes, shapes, devices, which
@@ -124,3 +125,68 @@ class Backend(abc.ABC):
         of one ``[E, N, K]`` buffer), or, with ``accumulate_into`` (``E`` contiguous fp32 ``[N, K]`` tensors
         anywhere in memory, e.g. Megatron's ``main_grad``), adds into them in place and returns them."""
         raise self._no_grouped("gemm_wgrad_grouped")
+
+    # ---- fused ops (optional): the spec is backends/reference_fused.py, docs/NUMERICS.md "Fused ops" ----
+
+    def _no_fused(self, op: str):
+        return NotImplementedError(f"backend {self.name!r} has no {op}: use backend='triton' (GPU) or 'reference' (any device)")
+
+    def norm_fwd(self, x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None, eps: float, normalization: str):
+        """LayerNorm / RMSNorm of ``x [M, H]`` (contiguous) over H -> ``(y [M, H] in x's dtype, mean, rstd)``;
+        mean and rstd fp32 ``[M]`` (mean None for RMSNorm). ``gamma``/``beta``: ``[H]``, beta None for RMSNorm."""
+        raise self._no_fused("norm_fwd")
+
+    def quantize_norm_act(self, x, gamma, beta, eps, normalization, params: QuantParams, *, rowwise: bool, columnwise: bool):
+        """``norm_fwd`` followed by ``quantize_act`` of its output, without writing the output:
+        ``(BlockwiseFp8Tensor of shape (M, H), mean, rstd)``, the same bits as the two steps."""
+        raise self._no_fused("quantize_norm_act")
+
+    def norm_bwd(self, dy, x, gamma, mean, rstd, *, need_dgamma: bool, need_dbeta: bool):
+        """Gradients of ``norm_fwd`` for ``dy [M, H]`` (x's dtype): ``(dx, dgamma, dbeta)``, dgamma and
+        dbeta in gamma's dtype or None where not asked. ``mean`` is None for RMSNorm."""
+        raise self._no_fused("norm_bwd")
+
+    def swiglu_fwd(self, h: torch.Tensor) -> torch.Tensor:
+        """``silu(a) * b`` of ``h [M, 2F] = [a | b]`` (contiguous) -> ``[M, F]`` in h's dtype."""
+        raise self._no_fused("swiglu_fwd")
+
+    def quantize_swiglu_act(self, h, params: QuantParams, *, rowwise: bool, columnwise: bool) -> BlockwiseFp8Tensor:
+        """``swiglu_fwd`` followed by ``quantize_act``, without writing the activation (same bits)."""
+        raise self._no_fused("quantize_swiglu_act")
+
+    def swiglu_bwd(self, dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``dh [M, 2F]`` of ``swiglu_fwd`` for ``dy [M, F]``, recomputed from ``h``."""
+        raise self._no_fused("swiglu_bwd")
+
+    def rope(self, t, cos, sin, *, interleaved: bool, backward: bool) -> torch.Tensor:
+        """Rotary embedding of ``t [s, b, h, d]`` (last dim contiguous) with ``cos``/``sin``
+        ``[s, 1 or b, 1, rot]`` in t's dtype -> a new contiguous ``[s, b, h, d]``; ``backward``: its
+        gradient for an output gradient ``t``."""
+        raise self._no_fused("rope")
+
+
+FUSED_OPS = ("norm_fwd", "quantize_norm_act", "norm_bwd", "swiglu_fwd", "quantize_swiglu_act", "swiglu_bwd", "rope")
+GROUPED_OPS = (
+    "quantize_act_grouped",
+    "quantize_weight_grouped",
+    "gemm_fwd_grouped",
+    "gemm_dgrad_grouped",
+    "gemm_wgrad_grouped",
+)
+
+
+def fused_ops_from_triton(cls: type) -> type:
+    """Class decorator: a backend that holds a ``TritonBackend`` as ``self.triton`` runs the fused
+    ops (norm, SwiGLU, RoPE) and the grouped (mixture-of-experts) ops through it."""
+
+    def delegate(name):
+        def method(self, *args, **kwargs):
+            return getattr(self.triton, name)(*args, **kwargs)
+
+        method.__name__ = name
+        method.__doc__ = f"``{name}`` of the triton backend this backend holds."
+        return method
+
+    for name in FUSED_OPS + GROUPED_OPS:
+        setattr(cls, name, delegate(name))
+    return cls

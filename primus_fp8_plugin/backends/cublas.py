@@ -1,12 +1,12 @@
 """The cuBLAS backend: blockwise FP8 GEMMs through ``torch.nn.functional.scaled_mm`` (cuBLASLt >= 12.9,
 NVIDIA Hopper only), with the Triton quantization kernels.
 
-cuBLAS layout rules (FACTS.md §3), satisfied without copies by TE's layouts where possible:
+cuBLAS layout rules (docs/NUMERICS.md, "Scale layouts"), satisfied without copies by TE's layouts where possible:
 * A [M, K] row-major with 1x128 scales as an ``[M, K/128]`` view of strides ``(1, M)``;
 * B [K, N] column-major (our K-major copy, transposed view);
 * 128x128 scales of B as ``[pad4(K/128), N/128]`` with strides ``(1, pad4(K/128))``: the K-block
   dim **padded to a multiple of 4** (torch 2.11 checks the padded shape when K/128 is odd; an
-  unpadded contiguous tensor is silently wrong, FACTS.md §3). TE's 2D layout is exactly that;
+  unpadded contiguous tensor is silently wrong: relative errors up to 1e17 with K/128 odd). TE's 2D layout is exactly that;
 * both operands E4M3 (cuBLAS blockwise has no E5M2: HYBRID gradients go to the Triton GEMM);
 * 1x128 scales of B (wgrad) as ``[N, K/128]`` with strides ``(1, N)``.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Availability
+from .base import Availability, Backend, fused_ops_from_triton
 from .triton import TritonBackend, device_availability
 
 
@@ -49,10 +49,18 @@ def _cublas_can(a, b, *dims: int) -> bool:
     return e4m3 and all(d % 16 == 0 for d in dims) and min(dims) > 0
 
 
-class CublasBackend(TritonBackend):
-    """cuBLAS blockwise GEMMs (Hopper) + Triton quantization."""
+@fused_ops_from_triton
+class CublasBackend(Backend):
+    """cuBLAS blockwise GEMMs (Hopper) + Triton quantization.
+
+    Holds the ``triton`` backend it delegates to: its quantizers, and its GEMMs for the calls cuBLAS
+    cannot take (E5M2 operands, dims that are not multiples of 16).
+    """
 
     name = "cublas"
+
+    def __init__(self, triton: TritonBackend | None = None) -> None:
+        self.triton = triton or TritonBackend()
 
     def availability(self, device):
         base = device_availability(device)
@@ -69,6 +77,12 @@ class CublasBackend(TritonBackend):
             return Availability(False, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm (need >= 2.9)")
         return Availability(True)
 
+    def quantize_act(self, x, params, *, rowwise, columnwise):
+        return self.triton.quantize_act(x, params, rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_weight(self, w, params):
+        return self.triton.quantize_weight(w, params)
+
     @staticmethod
     def _mm(a, a_scale, b_kmajor, b_scale, b_recipe, out_dtype):
         F = torch.nn.functional
@@ -78,7 +92,7 @@ class CublasBackend(TritonBackend):
         m, k = x.shape
         n = w.shape[0]
         if not _cublas_can(x, w, m, k, n):
-            return super().gemm_fwd(x, w, bias, out_dtype)
+            return self.triton.gemm_fwd(x, w, bias, out_dtype)
         F = torch.nn.functional
         # With a bias, add it to the fp32 result before the one rounding to out_dtype, as TE's
         # epilogue does (adding it to a bf16 output rounds twice: 2.9e-3 from TE's outputs).
@@ -93,7 +107,7 @@ class CublasBackend(TritonBackend):
         m, n = dy.shape
         k = w.shape[1]
         if not _cublas_can(dy, w, m, k, n):
-            return super().gemm_dgrad(dy, w, out_dtype)
+            return self.triton.gemm_dgrad(dy, w, out_dtype)
         F = torch.nn.functional
         return self._mm(
             dy.rowwise_data, _scale_1x128(dy.rowwise_scale_inv, m),
@@ -104,7 +118,7 @@ class CublasBackend(TritonBackend):
         m, n = dy.shape
         k = x.shape[1]
         if not _cublas_can(dy, x, m, n, k):
-            return super().gemm_wgrad(dy, x, out_dtype, accumulate_into)
+            return self.triton.gemm_wgrad(dy, x, out_dtype, accumulate_into)
         F = torch.nn.functional
         dw = self._mm(
             dy.columnwise_data, _scale_1x128(dy.columnwise_scale_inv, n),

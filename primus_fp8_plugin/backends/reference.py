@@ -25,6 +25,7 @@ import torch
 
 from ..recipe import BLOCK, QuantParams
 from ..tensor import BlockwiseFp8Tensor, ceil_div, scales_to_te_layout
+from . import reference_fused as fused
 from .base import Availability, Backend
 from .grouped_loop import DenseLoopGrouped
 
@@ -44,23 +45,41 @@ def scale_from_amax(amax: torch.Tensor, params: QuantParams, input_dtype: torch.
 
 
 def _quantize_tiles(tiles: torch.Tensor, params: QuantParams, input_dtype: torch.dtype, dims: tuple[int, ...]):
-    """Quantize ``tiles`` (zero-padded; each tile spans ``dims``) -> (fp8 data, fp32 scale_inv per tile)."""
-    tiles = tiles.float()
-    finite = torch.isfinite(tiles).all(dim=dims, keepdim=True)
-    amax = torch.where(finite, tiles, 0.0).abs().amax(dim=dims, keepdim=True)
+    """Quantize ``tiles`` (zero-padded; each tile spans ``dims``) -> (fp8 data, fp32 scale_inv per tile).
+
+    ``amax`` is taken in the input dtype (``abs`` and ``max`` are exact, and NaN or +-Inf anywhere in a
+    tile makes its amax non-finite, which marks the tile); ``x * scale`` is computed in fp32.
+    """
+    amax = tiles.abs().amax(dim=dims, keepdim=True).float()
+    finite = torch.isfinite(amax)
+    amax = torch.where(finite, amax, 0.0)
     scale = scale_from_amax(amax, params, input_dtype)
-    scaled = torch.clamp(tiles * scale, -params.fp8_max, params.fp8_max)
-    scaled = torch.where(finite, scaled, float("nan"))
-    scale_inv = torch.where(finite, torch.ones_like(scale) / scale, float("nan"))
+    scaled = torch.mul(tiles, scale) if tiles.dtype == torch.float32 else torch.mul(tiles.float(), scale)
+    scaled = scaled.clamp_(-params.fp8_max, params.fp8_max)
+    all_finite = bool(finite.all())
+    if not all_finite:
+        scaled = torch.where(finite, scaled, float("nan"))
+    scale_inv = torch.ones_like(scale) / scale
+    if not all_finite:
+        scale_inv = torch.where(finite, scale_inv, float("nan"))
     return scaled.to(params.fp8_dtype), scale_inv
+
+
+def _tiles_of_rows(x: torch.Tensor, cols_padded: int) -> torch.Tensor:
+    """``x [R, C]`` as a contiguous ``[R, cols_padded]`` tensor, zero-padded on the right."""
+    rows, cols = x.shape
+    if cols == cols_padded:
+        return x.contiguous()
+    padded = torch.zeros(rows, cols_padded, dtype=x.dtype, device=x.device)
+    padded[:, :cols] = x
+    return padded
 
 
 def quantize_rows_1x128(x: torch.Tensor, params: QuantParams) -> tuple[torch.Tensor, torch.Tensor]:
     """1x128 tiles along the last dim of ``x [R, C]`` -> (data [R, C], scale_inv [R, ceil(C/128)])."""
     rows, cols = x.shape
     cb = ceil_div(cols, BLOCK)
-    padded = torch.zeros(rows, cb * BLOCK, dtype=x.dtype, device=x.device)
-    padded[:, :cols] = x
+    padded = _tiles_of_rows(x, cb * BLOCK)
     data, scale_inv = _quantize_tiles(padded.view(rows, cb, BLOCK), params, x.dtype, dims=(2,))
     return data.view(rows, cb * BLOCK)[:, :cols].contiguous(), scale_inv.view(rows, cb)
 
@@ -89,6 +108,12 @@ def blockwise_gemm(
 
     ``a_scale``: [M, ceil(K/128)] (1x128 tiles). ``b_scale``: [N, ceil(K/128)] if ``b_block_dim``
     is 1, [ceil(N/128), ceil(K/128)] if 2. Bias (added in fp32) and accumulation are optional.
+
+    Each K block's sum of products is computed in fp64, where it is exact for E4M3 x E4M3 (products
+    are multiples of 2^-18 below 2^17.6, so a 128-term sum needs at most 43 bits); with E5M2
+    gradients (HYBRID) a block whose sum spans more than fp64's 53 bits is rounded in the matmul's
+    order. The block sum is then rounded to fp32 and multiplied by the two scales in fp32, blocks
+    are added in K order. The cost is the fp64 matmul (on a CPU about half the fp32 rate).
     """
     m, k = a.shape
     n = b.shape[0]
@@ -157,3 +182,26 @@ class ReferenceBackend(DenseLoopGrouped, Backend):
             out_dtype,
             accumulate_into=accumulate_into,
         )
+
+    # fused ops: the torch composition is the spec (reference_fused.py)
+    def norm_fwd(self, x, gamma, beta, eps, normalization):
+        return fused.norm_fwd(x, gamma, beta, eps, normalization)
+
+    def quantize_norm_act(self, x, gamma, beta, eps, normalization, params, *, rowwise, columnwise):
+        y, mean, rstd = fused.norm_fwd(x, gamma, beta, eps, normalization)
+        return self.quantize_act(y, params, rowwise=rowwise, columnwise=columnwise), mean, rstd
+
+    def norm_bwd(self, dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta):
+        return fused.norm_bwd(dy, x, gamma, mean, rstd, need_dgamma=need_dgamma, need_dbeta=need_dbeta)
+
+    def swiglu_fwd(self, h):
+        return fused.swiglu_fwd(h)
+
+    def quantize_swiglu_act(self, h, params, *, rowwise, columnwise):
+        return self.quantize_act(fused.swiglu_fwd(h), params, rowwise=rowwise, columnwise=columnwise)
+
+    def swiglu_bwd(self, dy, h):
+        return fused.swiglu_bwd(dy, h)
+
+    def rope(self, t, cos, sin, *, interleaved, backward):
+        return fused.rope(t, cos, sin, interleaved=interleaved, backward=backward)

@@ -1,17 +1,26 @@
 """Structured (typed) configuration of a training run, validated at start-up.
 
-Hydra composes ``configs/`` into these dataclasses (``configs/README.md``); a wrong type fails at
-composition and a wrong value fails in ``validate`` with a message naming the field.
+Hydra composes ``configs/`` (one folder per group below: model, fp8, backend, parallel, data, train,
+checkpoint, logging) into these dataclasses; a wrong type fails at composition and a wrong value
+fails in ``validate`` with a message naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..backends.names import backend_names
+
 FP8_MODES = ("bf16", "blockwise", "te_blockwise", "te_bf16", "te_spec_blockwise")
 TE_MODES = ("te_blockwise", "te_bf16", "te_spec_blockwise")  # built from TE's layer spec
-BACKENDS = ("auto", "triton", "cublas", "hopper", "flydsl", "reference")
+BACKENDS = ("auto", *backend_names())  # the registry's names (backends/names.py)
+# Megatron's OptimizerParamScheduler styles that need no parameters beyond train.* (WSD needs its own)
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+# "train,valid,test" shares: one to three non-negative decimals, comma-separated
+_SPLIT = re.compile(r"^\s*\d+(?:\.\d*)?(?:\s*,\s*\d+(?:\.\d*)?){0,2}\s*$")
 
 
 @dataclass
@@ -101,6 +110,9 @@ class CheckpointConfig:
     dir: str | None = None
     save_interval: int = 0  # 0: only at the end (when dir is set)
     resume: bool = True
+    # check every file of the checkpoint against its manifest (size, sha256) before loading it;
+    # false loads a checkpoint without a manifest (or skips hashing a very large one)
+    verify: bool = True
 
 
 @dataclass
@@ -132,8 +144,38 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ConfigError(f"{name}: {message}")
 
 
+def _check_keys(cfg: Any) -> None:
+    """Refuse keys the schema does not have (Hydra's ``+group.key=value`` adds them unchecked)."""
+    if not hasattr(cfg, "keys"):  # a Config instance has exactly the schema's fields
+        return
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    for key in cfg.keys():
+        if key not in sections:
+            raise ConfigError(f"{key}: unknown key{_did_you_mean(key, sections)} (the configuration has {', '.join(sections)})")
+        factory = sections[key]
+        if factory is dataclasses.MISSING or not hasattr(cfg[key], "keys"):
+            continue
+        known = [f.name for f in dataclasses.fields(factory)]
+        for sub in cfg[key].keys():
+            if sub not in known:
+                raise ConfigError(
+                    f"{key}.{sub}: unknown key{_did_you_mean(sub, known, key + '.')} ({key} has {', '.join(known)})"
+                )
+
+
+def _did_you_mean(name: str, choices, prefix: str = "") -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(name), list(choices), n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
-    """Check values (types were checked by the schema). Raises ConfigError naming the field."""
+    """Check keys and values (types were checked by the schema). Raises ConfigError naming the field.
+
+    Pure: reads nothing but ``cfg``. What depends on the machine (writable directories, the data
+    files, memory) is checked by ``config.resources`` once the device is known."""
+    _check_keys(cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _require(cfg.fp8.mode in FP8_MODES, "fp8.mode", f"{cfg.fp8.mode!r} is not one of {FP8_MODES}")
     _require(cfg.fp8.fp8_format in ("E4M3", "HYBRID"), "fp8.fp8_format", f"{cfg.fp8.fp8_format!r}: use E4M3 or HYBRID")
@@ -150,21 +192,52 @@ def validate(cfg: Any, world_size: int = 1) -> None:
         _require(getattr(m, name) > 0, f"model.{name}", "must be > 0")
     _require(not m.moe_grouped_gemm or bool(m.num_experts), "model.moe_grouped_gemm", "needs model.num_experts (an MoE model)")
     _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size", "must be divisible by model.num_attention_heads")
+    _require(m.init_method_std > 0, "model.init_method_std", "must be > 0")
+    if m.num_query_groups is not None:
+        _require(m.num_query_groups > 0, "model.num_query_groups", "must be > 0 (or null for multi-head attention)")
+        _require(m.num_attention_heads % m.num_query_groups == 0, "model.num_query_groups",
+                 f"{m.num_query_groups} does not divide model.num_attention_heads ({m.num_attention_heads})")  # fmt: skip
+    if m.num_experts is not None:
+        _require(m.num_experts > 0, "model.num_experts", "must be > 0 (or null for a dense model)")
+        _require(
+            1 <= m.moe_router_topk <= m.num_experts, "model.moe_router_topk", f"must be in [1, model.num_experts={m.num_experts}]"
+        )
     _require(p.tp >= 1 and p.pp >= 1, "parallel.tp", "tp and pp must be >= 1")
     _require(world_size % (p.tp * p.pp) == 0, "parallel.tp", f"tp*pp = {p.tp * p.pp} does not divide the world size {world_size}")
     _require(m.num_attention_heads % p.tp == 0, "parallel.tp", f"must divide model.num_attention_heads ({m.num_attention_heads})")
+    groups = m.num_query_groups or m.num_attention_heads
+    _require(groups % p.tp == 0, "parallel.tp", f"must divide model.num_query_groups ({groups})")
+    _require(m.ffn_hidden_size % p.tp == 0, "parallel.tp", f"must divide model.ffn_hidden_size ({m.ffn_hidden_size})")
     _require(m.num_layers % p.pp == 0, "parallel.pp", f"must divide model.num_layers ({m.num_layers})")
     _require(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1")
+    _require(not p.sequence_parallel or m.seq_length % p.tp == 0, "model.seq_length",
+             f"must be a multiple of parallel.tp ({p.tp}) with sequence parallelism")  # fmt: skip
+    bad = [i for i in cfg.fp8.bf16_layers if not -m.num_layers <= i < m.num_layers]
+    _require(not bad, "fp8.bf16_layers", f"{bad} out of range for model.num_layers={m.num_layers} "
+             f"(use 0..{m.num_layers - 1}, or -1..-{m.num_layers} counting from the last layer)")  # fmt: skip
     dp = world_size // (p.tp * p.pp)
     _require(t.steps > 0, "train.steps", "must be > 0")
+    _require(t.micro_batch_size > 0, "train.micro_batch_size", "must be > 0")
+    _require(t.global_batch_size > 0, "train.global_batch_size", "must be > 0")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
              f"must be a multiple of micro_batch_size x data-parallel size = {t.micro_batch_size * dp}")  # fmt: skip
+    _require(t.lr >= 0, "train.lr", "must be >= 0")
     _require(0 <= t.min_lr <= t.lr, "train.min_lr", "must be in [0, train.lr]")
     _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps})")
+    _require(t.lr_decay_style in LR_DECAY_STYLES, "train.lr_decay_style", f"{t.lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
+    _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0 (got {t.weight_decay})")
+    _require(t.clip_grad >= 0, "train.clip_grad", "must be >= 0 (0: no clipping)")
+    _require(0 <= t.seed < 2**32, "train.seed", "must be in [0, 2**32)")
+    _require(t.eval_interval >= 0, "train.eval_interval", "must be >= 0 (0: no evaluation)")
+    _require(t.eval_interval == 0 or t.eval_steps > 0, "train.eval_steps", "must be > 0 when train.eval_interval > 0")
     _require(not t.cuda_graph or cfg.device != "cpu", "train.cuda_graph", "CUDA graphs need a GPU (device=cpu was set)")
     _require(t.cuda_graph_warmup_steps >= 1, "train.cuda_graph_warmup_steps", "must be >= 1")
+    _require(cfg.checkpoint.save_interval >= 0, "checkpoint.save_interval", "must be >= 0 (0: save only at the end)")
+    _require(cfg.logging.log_interval >= 1, "logging.log_interval", "must be >= 1 (log every N steps)")
     _require(cfg.data.source in ("stdlib", "indexed"), "data.source", f"{cfg.data.source!r}: use stdlib or indexed")
     _require(cfg.data.source != "indexed" or bool(cfg.data.path), "data.path", "data.source=indexed needs a .bin/.idx prefix")
+    _require(cfg.data.max_bytes > 0, "data.max_bytes", "must be > 0")
+    _check_split(cfg.data.split, t.eval_interval)
     if cfg.fp8.mode in TE_MODES:  # built from TE's layer spec: refuse what it would silently ignore
         why = "TE's spec brings its own fused attention"
         _require(m.attention == "local", "model.attention", f"{m.attention!r} does not apply to fp8.mode={cfg.fp8.mode} ({why})")
@@ -173,3 +246,26 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             import transformer_engine.pytorch  # noqa: F401
         except ImportError as err:
             raise ConfigError(f"fp8.mode: {cfg.fp8.mode} needs Transformer Engine ({err})") from None
+
+
+def _check_split(split: str, eval_interval: int) -> None:
+    """``data.split`` as Megatron's builder reads it ("train,valid,test" weights, missing ones 0)."""
+    form = "give one to three non-negative numbers, e.g. '98,2,0' (train, valid, test)"
+    _require(bool(_SPLIT.match(str(split))), "data.split", f"{split!r}: {form}")
+    shares = [float(x) for x in str(split).split(",")] + [0.0, 0.0]
+    _require(shares[0] > 0, "data.split", f"{split!r}: the train share must be > 0")
+    _require(eval_interval == 0 or shares[1] > 0, "data.split",
+             f"{split!r}: the valid share is 0 but train.eval_interval={eval_interval} evaluates; give it a share "
+             "or set train.eval_interval=0")  # fmt: skip
+
+
+def composition_error_message(err: BaseException) -> str:
+    """The message of a Hydra/OmegaConf composition error with its causes (the key, the value and
+    the type the schema expects, e.g. ``train.steps=abc``), one line each, without repeats."""
+    lines: list[str] = []
+    while err is not None:
+        for line in str(err).splitlines():
+            if line.strip() and line.strip() not in (x.strip() for x in lines):
+                lines.append(line)
+        err = err.__cause__ if err.__cause__ is not None else (None if err.__suppress_context__ else err.__context__)
+    return "\n  ".join(lines)

@@ -1,11 +1,12 @@
 """Running Megatron-core on a CPU (tests, the CPU demo): the stand-ins it needs, and gloo set-up.
 
-Megatron-core assumes CUDA in a few places that have nothing to do with the math. FACTS.md §5 lists
-what makes GPTModel forward/backward and distributed checkpointing run on a CPU with gloo:
+Megatron-core assumes CUDA in a few places that have nothing to do with the math. What makes
+GPTModel forward/backward and distributed checkpointing run on a CPU with gloo:
 ``torch.cuda.current_device`` answering "cpu", the CUDA RNG tracker's ``fork`` as a null context,
 ``torch.cuda.synchronize`` as a no-op, ``use_cpu_initialization=True``, fusions off, and no
 ``model_parallel_cuda_manual_seed``; and (seen with 0.19.2) the default causal attention mask,
-which Megatron allocates on "cuda". Only call this where there is no GPU.
+which Megatron allocates on "cuda" (docs/MEGATRON.md, "CPU contract"). Only call this where there is
+no GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 _installed = False
 
 # Megatron's fused kernels (and its gradient-accumulation fusion in its own linears) need apex or TE:
-# off in every config this package builds without them (CPU runs, the trainer, te_compare). The
+# off in every config this package builds without them (CPU runs, the trainer, tools/te_compare.py). The
 # plugin's layers fuse wgrad accumulation themselves, but read the same config flag.
 FUSIONS_OFF = dict(
     bias_activation_fusion=False,
@@ -50,8 +51,22 @@ def install_cpu_standins() -> None:
     tf_utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = causal_mask_on_cpu
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_stream = lambda *a, **k: _CpuStream()  # DDP's gradient sync waits on it
     mp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     _installed = True
+
+
+class _CpuStream:
+    """What Megatron's gradient sync asks of ``torch.cuda.current_stream()``; CPU work is in order."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 class CudaAsCpu(TorchFunctionMode):

@@ -10,12 +10,16 @@ only ``_forward_impl`` (the matrix multiply with its tensor-parallel communicati
 * row-parallel: the FP8 blockwise linear on the local shard; Megatron's forward then reduces (or
   reduce-scatters) the output as usual.
 
-Every layer owns a weight cache refreshed once per weight version (the version counter, storage
-and a global optimizer-step counter, so Megatron's post-step copies of main params are seen) and
-whenever ``is_first_microbatch`` is set. Note: Megatron's ``MegatronModule.set_is_first_microbatch``
-only sets it when ``config.fp8`` is set (TE's switch), which plugin users leave unset;
-``set_is_first_microbatch(model)`` here sets it on the plugin's layers. Gradient-accumulation
-fusion accumulates the weight gradient into ``weight.main_grad`` in fp32.
+Every layer owns a weight cache (``weight_cache.py``) refreshed once per weight version and
+whenever ``is_first_microbatch`` is set. Megatron's optimizers write the new bf16 params through
+``.data`` (the mixed-precision optimizer's copy of main params) or into the parameter buffer and
+all-gather it (the distributed optimizer), which no version counter sees; both do it after the
+inner ``torch.optim`` step, whose global post-hook advances the cache's optimizer-step epoch, so the
+next forward re-quantizes (tests/megatron/test_weight_cache_megatron.py). Note: Megatron's
+``MegatronModule.set_is_first_microbatch`` only sets it when ``config.fp8`` is set (TE's switch),
+which plugin users leave unset; ``set_is_first_microbatch(model)`` here sets it on the plugin's
+layers. Gradient-accumulation fusion accumulates the weight gradient into ``weight.main_grad`` in
+fp32.
 """
 
 from __future__ import annotations

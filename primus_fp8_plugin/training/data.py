@@ -117,11 +117,31 @@ def build_datasets(prefix: str, seq_length: int, seed: int, split: str, sizes: l
 def batches(dataset, micro_batch_size: int, start_sample: int = 0, device="cpu") -> Iterator[dict]:
     """Micro-batches in dataset order from ``start_sample`` (so a resumed run sees the same data)."""
     i = start_sample
-    n = len(dataset)
     while True:
-        items = [dataset[(i + j) % n] for j in range(micro_batch_size)]
+        yield _collate(dataset, i, micro_batch_size, device)
         i += micro_batch_size
-        yield {
-            k: torch.stack([torch.as_tensor(it[k]) for it in items]).to(device)
-            for k in ("tokens", "labels", "loss_mask", "position_ids")
-        }
+
+
+def rank_batches(
+    dataset, micro_batch_size: int, n_micro: int, global_batch_size: int, start_sample: int, dp_rank: int, device="cpu"
+) -> Iterator[dict]:
+    """This data-parallel rank's micro-batches: global batch ``k`` is samples
+    ``[start + k*G, start + (k+1)*G)`` in dataset order (``G = global_batch_size``); rank ``r`` takes
+    the ``n_micro`` micro-batches of ``micro_batch_size`` samples that begin at
+    ``start + k*G + r*n_micro*micro_batch_size``. Every sample is used once per pass, whatever the
+    split into ranks and micro-batches, and a run resumed at ``start = consumed samples`` continues
+    with the same samples."""
+    base = start_sample + dp_rank * n_micro * micro_batch_size
+    while True:
+        for j in range(n_micro):
+            yield _collate(dataset, base + j * micro_batch_size, micro_batch_size, device)
+        base += global_batch_size
+
+
+def _collate(dataset, start: int, micro_batch_size: int, device) -> dict:
+    n = len(dataset)
+    items = [dataset[(start + j) % n] for j in range(micro_batch_size)]
+    return {
+        k: torch.stack([torch.as_tensor(it[k]) for it in items]).to(device)
+        for k in ("tokens", "labels", "loss_mask", "position_ids")
+    }

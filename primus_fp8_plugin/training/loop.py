@@ -17,9 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import validate
+from ..config.resources import check_resources
 from ..config.schema import ConfigError
+from ..weight_cache import mark_weights_changed
 from . import data as data_mod
-from .model import build_model, transformer_config
+from .checkpoint import load_checkpoint, resume_point, save_checkpoint
+from .model import build_model, padded_vocab, transformer_config
 
 
 def _free_port() -> int:
@@ -51,6 +54,8 @@ def init_runtime(cfg) -> tuple[torch.device, contextlib.ExitStack]:
         install_cpu_standins()
         stack.enter_context(CudaAsCpu())  # Megatron's optimizer hard-codes CUDA buffers
         device = torch.device("cpu")
+    # before any data is built or weight allocated: memory for one step, writable directories, data files
+    check_resources(cfg, world, device, padded_vocab(data_mod.ByteTokenizer.vocab_size, cfg.parallel.tp))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -115,112 +120,78 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 def _forward_step():
+    """Megatron's ``forward_step_func``. The loss it returns is the micro-batch's mean token
+    cross-entropy, which Megatron's schedule divides **in place** by the number of micro-batches for
+    the backward pass; what is reported (``"lm loss"``) is a separate fp32 tensor
+    ``[sum of token losses, token count]`` that the loop sums over micro-batches and data-parallel
+    ranks (``_batch_mean``)."""
+
     def step(data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         mask = batch["loss_mask"].float()
 
         def loss_func(per_token):
-            loss = (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
-            return loss, {"lm loss": loss.detach()}
+            total = (per_token.float() * mask).sum()
+            count = mask.sum()
+            loss = total / count.clamp_min(1.0)
+            return loss, {"lm loss": torch.stack([total.detach(), count])}  # a new tensor
 
         return output, loss_func
 
     return step
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
+def _batch_mean(reports: list[dict]) -> float:
+    """Mean token loss over all micro-batches of all data-parallel ranks, from the loss function's
+    ``[sum, count]`` reports (empty off the last pipeline stage: NaN)."""
+    from megatron.core import parallel_state
 
-        state["cuda"] = torch.cuda.get_rng_state()
-        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        torch.cuda.set_rng_state(state["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if not reports:
+        return float("nan")
+    total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+    if parallel_state.get_data_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return float(total[0] / total[1].clamp_min(1.0))
 
 
-def _checkpoint_state(model, optimizer, scheduler, iteration: int, consumed: int, loading: bool = False) -> dict:
-    inner = model.module  # DDP's own (sharded_)state_dict would prefix every key with "module."
-    kw = {"is_loading": True} if loading else {}
-    return {
-        "model": inner.sharded_state_dict(),
-        "optimizer": optimizer.sharded_state_dict(inner.sharded_state_dict(), **kw),
-        "scheduler": scheduler.state_dict(),
-        "iteration": iteration,
-        "consumed_samples": consumed,
-        "rng": _rng_state(),
-    }
-
-
-def save_checkpoint(cfg, model, optimizer, scheduler, iteration: int, consumed: int) -> Path:
-    from megatron.core import dist_checkpointing
-
-    path = Path(cfg.checkpoint.dir) / f"iter_{iteration:07d}"
-    if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(_checkpoint_state(model, optimizer, scheduler, iteration, consumed), str(path))
-    if dist.get_rank() == 0:
-        (Path(cfg.checkpoint.dir) / "latest.txt").write_text(path.name)
-    dist.barrier()
-    return path
-
-
-def load_checkpoint(cfg, model, optimizer, scheduler) -> tuple[int, int]:
-    """(iteration, consumed samples) of the latest checkpoint, loaded into the objects; (0, 0) if none."""
-    from megatron.core import dist_checkpointing
-
-    latest = Path(cfg.checkpoint.dir or "") / "latest.txt"
-    if not (cfg.checkpoint.dir and cfg.checkpoint.resume and latest.exists()):
-        return 0, 0
-    path = latest.parent / latest.read_text().strip()
-    state = dist_checkpointing.load(_checkpoint_state(model, optimizer, scheduler, 0, 0, loading=True), str(path))
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
-    return int(state["iteration"]), int(state["consumed_samples"])
+def build_run_datasets(cfg):
+    """(train, valid) GPTDatasets of a run (collective: rank 0 writes the stdlib corpus once, everyone
+    reads it). Training global batch ``k`` is train samples ``[k*G, (k+1)*G)``; every evaluation
+    reads valid samples ``[0, train.eval_steps * G)`` (``G = train.global_batch_size``)."""
+    t = cfg.train
+    if cfg.data.source == "stdlib":
+        if dist.get_rank() == 0:
+            data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes)
+        dist.barrier()
+        prefix = data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, log=lambda *_: None)
+    else:
+        prefix = cfg.data.path
+    n_evals = t.steps // t.eval_interval + 1 if t.eval_interval else 0  # no validation samples without
+    sizes = [t.steps * t.global_batch_size, n_evals * t.eval_steps * t.global_batch_size, 0]
+    train_ds, valid_ds, _ = data_mod.build_datasets(
+        prefix, cfg.model.seq_length, t.seed, cfg.data.split, sizes, cfg.data.cache_dir
+    )
+    return train_ds, valid_ds
 
 
 def run(cfg) -> dict:
     """Train as ``cfg`` says. Returns a summary (final loss, tokens/s, steps, paths)."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device, stack = init_runtime(cfg)
     with stack:
+        resume_from = resume_point(cfg)  # a bad checkpoint stops the run here, before data and model are built
         rank = dist.get_rank()
         dp = parallel_state.get_data_parallel_world_size()
         t = cfg.train
         n_micro = t.global_batch_size // (t.micro_batch_size * dp)
 
-        # data: rank 0 writes the corpus once, everyone reads it
-        if cfg.data.source == "stdlib":
-            if rank == 0:
-                data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes)
-            dist.barrier()
-            prefix = data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, log=lambda *_: None)
-        else:
-            prefix = cfg.data.path
-        n_evals = t.steps // max(t.eval_interval, 1) + 1
-        sizes = [t.steps * t.global_batch_size, n_evals * t.eval_steps * t.micro_batch_size * dp, 0]
-        train_ds, valid_ds, _ = data_mod.build_datasets(
-            prefix, cfg.model.seq_length, t.seed, cfg.data.split, sizes, cfg.data.cache_dir
-        )
+        train_ds, valid_ds = build_run_datasets(cfg)
 
         tconfig = transformer_config(cfg, device.type == "cuda")
         model = build_model(cfg, tconfig, data_mod.ByteTokenizer.vocab_size, device)
@@ -228,6 +199,9 @@ def run(cfg) -> dict:
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer
         )
         model = DistributedDataParallel(tconfig, ddp_config, model)
+        # after each step's backward passes: the data-parallel gradient reduction, the tensor-parallel
+        # all-reduce of sequence-parallel norm gradients, and the rest of Megatron's gradient fix-ups
+        tconfig.finalize_model_grads_func = finalize_model_grads
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=0.9,
                             adam_beta2=0.95, bf16=True, clip_grad=t.clip_grad,
@@ -238,11 +212,14 @@ def run(cfg) -> dict:
             optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
             lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
             end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,  # a resume takes this schedule
         )  # fmt: skip
-        start, consumed = load_checkpoint(cfg, model, optimizer, scheduler)
+        resumed = load_checkpoint(cfg, model, optimizer, scheduler, resume_from)
+        start, consumed = resumed.iteration, resumed.consumed_samples
+        mark_weights_changed()  # weights were loaded: no cache may serve a copy made before
         dp_rank = parallel_state.get_data_parallel_rank()
-        # each data-parallel rank reads its own interleaved share of the global batch
-        train_iter = data_mod.batches(train_ds, t.micro_batch_size, consumed + dp_rank * t.micro_batch_size * n_micro, device)
+        # each data-parallel rank reads its own share of each global batch
+        train_iter = data_mod.rank_batches(train_ds, t.micro_batch_size, n_micro, t.global_batch_size, consumed, dp_rank, device)
         forward_backward = get_forward_backward_func()
         step_fn = _forward_step()
         metrics = Metrics(cfg, rank, start)
@@ -254,6 +231,9 @@ def run(cfg) -> dict:
             metrics.log({"event": "start", "params": n_params, "fp8": cfg.fp8.mode, "backend": cfg.backend.name,
                          "device": str(device), "world_size": dist.get_world_size(), "start_step": start,
                          "experts": experts})  # fmt: skip
+            if resumed.path is not None:
+                metrics.log({"event": "resume", "checkpoint": str(resumed.path), "step": start,
+                             "changed": {k: list(v) for k, v in resumed.changed.items()}})  # fmt: skip
         last = {}
         window_t, window_steps = time.perf_counter(), 0
         for step in range(start, t.steps):
@@ -264,11 +244,12 @@ def run(cfg) -> dict:
                 seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size, forward_only=False,
             )  # fmt: skip
             ok, grad_norm, _ = optimizer.step()
+            mark_weights_changed()  # whatever path the optimizer wrote the weights through
             scheduler.step(increment=1)
             consumed += t.global_batch_size
             window_steps += 1
             metrics.advance()
-            loss = float(torch.stack([x["lm loss"] for x in losses]).mean()) if losses else float("nan")
+            loss = _batch_mean(losses)
             if parallel_state.is_pipeline_last_stage() and not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step + 1}")
             if (step + 1) % cfg.logging.log_interval == 0 or step + 1 == t.steps or step == start:
@@ -301,17 +282,22 @@ def run(cfg) -> dict:
 
 
 def evaluate(cfg, model, dataset, device, step_fn, n_micro) -> float:
+    """Mean token loss over ``train.eval_steps`` global batches of ``dataset`` from its start, split
+    into ranks and micro-batches as in training (so the value does not depend on the split)."""
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    it = data_mod.batches(dataset, cfg.train.micro_batch_size, 0, device)
-    losses = []
+    t = cfg.train
+    it = data_mod.rank_batches(
+        dataset, t.micro_batch_size, n_micro, t.global_batch_size, 0, parallel_state.get_data_parallel_rank(), device
+    )
+    reports = []
     model.eval()
     with torch.no_grad():
-        for _ in range(cfg.train.eval_steps):
-            out = get_forward_backward_func()(
-                forward_step_func=step_fn, data_iterator=it, model=[model], num_microbatches=1,
-                seq_length=cfg.model.seq_length, micro_batch_size=cfg.train.micro_batch_size, forward_only=True,
+        for _ in range(t.eval_steps):
+            reports += get_forward_backward_func()(
+                forward_step_func=step_fn, data_iterator=it, model=[model], num_microbatches=n_micro,
+                seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size, forward_only=True,
             )  # fmt: skip
-            losses += [float(x["lm loss"]) for x in out]
     model.train()
-    return float(np.mean(losses)) if losses else float("nan")
+    return _batch_mean(reports)

@@ -2,7 +2,7 @@
 portable wrapper's do (the contract both share, gemm.check_operands; so the triton backend never
 hands them to another kernel); valid inputs it does not take raise GluonUnsupported (so the backend
 falls back), all before anything is allocated or launched. The kernel itself is checked on the GPU
-(tests/gpu) and compiled in CI (test_triton_aot.py)."""
+(tests/gpu) and compiled in CI (tests/tools/test_triton_aot.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
-from primus_fp8_plugin.backends.triton.gemm_gluon import GluonUnsupported, blockwise_gemm_gluon, runs_on
+from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon
+from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported, runs_on
 
 E4M3 = torch.float8_e4m3fn
 
@@ -128,42 +129,42 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
 
 
 def test_config_selection_and_shared_memory():
-    """256x128 tiles (the tall consumer) for 1x128 B scales (wgrad) with bf16/fp16 outputs and
-    accumulate_into; 128x256 tiles (the quarter-chain consumer) for 128x128 B scales there and for a
-    bias with 1x128 B; the 128x128 kernel for a plain fp32 output and for a bias into accumulate_into
-    with 1x128 B scales (the 128x256 one spills there). Only 128x256 and 256x128 tiles stage their
-    scales through shared memory, and their four [64, 64] output buffers take as much shared memory
-    as one [128, 128] tile's."""
+    """256x128 tiles for 1x128 B scales (wgrad) with bf16/fp16 outputs and accumulate_into; 128x256
+    tiles for 128x128 B scales there and for a bias with 1x128 B; the 128x128 kernel for a plain fp32
+    output and for a bias into accumulate_into with 1x128 B scales (the 128x256 one spills there).
+    Only 128x256 and 256x128 tiles stage their scales through shared memory, and their four [64, 64]
+    output buffers take as much shared memory as one [128, 128] tile's."""
     from primus_fp8_plugin.backends.triton import gemm_gluon as G
 
     for out_dtype, acc in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
-        assert G.select_config(1, out_dtype, acc) is G.TALL_CONFIG
-        assert G.select_config(2, out_dtype, acc) is G.WIDE_CONFIG
-    assert G.select_config(1, torch.bfloat16, False, has_bias=True) is G.WIDE_CONFIG
+        assert G.select_config(1, out_dtype, acc) is G.CONFIG_256x128
+        assert G.select_config(2, out_dtype, acc) is G.CONFIG_128x256
+    assert G.select_config(1, torch.bfloat16, False, has_bias=True) is G.CONFIG_128x256
     for bdim in (1, 2):
         assert G.select_config(bdim, torch.float32, False).block_n == 128
-        assert "spills" in G.supports(G.WIDE_CONFIG, bdim, torch.float32, False)
-    # the tall tiles take 1x128 B scales only, without a bias or a plain fp32 output
-    assert "1x128" in G.supports(G.TALL_CONFIG, 2)
-    assert "bias" in G.supports(G.TALL_CONFIG, 1, torch.bfloat16, False, has_bias=True)
-    assert "float32" in G.supports(G.TALL_CONFIG, 1, torch.float32, False)
+        assert "spills" in G.supports(G.CONFIG_128x256, bdim, torch.float32, False)
+    # 256x128 tiles take 1x128 B scales only, without a bias or a plain fp32 output
+    assert "1x128" in G.supports(G.CONFIG_256x128, 2)
+    assert "bias" in G.supports(G.CONFIG_256x128, 1, torch.bfloat16, False, has_bias=True)
+    assert "float32" in G.supports(G.CONFIG_256x128, 1, torch.float32, False)
     # a bias into accumulate_into with 1x128 B scales: 128x128 (the 128x256 epilogue spills there)
     assert G.select_config(1, torch.float32, True, has_bias=True).block_n == 128
-    assert G.select_config(2, torch.float32, True, has_bias=True) is G.WIDE_CONFIG
-    assert "spills" in G.supports(G.WIDE_CONFIG, 1, torch.float32, True, has_bias=True)
-    assert G.WIDE_CONFIG.scale_tma and G.TALL_CONFIG.scale_tma and not G.GluonGemmConfig().scale_tma
-    assert G.TALL_CONFIG.block_m == 256 and G.WIDE_CONFIG.block_m == 128
-    assert G._c_block_n(256) == 64 and G._c_block_n(128) == 128 and G._c_block_n(128, tall=True) == 64
+    assert G.select_config(2, torch.float32, True, has_bias=True) is G.CONFIG_128x256
+    assert "spills" in G.supports(G.CONFIG_128x256, 1, torch.float32, True, has_bias=True)
+    assert G.CONFIG_128x256.scale_tma and G.CONFIG_256x128.scale_tma and not G.CONFIG_128x128.scale_tma
+    assert G.CONFIG_256x128.block_m == 256 and G.CONFIG_128x256.block_m == 128
+    assert G._c_block_n(128, 256) == 64 and G._c_block_n(128, 128) == 128 and G._c_block_n(256, 128) == 64
+    assert G.select_config(1, torch.float32, False) is G.CONFIG_128x128
     # a bf16 output: 4 stages of 128x256 with 128x128 B (48 KiB + 640 B of scales each) next to 32 KiB of
     # output buffers; 3 with 1x128 B (48 KiB + 1.5 KiB of scales), in either tile shape
-    assert G.stages_that_fit(256, torch.bfloat16, 0, 2) == 4
-    assert G.stages_that_fit(256, torch.bfloat16, 0, 1) == 3
-    assert G.stages_that_fit(128, torch.bfloat16, 0, 1, tall=True) == 3
+    assert G.stages_that_fit(128, 256, torch.bfloat16, 0, 2) == 4
+    assert G.stages_that_fit(128, 256, torch.bfloat16, 0, 1) == 3
+    assert G.stages_that_fit(256, 128, torch.bfloat16, 0, 1) == 3
 
 
 @pytest.mark.parametrize("bias, acc, out_dtype", [(True, True, torch.float32), (False, False, torch.float32)])
 def test_an_explicit_128x256_config_that_spills_is_refused(monkeypatch, bias, acc, out_dtype):
-    """An explicit ``config=WIDE_CONFIG`` where the 128x256 kernel spills (a plain fp32 output; a bias
+    """An explicit ``config=CONFIG_128x256`` where the 128x256 kernel spills (a plain fp32 output; a bias
     into accumulate_into with 1x128 B scales) raises NotImplementedError before launching; with no
     config the same call takes the 128x128 kernel."""
     from primus_fp8_plugin.backends.triton import gemm_gluon as G
@@ -176,7 +177,7 @@ def test_an_explicit_128x256_config_that_spills_is_refused(monkeypatch, bias, ac
     a, a_s, b, b_s = operands(130, 136, 256, b_block_dim=1)
     kw = {"bias": torch.zeros(136) if bias else None, "accumulate_into": torch.zeros(130, 136) if acc else None}
     with pytest.raises(NotImplementedError, match="spills"):
-        call(a, a_s, b, b_s, b_block_dim=1, out_dtype=out_dtype, config=G.WIDE_CONFIG, **kw)
+        call(a, a_s, b, b_s, b_block_dim=1, out_dtype=out_dtype, config=G.CONFIG_128x256, **kw)
     assert not launched
     call(a, a_s, b, b_s, b_block_dim=1, out_dtype=out_dtype, **kw)
     assert len(launched) == 1

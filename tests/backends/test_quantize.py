@@ -72,7 +72,7 @@ def test_scale_rule_matches_numpy_oracle(pow2, fp8, in_dtype):
 
 
 def test_python_scalar_division_would_be_wrong():
-    """Guards the reason scale_from_amax uses a tensor/tensor division (FACTS.md §1 step 2)."""
+    """Guards the reason scale_from_amax uses a tensor/tensor division (docs/NUMERICS.md, "Per tile", step 2)."""
     amax = torch.rand(20000, generator=torch.Generator().manual_seed(1)) + 0.01
     true_div = torch.full_like(amax, 448.0) / amax
     assert not torch.equal(true_div, 448.0 / amax)

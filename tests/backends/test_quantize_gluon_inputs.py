@@ -1,8 +1,8 @@
 """The Hopper Gluon quantizers' wrappers on any machine: valid inputs they do not take (not a Hopper
-GPU, dims not multiples of 16, other dtypes, non-contiguous) raise GluonWeightUnsupported /
-GluonActUnsupported before anything is allocated or launched, so the triton backend falls back to
-the Triton kernels, whose bits are the same. The kernel itself is checked on the GPU (tests/gpu,
-scripts/check_quant_hopper.py) and compiled in CI (test_triton_aot.py)."""
+GPU, dims not multiples of 16, other dtypes, non-contiguous) raise GluonUnsupported before anything
+is allocated or launched, so the triton backend falls back to the Triton kernels, whose bits are the
+same. The kernel itself is checked on the GPU (tests/gpu, tools/check_quant_hopper.py) and compiled
+in CI (tests/tools/test_triton_aot.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,10 @@ import torch
 
 from primus_fp8_plugin import QuantParams
 from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant
-from primus_fp8_plugin.backends.triton.quantize_act_gluon import GluonActUnsupported, quantize_1x128_dual_gluon
+from primus_fp8_plugin.backends.triton.quantize_act_gluon import quantize_1x128_dual_gluon
 from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import MAX_DIM
-from primus_fp8_plugin.backends.triton.quantize_weight_gluon import (
-    GluonWeightUnsupported,
-    quantize_128x128_gluon,
-    unsupported_reason,
-)
+from primus_fp8_plugin.backends.triton.quantize_weight_gluon import quantize_128x128_gluon, unsupported_reason
+from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported
 
 from ..conftest import make_input
 
@@ -28,11 +25,11 @@ P = QuantParams(torch.float8_e4m3fn, 2)
 
 def test_off_hopper_is_unsupported():
     w = torch.randn(256, 256, dtype=torch.bfloat16)
-    with pytest.raises(GluonWeightUnsupported, match="sm_90"):
+    with pytest.raises(GluonUnsupported, match="sm_90"):
         quantize_128x128_gluon(w, P)
-    with pytest.raises(GluonActUnsupported, match="sm_90"):
+    with pytest.raises(GluonUnsupported, match="sm_90"):
         quantize_1x128_dual_gluon(w, QuantParams(torch.float8_e4m3fn, 1), rowwise=True, columnwise=True)
-    assert issubclass(GluonWeightUnsupported, NotImplementedError) and issubclass(GluonActUnsupported, NotImplementedError)
+    assert issubclass(GluonUnsupported, NotImplementedError)
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ def test_weight_kernel_bit_exact_with_reference(case):
 
 
 def test_launch_configs_bit_exact():
-    """The launch configs that scripts/bench_quant.py --variants times compute the same bits."""
+    """The launch configs that benchmarks/bench_quant.py --variants times compute the same bits."""
     x = random_x(144, 144, torch.bfloat16, seed=7, bad="nan")
     params = QuantParams(E4M3, 1)
     ref = REF.quantize_act(x, params, rowwise=True, columnwise=True)

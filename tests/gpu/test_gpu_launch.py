@@ -136,7 +136,7 @@ def test_hinted_launches_reuse_one_binary_per_hint_and_match_plain_launches(monk
     """The Gluon act quantizer goes through ``FastLauncher.hinted``: a repeated call finds its binary by
     hint (no new specialisation), and the bits equal the ordinary ``kernel[grid]`` launch."""
     from primus_fp8_plugin.backends.triton import quantize_act_gluon
-    from primus_fp8_plugin.backends.triton.hopper import runs_on
+    from primus_fp8_plugin.backends.triton.sm90 import runs_on
 
     if not runs_on(torch.device("cuda")):
         pytest.skip("the Gluon quantizer runs on sm_90 only")

@@ -18,7 +18,7 @@ def test_gpt_on_gpu_matches_bf16(nccl_world, backend):
     if not backend_availability(backend, "cuda"):
         pytest.skip(backend_availability(backend, "cuda").reason)
     from primus_fp8_plugin.megatron import is_fp8_linear
-    from primus_fp8_plugin.megatron import te_compare as tc
+    from tools import te_compare as tc
 
     shape = tc.GptShape(**SHAPE)
     ids, pos = tc.batch(shape)
@@ -47,7 +47,7 @@ def test_gpt_plugin_spec_matches_te_spec(nccl_world, backend_with_te):
     """TE's spec under Float8BlockScaling and the plugin's spec, same weights and inputs: the same
     quantization, so the plugin sits much closer to TE than either sits to BF16 (what remains comes
     from TE's fused attention and norm kernels, whose bf16 roundings flip a few FP8 roundings)."""
-    from primus_fp8_plugin.megatron import te_compare as tc
+    from tools import te_compare as tc
 
     backend = backend_with_te
     results = tc.results_by_kind(tc.GptShape(**SHAPE), ["te", "plugin", "bf16"], backend=backend)
@@ -68,7 +68,7 @@ def test_plugin_linears_inside_te_spec_match_te(nccl_world, backend_with_te):
     weights and inputs, two ways: ``plugin_te_spec`` (the plugin's fused norm+linear layers, so the
     pre-norms are the plugin's) and ``plugin_te_norms`` (TE's norms kept: only the linears differ).
     Each linear is TE-exact, so both should sit far closer to TE than FP8 sits to BF16."""
-    from primus_fp8_plugin.megatron import te_compare as tc
+    from tools import te_compare as tc
 
     backend = backend_with_te
     kinds = ["te", "plugin_te_spec", "plugin_te_norms", "te_bf16"]

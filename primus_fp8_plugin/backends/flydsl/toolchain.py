@@ -1,5 +1,5 @@
 """What FlyDSL needs to compile for gfx950 on a machine without ROCm: an ``ld.lld`` and the AMD
-device bitcode under ``$ROCM_PATH`` (FACTS.md §4). On Debian they come from the packages ``lld-19``
+device bitcode under ``$ROCM_PATH`` (docs/AMD.md). On Debian they come from the packages ``lld-19``
 and ``rocm-device-libs``; this module lays them out as a minimal ROCm root and sets the variables
 FlyDSL reads for compile-only runs. Must run before flydsl is imported.
 """

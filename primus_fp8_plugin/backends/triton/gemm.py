@@ -8,11 +8,7 @@ the two scales and added to an fp32 accumulator (DeepSeek-V3's promotion).
 
 from __future__ import annotations
 
-import functools
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import triton
@@ -34,35 +30,10 @@ class GemmConfig:
     num_stages: int = 3
 
 
-CONFIG_TABLE = Path(__file__).with_name("gemm_configs.json")
-
-
 def default_config() -> GemmConfig:
+    """The one launch configuration: what the AOT check (tools/aot_triton.py) compiles for sm_90 and
+    gfx950, and every call runs unless it passes ``config``."""
     return GemmConfig()
-
-
-@functools.lru_cache(maxsize=1)
-def _tuned_table() -> dict[str, GemmConfig]:
-    """Configs chosen by ``scripts/bench_gemm.py --tune`` on the GPU, keyed ``"<1d|2d>:M:N:K"``."""
-    if not CONFIG_TABLE.exists():
-        return {}
-    raw = json.loads(CONFIG_TABLE.read_text())
-    return {key: GemmConfig(**cfg) for key, cfg in raw.get("configs", {}).items()}
-
-
-def select_config(m: int, n: int, k: int, b_block_dim: int) -> GemmConfig:
-    """The tuned config of this exact GEMM shape, else the tuned config of the nearest shape with the
-    same N and K (M varies with batch size), else the default."""
-    table = _tuned_table()
-    kind = f"{b_block_dim}d"
-    exact = table.get(f"{kind}:{m}:{n}:{k}")
-    if exact is not None:
-        return exact
-    same_nk = [(abs(math.log2(max(int(key.split(":")[1]), 1) / max(m, 1))), cfg)
-               for key, cfg in table.items() if key.startswith(f"{kind}:") and key.endswith(f":{n}:{k}")]  # fmt: skip
-    if same_nk:
-        return min(same_nk, key=lambda t: t[0])[1]
-    return default_config()
 
 
 @triton.jit
@@ -201,7 +172,7 @@ def blockwise_gemm(
             return c.zero_()
     if m == 0 or n == 0:
         return c
-    cfg = config or select_config(m, n, k, b_block_dim)
+    cfg = config or default_config()
     grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n),)
     _launch(
         grid, a, b, c, a_scale_inv, b_scale_inv, bias if bias is not None else c,

@@ -1,74 +1,71 @@
-"""Blockwise-scaled FP8 GEMM for Hopper (sm_90) written in Gluon: ``C [M, N] = A [M, K] @ B [N, K]^T``.
+"""Blockwise-scaled FP8 GEMM for NVIDIA Hopper (sm_90) in Gluon: ``C [M, N] = A [M, K] @ B [N, K]^T``.
 
-Same math, scale layouts and wrapper semantics as :func:`.gemm.blockwise_gemm` (DeepSeek-V3 / TE
-``Float8BlockScaling`` promotion: every 128-wide K block's tensor-core product is scaled by
-``a_scale_inv[kb, m] * b_scale(n, kb)`` and added to an fp32 accumulator).
+Same math, scale layouts and wrapper contract as :func:`.gemm.blockwise_gemm`: each 128-wide K block's
+tensor-core product is scaled by ``a_scale_inv[kb, m] * b_scale(n, kb)`` and added to an fp32
+accumulator (TE ``Float8BlockScaling`` / DeepSeek-V3 promotion). A is 1x128-scaled; B is 128x128-scaled
+(fprop, dgrad: ``b_block_dim=2``) or 1x128-scaled (wgrad: ``b_block_dim=1``).
 
-Design (DeepGEMM-like, warp specialised, persistent):
+Design: persistent and warp specialised. One CTA per SM walks the output tiles in an L2-grouped order
+(GROUP_M rows of tiles sweep the N tiles together). A 1-warp producer partition TMA-loads each K
+block's A and B FP8 tiles into NVMMA-swizzled shared memory through a NUM_STAGES-deep ready/empty
+mbarrier ring. Two 4-warp consumer partitions (one warpgroup each, half of the tile's rows) run async
+``wgmma`` (m64nNk32, e4m3/e5m2 operands) of each K block into a fresh fp32 accumulator and promote it
+into the running accumulator on the CUDA cores (``acc += part * a_scale[m] * b_scale[n]``) while the
+tensor cores run the next chain. Registers move between the partitions with ``setmaxnreg``; the
+kernel has 12 warps under ``maxnreg=168`` (168 x 384 threads fit the 64K-register file). Epilogue per
+warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output dtype, registers ->
+swizzled shared memory -> TMA store, whose completion overlaps the next tile's K loop.
 
-* one CTA per SM walks the output tiles (BLOCK_M=128 x BLOCK_N) in an L2-grouped order;
-* a 1-warp producer partition TMA-loads the A [128, 128] and B [BLOCK_N, 128] FP8 tiles of each K
-  block into NVMMA-swizzled shared memory, through a NUM_STAGES-deep ready/empty mbarrier ring;
-* two 4-warp consumer partitions (one warpgroup each, rows 0-63 and 64-127 of the tile) run async
-  ``wgmma`` (e4m3/e5m2) of each K block into a *fresh* fp32 accumulator and promote it into the
-  running accumulator with ``acc += part * a_scale[m] * b_scale[n]`` on the CUDA cores; with 128x128
-  tiles (``_consumer``) each K block's m64n128k32 chain is waited for, its smem stage released, then
-  promoted, and the promotion of one warpgroup overlaps the other warpgroup's wgmma through the warp
-  scheduler (DeepGEMM's scheme). Registers are rebalanced with ``setmaxnreg`` (consumers 232,
-  producer 40 for 128x128 tiles; 240 / 24 for 128x256; under ``maxnreg=168``).
-  (Double-buffering the fresh accumulator of a 128x128 tile's n128 chains was tried: ptxas
-  serialised its wgmmas, warning C7515, and spilled; removed, see docs/PERFORMANCE.md);
-* ``block_n=256`` (``WIDE_CONFIG``, what ``select_config`` picks for 128x128-scaled B and for a
-  bias; 128x256 tiles: 25% less L2->SM operand traffic per FLOP than 128x128; ``_consumer_quad``):
-  each K block runs four m64n64k32 chains (B rows 0-63, ..., 192-255) alternately into two fresh
-  accumulators, so that the warpgroup promotes chain j while chain j+1 runs, into four running
-  accumulators (4 x 32 + 2 x 32 fp32 registers per thread). Chain 3 of a K block is retired inside
-  the block: a wgmma left in flight across the K loop's back edge made ptxas serialise every wgmma
-  (C7514, caught by the AOT check).
-  The producer TMA-loads each K block's scales into the smem stage with the tiles (the A-scale [128]
-  row slice; the [256] row slice of 1x128 B scales, or a [2, 16] box holding the tile's two
-  128x128-block scales), and the consumers read them with ld.shared a chain ahead of their use (the
-  128x128 B scale as one broadcast word). Nsight Compute on the H200 showed why: with global loads
-  the consumer warps stalled on each K block's scale load, 23% of their stall samples; reducing the
-  [2, 16] box in registers cost another 10% (docs/PERFORMANCE.md). TE's [KB, pad4(M)] and
-  [NB, pad4(KB)] scale rows are 16-byte aligned as TMA needs; other layouts are copied; out-of-range
-  entries are zero-filled. The epilogue stores four [64, 64] pieces through two buffers per
-  warpgroup, so a piece's store overlaps the next piece's conversion. Both B scale layouts, with
-  bf16/fp16 output or ``accumulate_into`` (a plain fp32 output, and a bias added into
-  ``accumulate_into`` with 1x128 B scales, spill registers: the wrapper raises
-  ``NotImplementedError``, see ``supports``; ``select_config`` gives them 128x128 tiles). Earlier
-  128x256 consumers (two n128 chains, each waited for before its promotion; scales from global
-  memory or smem) are in commit 94245c7: the quarter chains gave bit-identical outputs 2-9% faster;
-* ``tall=True`` (``TALL_CONFIG``, what ``select_config`` picks for 1x128-scaled B without a bias: the
-  wgrad GEMM; 256x128 tiles, ``_consumer_tall``): each warpgroup owns 128 rows as two m64 halves and
-  runs four m64n64k32 chains per K block in column-major order, so that each 64-column scale vector
-  serves two consecutive chains; it promotes as ``(part * a_scale) * b_scale``, whose FMULs by the
-  row scales (in registers since the stage's ready wait) do not wait for the column scales'
-  ld.shared, the wgrad form's top stall in Nsight Compute (the reassociation is exact for TE's
-  power-of-2 scales, within an ulp otherwise). On the H200, sustained: 0.965-0.985x cuBLAS
-  against 0.923-0.939x for 128x256 tiles in one probe_gemm_clocks run (docs/PERFORMANCE.md,
-  2026-12-01, seventh session);
-* 128x128 tiles (``_consumer``): the scales are prefetched into registers one K block ahead (plain
-  global loads, L2 hot);
-* epilogue per warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output
-  dtype, registers -> swizzled smem -> TMA store (its completion overlaps the next tile's K loop).
+Tiles (``GluonGemmConfig``; ``select_config`` picks one per call; BLOCK_K is always 128):
 
-Limits (checked by the wrapper, which raises ``NotImplementedError``/``ValueError``): NVIDIA sm_90;
-A, B row-major K-contiguous with K % 16 == 0 (TMA 16-byte strides); N % 8 == 0 (output TMA);
-operands float8_e4m3fn or float8_e5m2; the output / ``accumulate_into`` must be row-contiguous.
+  tile     config           picked for                         one consumer warpgroup, per K block
+  128x256  CONFIG_128x256   128x128-scaled B (fwd, dgrad),     64 rows; four m64n64k32 chains (B rows 0-63,
+                            and 1x128-scaled B with a bias     ..., 192-255) alternating between two fresh
+                                                               accumulators: chain j is promoted while j+1 runs
+  256x128  CONFIG_256x128   1x128-scaled B without a bias      128 rows as two m64 halves; four m64n64k32 chains
+                            (wgrad)                            in column-major order, so that each 64-column
+                                                               scale vector serves two consecutive chains
+  128x128  CONFIG_128x128   what the two above refuse: a       64 rows; one m64n128k32 chain, waited for, its
+                            plain fp32 output; 1x128 B with    stage released, then promoted (the other
+                            accumulate_into and a bias         warpgroup's wgmma fills the tensor cores)
+  128x64   block_n=64       an explicit ``config=`` only       as 128x128, with one m64n64k32 chain
+
+* 128x256 and 256x128: the producer also TMA-loads each K block's scales into the stage (the A-scale
+  row slice [BLOCK_M]; 1x128 B: the [BLOCK_N] row slice; 128x128 B: a [2, 16] box holding the tile's
+  two block scales, ``_B2D_SCALE_BOX``), and the consumers read them with ld.shared a chain ahead of
+  their use (a 128x128 B scale as one broadcast word). The last chain of a K block is retired inside
+  the block: a wgmma in flight across the K loop's back edge makes ptxas serialise every wgmma. Four
+  running + two fresh accumulators are 4 x 32 + 2 x 32 fp32 registers per thread; setmaxnreg 240 /
+  24. The epilogue stores four [64, 64] pieces per warpgroup through two buffers, so that one piece's
+  store overlaps the next piece's conversion.
+* 256x128 promotes as ``(part * a_scale) * b_scale``: the FMULs by the row scales (in registers
+  since the stage's ready wait) need not wait for the column scales' ld.shared. Equal to
+  ``part * (a_scale * b_scale)`` for power-of-2 scales (TE's default), within an ulp otherwise.
+* 128x128 and 128x64: the scales come from global memory (L2-resident), prefetched into registers one
+  K block ahead; one [64, BLOCK_N] output buffer per warpgroup; setmaxnreg 232 / 40.
+* Pipeline depth: as many stages as fit in 227 KiB of shared memory beside the output buffers, at
+  most 6 (``stages_that_fit``), unless the config asks for a number.
+
+Scale layouts: TE's [KB, pad4(M)] (1x128) and [NB, pad4(KB)] (128x128) tensors have 16-byte aligned
+rows, as TMA needs, and are read in place; other layouts are copied first (``_tma_ready_scale``);
+TMA zero-fills entries past the tensor.
+
+Limits, checked by the wrapper before anything is allocated or launched: NVIDIA sm_90; A and B
+row-major (K contiguous) and 16-byte aligned, K % 16 == 0 (TMA row strides), N % 8 == 0 (the output's
+TMA store); operands float8_e4m3fn or float8_e5m2; the output and ``accumulate_into`` row-contiguous,
+``accumulate_into`` with 16-byte aligned rows. Valid inputs outside these raise ``GluonUnsupported``
+(the triton backend then runs the portable kernel); wrong inputs raise ValueError / TypeError. A
+config asked for explicitly that does not take the call raises NotImplementedError (``supports`` says
+why): 128x256 with a plain fp32 output, or with 1x128 B, ``accumulate_into`` and a bias (both spill
+registers); 256x128 with 128x128 B, a bias or a plain fp32 output.
 """
 
 from __future__ import annotations
 
 import functools
-import re
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -82,93 +79,69 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...tensor import ceil_div
 from .gemm import check_operands
-from .hopper import SMEM_LIMIT, TORCH_TO_GL, num_sms, runs_on
 from .launch import FastLauncher, aligned, int_class
+from .sm90 import SMEM_LIMIT, TORCH_TO_GL, GluonUnsupported, num_sms, runs_on
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
-
-
-class GluonUnsupported(NotImplementedError):
-    """Inputs this kernel does not take (hardware, TMA layout rules) although they are valid:
-    the caller may run another kernel. Wrong inputs raise ValueError / TypeError instead."""
+# registers per thread at launch, every config: 12 warps (2 consumer warpgroups + the producer's
+# warpgroup) share the 64K-register file, 168 * 384 <= 65536; setmaxnreg then moves registers between them
+MAXNREG = 168
 
 
 @dataclass(frozen=True)
 class GluonGemmConfig:
-    """Launch configuration. BLOCK_M is fixed at 128 (two 64-row consumer warpgroups)."""
+    """Launch configuration: the output tile (``block_m`` x ``block_n``: 128x64, 128x128, 128x256, or
+    256x128 for 1x128-scaled B), the pipeline depth, the L2 grouping and the setmaxnreg split."""
 
+    block_m: int = 128  # 128: each consumer warpgroup owns 64 rows; 256: 128 rows (block_n=128 only)
     block_n: int = 128
     num_stages: int = 0  # 0: as many as fit in shared memory (at most 6)
     group_m: int = 8
     consumer_regs: int = 232
     producer_regs: int = 40
-    # 256x128 tiles for 1x128-scaled B (wgrad, _consumer_tall): each warpgroup owns 128 rows as two m64
-    # halves, so each K block's two 64-column scale vectors serve two chains each
-    tall: bool = False
-
-    @property
-    def block_m(self) -> int:
-        return 256 if self.tall else 128
 
     @property
     def scale_tma(self) -> bool:
-        """128x256 tiles (_consumer_quad) have the producer TMA-load each K block's A-scale row slice
-        [128] and its B scales (1x128 B: the [256] row slice; 128x128 B: a [2, 16] box,
-        _B2D_SCALE_BOX) into the smem stage with the A/B tiles; 128x128 tiles (_consumer) read their
-        scales from global memory."""
-        return self.block_n == 256 or self.tall
+        """Whether the producer TMA-loads each K block's scales into the smem stage with the tiles
+        (128x256 and 256x128 tiles); 128x128 and 128x64 tiles read them from global memory."""
+        return self.block_n == 256 or self.block_m == 256
 
 
-def default_config() -> GluonGemmConfig:
-    return GluonGemmConfig()
-
-
-# 128x256 tiles (_consumer_quad: four n64 wgmma chains per K block, one in flight while the previous
-# one is promoted; scales staged through shared memory): 25% less L2->SM traffic per FLOP than 128x128.
-# Both B scale layouts; bf16/fp16 output or accumulate_into (a plain fp32 output spills registers).
-# On the H200 (docs/PERFORMANCE.md, 2026-12-01, fourth session; bench_gemm, cuBLAS in the same run): fwd
-# 0.97-1.08x cuBLAS, dgrad 1.01-1.06x, wgrad 0.94-1.02x. What select_config picks for 128x128 B (fwd,
-# dgrad) and for 1x128 B with a bias.
-WIDE_CONFIG = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
-
-
-# 256x128 tiles for 1x128-scaled B (wgrad; _consumer_tall, column-major chain order, (part * a_scale) *
-# b_scale promotion). What select_config picks for 1x128 B without a bias.
-TALL_CONFIG = GluonGemmConfig(block_n=128, consumer_regs=240, producer_regs=24, tall=True)
+CONFIG_128x128 = GluonGemmConfig()
+CONFIG_128x256 = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
+CONFIG_256x128 = GluonGemmConfig(block_m=256, block_n=128, consumer_regs=240, producer_regs=24)
 
 
 def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool = False) -> GluonGemmConfig:
-    """128x256 tiles (``WIDE_CONFIG``) where the kernel supports the output (bf16/fp16, or
-    accumulate_into), else 128x128 (a plain fp32 output; a bias added to an accumulate_into with 1x128
-    B scales, where the 128x256 kernel's epilogue spills 16 bytes since its scale loads moved a chain
-    ahead: no layer GEMM takes that combination, wgrad has no bias)."""
-    if supports(TALL_CONFIG, b_block_dim, out_dtype, accumulate, has_bias) is None:
-        return TALL_CONFIG
-    if supports(WIDE_CONFIG, b_block_dim, out_dtype, accumulate, has_bias) is None:
-        return WIDE_CONFIG
-    return default_config()
+    """The tile of a call (the module docstring's table): 256x128 for 1x128-scaled B without a bias,
+    else 128x256 where it takes the output (bf16/fp16, or ``accumulate_into`` except with 1x128 B and
+    a bias), else 128x128."""
+    if supports(CONFIG_256x128, b_block_dim, out_dtype, accumulate, has_bias) is None:
+        return CONFIG_256x128
+    if supports(CONFIG_128x256, b_block_dim, out_dtype, accumulate, has_bias) is None:
+        return CONFIG_128x256
+    return CONFIG_128x128
 
 
-def _c_block_n(block_n: int, tall: bool = False) -> int:
-    # BLOCK_N=256 tiles (and 256x128 ones) store four [64, 64] pieces through two buffers per warpgroup
-    return 64 if block_n == 256 or tall else block_n
+def _c_block_n(block_m: int, block_n: int) -> int:
+    # 128x256 and 256x128 tiles store four [64, 64] pieces per warpgroup through two buffers
+    return 64 if block_n == 256 or block_m == 256 else block_n
 
 
-def stages_that_fit(block_n: int, out_dtype: torch.dtype, requested: int = 0, b_block_dim: int = 1,
-                    tall: bool = False) -> int:  # fmt: skip
-    """Pipeline stages of a BLOCK_N tile (``requested``, or as many as fit, at most 6) next to the
-    output buffers; raises ValueError when fewer than 2, or ``requested``, do not fit."""
-    block_m = 256 if tall else 128
+def stages_that_fit(block_m: int, block_n: int, out_dtype: torch.dtype, requested: int = 0, b_block_dim: int = 1) -> int:
+    """Pipeline stages of a ``block_m`` x ``block_n`` tile (``requested``, or as many as fit, at most 6)
+    next to the output buffers; raises ValueError when fewer than 2, or ``requested``, do not fit."""
+    four_pieces = block_n == 256 or block_m == 256
     stage_bytes = (block_m + block_n) * BLOCK_K  # fp8 A and B tiles
-    if block_n == 256 or tall:  # + the fp32 A-scale row slice and the B scales of the K block (scale_tma)
+    if four_pieces:  # + the fp32 A-scale row slice and the B scales of the K block (scale_tma)
         stage_bytes += (block_m + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
     # [64, _c_block_n] output buffers: two per warpgroup with four pieces, else one
-    c_bufs = 4 if block_n == 256 or tall else 2
-    c_bytes = c_bufs * 64 * _c_block_n(block_n, tall) * out_dtype.itemsize
-    fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (264-320 seen)
+    c_bufs = 4 if four_pieces else 2
+    c_bytes = c_bufs * 64 * _c_block_n(block_m, block_n) * out_dtype.itemsize
+    fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (264-320 bytes in use)
     stages = min(fit, 6) if requested <= 0 else requested
     if stages < 2 or stages > fit:
-        raise ValueError(f"{stages} stages of BLOCK_N={block_n} do not fit in shared memory (max {fit})")
+        raise ValueError(f"{stages} stages of a {block_m}x{block_n} tile do not fit in shared memory (max {fit})")
     return stages
 
 
@@ -228,8 +201,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs
             tma.async_copy_global_to_shared(b_desc, [off_n, kb * BK], ready.index(s), b_bufs.index(s))
             if SCALE_TMA:
                 tma.async_copy_global_to_shared(as_desc, [kb, off_m], ready.index(s), as_bufs.index(s))
-                if B_2D:  # b_s[n // 128 + (0, 1), kb] in a [2, 16] box starting at column kb & ~3 (with
-                    # unaligned starts the kernel faulted on the H200: _B2D_SCALE_BOX)
+                if B_2D:  # b_s[n // 128 + (0, 1), kb] in a [2, 16] box starting at the 16-byte aligned
+                    # column kb & ~3 (_B2D_SCALE_BOX)
                     tma.async_copy_global_to_shared(bs_desc, [off_n // BK, kb & ~3], ready.index(s), bs_bufs.index(s))
                 else:
                     tma.async_copy_global_to_shared(bs_desc, [kb, off_n], ready.index(s), bs_bufs.index(s))
@@ -264,10 +237,13 @@ def _promote(acc, part, sa, sb, B_2D: gl.constexpr, ROW_FIRST: gl.constexpr = Fa
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
-              M, N, K, stride_as, stride_bs, stride_cm,
-              WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
-              GROUP_M: gl.constexpr):  # fmt: skip
+def _consumer_128x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
+                      M, N, K, stride_as, stride_bs, stride_cm,
+                      WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
+                      GROUP_M: gl.constexpr):  # fmt: skip
+    """Warpgroup ``WG`` of a 128 x BLOCK_N tile (BLOCK_N = 64 or 128): rows WG*64 .. +63, one
+    m64nBLOCK_Nk32 chain per K block, its scales loaded from global memory one K block ahead. One
+    [64, BLOCK_N] output buffer."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -295,8 +271,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bi
         sa, sb = _load_scales(a_s_ptr, b_s_ptr, 0, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr, stride_as,
                               stride_bs, B_2D)  # fmt: skip
         acc = zero
-        # DeepGEMM order: wgmma of the block, wait, release the stage, promote (the other
-        # warpgroup's wgmma fills the tensor cores meanwhile).
+        # per K block: wgmma, wait, release the stage, promote (the other warpgroup's wgmma fills the
+        # tensor cores meanwhile)
         for kb in range(nk):
             s = it % NUM_STAGES
             mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
@@ -327,7 +303,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bi
 
 
 @gluon.jit
-def _quad_b2d_scale(bs_words, s, kb, half, word_layout: gl.constexpr, SB_W: gl.constexpr):
+def _b2d_block_scale(bs_words, s, kb, half, word_layout: gl.constexpr, SB_W: gl.constexpr):
     """The 128x128 B scale of tile half ``half`` for K block ``kb``: one word of stage ``s``'s [2, SB_W]
     box (word ``half * SB_W + (kb & 3)``), loaded by every thread (a broadcast ld.shared)."""
     SB_N: gl.constexpr = 2 * SB_W
@@ -336,7 +312,7 @@ def _quad_b2d_scale(bs_words, s, kb, half, word_layout: gl.constexpr, SB_W: gl.c
 
 
 @gluon.jit
-def _quad_col_scales(bs_scales, s, J: gl.constexpr, Q: gl.constexpr, col_layout: gl.constexpr, B_2D: gl.constexpr):
+def _col_scales(bs_scales, s, J: gl.constexpr, Q: gl.constexpr, col_layout: gl.constexpr, B_2D: gl.constexpr):
     """Column scales of piece J from stage ``s``: the piece's 64 1x128 B scales, or 1.0 for 128x128 B
     (whose block scale the row scales carry)."""
     if B_2D:
@@ -347,11 +323,11 @@ def _quad_col_scales(bs_scales, s, J: gl.constexpr, Q: gl.constexpr, col_layout:
 
 
 @gluon.jit
-def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
-                as_rows, bs_scales, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
-                row_layout: gl.constexpr, col_layout: gl.constexpr, word_layout: gl.constexpr, SB_W: gl.constexpr,
-                B_2D: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
-    """One K block of _consumer_quad: chains 0-3 (B rows 0-63, ..., 192-255 of stage ``s``) into the
+def _k_block_128x256(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
+                     as_rows, bs_scales, WG: gl.constexpr, HALF_M: gl.constexpr, Q: gl.constexpr,
+                     row_layout: gl.constexpr, col_layout: gl.constexpr, word_layout: gl.constexpr, SB_W: gl.constexpr,
+                     B_2D: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
+    """One K block of _consumer_128x256: chains 0-3 (B rows 0-63, ..., 192-255 of stage ``s``) into the
     fresh accumulators pa, pb, pa, pb, each promoted while the next runs; unless FIRST, the previous
     K block's chain 3 (retired, in ``pb``, its row scales ``sa_prev``) is promoted while chain 0 runs
     and its stage ``s_prev`` released. ``bs_scales``: the B-scale boxes as single words (B_2D: the
@@ -361,19 +337,17 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     Scale loads are issued a chain ahead: the row scales right after the stage's ready wait, chains
     0 and 1's column scales after chain 3's promotion, chain 2's after chain 0's. The wgmmas read
     their operands from shared memory through the same queue as these loads, so a load issued just
-    before the wait of its chain (the kernel until 2026-12-01, fourth session) left the promotion's
-    FMULs waiting for it: 21% of the wgrad form's stall samples in Nsight Compute; loading earlier
-    took the wgrad form from 0.83-0.88x to 0.92-0.97x cuBLAS (docs/PERFORMANCE.md). Loading chain 0's
-    column scales before chain 3's promotion as well spills 32 bytes."""
+    before the wait of its own chain would leave the promotion's FMULs waiting for it. Chain 0's
+    column scales are not loaded before chain 3's promotion: holding them there spills registers."""
     # Promotions go through _promote with row scales and column scales: for 128x128 B the rows carry
     # the block's B scale already (s_lo, s_hi) and the column scale is 1.0 (folded away).
     if not FIRST:  # chain 3's 1x128 B scales, from its stage (not released yet)
-        sb3_prev = _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D)
+        sb3_prev = _col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D)
     mbarrier.wait(ready.index(s), phase)
     sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
     if B_2D:
-        s_lo = sa * _quad_b2d_scale(bs_scales, s, kb, 0, word_layout, SB_W)
-        s_hi = sa * _quad_b2d_scale(bs_scales, s, kb, 1, word_layout, SB_W)
+        s_lo = sa * _b2d_block_scale(bs_scales, s, kb, 0, word_layout, SB_W)
+        s_hi = sa * _b2d_block_scale(bs_scales, s, kb, 1, word_layout, SB_W)
     else:
         s_lo = sa
         s_hi = sa
@@ -383,13 +357,13 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
     if not FIRST:
         acc3 = _promote(acc3, pb, sa_prev, sb3_prev, B_2D)
         mbarrier.arrive(empty.index(s_prev))
-    sb0 = _quad_col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
-    sb1 = _quad_col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
+    sb0 = _col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
+    sb1 = _col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     # chain 0
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
     acc0 = _promote(acc0, pa, s_lo, sb0, B_2D)
-    sb2 = _quad_col_scales(bs_scales, s, 2, Q, col_layout, B_2D)
+    sb2 = _col_scales(bs_scales, s, 2, Q, col_layout, B_2D)
     pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     # chain 1
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
@@ -403,8 +377,8 @@ def _quad_block(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc0
 
 
 @gluon.jit
-def _quad_store(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
-                stride_cm, WG: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr):  # fmt: skip
+def _store_piece(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                 stride_cm, WG: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr):  # fmt: skip
     """Epilogue of one [64, 64] piece: + bias, + accumulate_into, one rounding, TMA store through the
     warpgroup's buffer ``PIECE & 1``. Piece 0 waits for every earlier store (the previous tile's, long
     done: a tile at the N edge may have stored 1 or 3 pieces, so its last store can use either
@@ -426,17 +400,17 @@ def _quad_store(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_
 
 
 @gluon.jit
-def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
-                   WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
-                   GROUP_M: gl.constexpr):  # fmt: skip
-    """BLOCK_N = 4 x 64 tile with smem-staged scales: each K block runs four m64n64k32 wgmma chains
-    (B rows 0-63, ..., 192-255) alternately into two fresh accumulators (``pa``, ``pb``), so that while
-    chain j is promoted into its running accumulator ``acc_j`` chain j+1 runs (chain 3 is promoted
-    while the next K block's chain 0 runs; its stage is released after that). The warpgroup waits
-    with no chain of its own in flight once per K block (for chain 3), where n128 chains (the kernel
-    before 2026-12-01, commit 94245c7) waited twice per K block for a whole chain. Per thread: 4 x 32
-    running + 2 x 32 fresh fp32 registers. Pieces 0-1 lie in the tile's first 128x128 B
-    scale block, 2-3 in the second. Epilogue: four [64, 64] pieces through two buffers per warpgroup."""
+def _consumer_128x256(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm, as_bufs,
+                      bs_bufs, WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
+                      GROUP_M: gl.constexpr):  # fmt: skip
+    """Warpgroup ``WG`` of a 128 x 256 tile (rows WG*64 .. +63), scales staged through shared memory:
+    each K block runs four m64n64k32 wgmma chains (B rows 0-63, ..., 192-255) alternately into two
+    fresh accumulators (``pa``, ``pb``), so that while chain j is promoted into its running
+    accumulator ``acc_j`` chain j+1 runs (chain 3 is promoted while the next K block's chain 0 runs;
+    its stage is released after that). The warpgroup waits with no chain of its own in flight once
+    per K block (for chain 3). Per thread: 4 x 32 running + 2 x 32 fresh fp32 registers. Pieces 0-1
+    lie in the tile's first 128x128 B scale block, 2-3 in the second. Epilogue: four [64, 64] pieces
+    through two buffers per warpgroup."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -474,7 +448,7 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
         m_mask = offs_m < M
 
         s = it % NUM_STAGES
-        pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
+        pa, pb, acc0, acc1, acc2, acc3, sa3 = _k_block_128x256(
             a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, 0, s, pa, pb, zero, zero, zero, zero,
             gl.zeros([HALF_M], gl.float32, row_layout), as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout,
             word_layout, SB_W, B_2D, True,
@@ -483,43 +457,43 @@ def _consumer_quad(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr
         it += 1
         for kb in range(1, nk):
             s = it % NUM_STAGES
-            pa, pb, acc0, acc1, acc2, acc3, sa3 = _quad_block(
+            pa, pb, acc0, acc1, acc2, acc3, sa3 = _k_block_128x256(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, kb, s_prev, pa, pb, acc0, acc1, acc2,
                 acc3, sa3, as_rows, bs_scales, WG, HALF_M, Q, row_layout, col_layout, word_layout, SB_W, B_2D, False,
             )  # fmt: skip
             s_prev = s
             it += 1
-        acc3 = _promote(acc3, pb, sa3, _quad_col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D), B_2D)
+        acc3 = _promote(acc3, pb, sa3, _col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D), B_2D)
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: four [64, 64] pieces (those that start inside N)
-        _quad_store(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm, WG,
-                    HAS_BIAS, ACCUMULATE)  # fmt: skip
+        _store_piece(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm, WG,
+                     HAS_BIAS, ACCUMULATE)  # fmt: skip
         if off_n0 + Q < N:
-            _quad_store(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
-                        stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+            _store_piece(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                         stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
         if off_n0 + 2 * Q < N:
-            _quad_store(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
-                        stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+            _store_piece(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                         stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
         if off_n0 + 3 * Q < N:
-            _quad_store(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
-                        stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+            _store_piece(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                         stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _tall_block(a_bufs, b_bufs, ready, empty, s, phase, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
-                as_rows, bs_scales, WG: gl.constexpr, H: gl.constexpr, Q: gl.constexpr,
-                row_layout: gl.constexpr, col_layout: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
-    """One K block of _consumer_tall (1x128-scaled B): four m64n64k32 chains over the warpgroup's
+def _k_block_256x128(a_bufs, b_bufs, ready, empty, s, phase, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
+                     as_rows, bs_scales, WG: gl.constexpr, H: gl.constexpr, Q: gl.constexpr,
+                     row_layout: gl.constexpr, col_layout: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
+    """One K block of _consumer_256x128 (1x128-scaled B): four m64n64k32 chains over the warpgroup's
     128 x 128, in column-major order (rows h, columns q) = (0, 0), (1, 0), (0, 1), (1, 1), into the
-    fresh accumulators pa, pb, pa, pb, each promoted while the next runs, as in _quad_block. Each
+    fresh accumulators pa, pb, pa, pb, each promoted while the next runs, as in _k_block_128x256. Each
     column-scale vector serves two consecutive chains: loaded once, and the two are never held
-    together (row-major order held both across a promotion and spilled 52 bytes, one register inside
-    the K loop). Promotions are (part * row scale) * column scale, so their first 32 FMULs need no
-    ld.shared. Unless FIRST, the previous block's chain 3 (in ``pb``, row scales ``sa_prev``, column
-    scales re-read from its stage) is promoted while chain 0 runs, and its stage released. Returns
-    with chain 3 retired, in ``pb``, and its row scales."""
+    together (in row-major order both would be live across a promotion, which spills). Promotions
+    are (part * row scale) * column scale, so their first 32 FMULs need no ld.shared. Unless FIRST,
+    the previous block's chain 3 (in ``pb``, row scales ``sa_prev``, column scales re-read from its
+    stage) is promoted while chain 0 runs, and its stage released. Returns with chain 3 retired, in
+    ``pb``, and its row scales."""
     mbarrier.wait(ready.index(s), phase)
     rows = as_rows.index(s).slice(WG * 2 * H, 2 * H)
     sa0 = rows.slice(0, H).load(row_layout)
@@ -551,13 +525,13 @@ def _tall_block(a_bufs, b_bufs, ready, empty, s, phase, s_prev, pa, pb, acc0, ac
 
 
 @gluon.jit
-def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
-                   WG: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """256 x 128 tile, 1x128-scaled B (wgrad; what select_config picks there): the warpgroup owns rows WG*128 .. +127 as
-    two m64 halves and runs four m64n64k32 chains per K block (see _tall_block); per thread 4 x 32
-    running + 2 x 32 fresh fp32 registers, as in _consumer_quad; three 64-column scale vectors loaded
-    per K block for 128 x 128 outputs, where _consumer_quad loads four for 64 x 256.
-    Epilogue: four [64, 64] pieces through two buffers per warpgroup (no bias)."""
+def _consumer_256x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
+                      WG: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """Warpgroup ``WG`` of a 256 x 128 tile, 1x128-scaled B (wgrad): rows WG*128 .. +127 as two m64
+    halves, four m64n64k32 chains per K block (see _k_block_256x128); per thread 4 x 32 running + 2 x
+    32 fresh fp32 registers, as in _consumer_128x256; three 64-column scale vectors loaded per K block
+    for 128 x 128 outputs, where _consumer_128x256 loads four for 64 x 256. Epilogue: four [64, 64]
+    pieces through two buffers per warpgroup (no bias)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
@@ -585,7 +559,7 @@ def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K,
         off_m = pid_m * BLOCK_M + WG * 2 * H
         off_n = pid_n * BLOCK_N
         s = it % NUM_STAGES
-        pa, pb, acc0, acc1, acc2, acc3, sa3 = _tall_block(
+        pa, pb, acc0, acc1, acc2, acc3, sa3 = _k_block_256x128(
             a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s, pa, pb, zero, zero, zero, zero,
             gl.zeros([H], gl.float32, row_layout), as_rows, bs_scales, WG, H, Q, row_layout, col_layout, True,
         )  # fmt: skip
@@ -593,7 +567,7 @@ def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K,
         it += 1
         for _kb in range(1, nk):
             s = it % NUM_STAGES
-            pa, pb, acc0, acc1, acc2, acc3, sa3 = _tall_block(
+            pa, pb, acc0, acc1, acc2, acc3, sa3 = _k_block_256x128(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa3,
                 as_rows, bs_scales, WG, H, Q, row_layout, col_layout, False,
             )  # fmt: skip
@@ -605,18 +579,18 @@ def _consumer_tall(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K,
         # ---- epilogue: pieces (rows h, columns q) = acc0 (0, 0), acc1 (0, 1), acc2 (1, 0), acc3 (1, 1)
         offs_m0 = off_m + gl.arange(0, H, layout=row_layout)
         offs_m1 = offs_m0 + H
-        _quad_store(acc0, 0, off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm, WG,
-                    False, ACCUMULATE)  # fmt: skip
+        _store_piece(acc0, 0, off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm, WG,
+                     False, ACCUMULATE)  # fmt: skip
         if off_n + Q < N:
-            _quad_store(acc1, 1, off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
-                        stride_cm, WG, False, ACCUMULATE)  # fmt: skip
+            _store_piece(acc1, 1, off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
+                         stride_cm, WG, False, ACCUMULATE)  # fmt: skip
         # acc2 as piece 0 (buffer 0, waiting for every earlier store): piece 1 may have been skipped at
         # the N edge, so the store two pieces back is not the last one in buffer 0
-        _quad_store(acc2, 0, off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm,
-                    WG, False, ACCUMULATE)  # fmt: skip
+        _store_piece(acc2, 0, off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm,
+                     WG, False, ACCUMULATE)  # fmt: skip
         if off_n + Q < N:
-            _quad_store(acc3, 3, off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
-                        stride_cm, WG, False, ACCUMULATE)  # fmt: skip
+            _store_piece(acc3, 3, off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
+                         stride_cm, WG, False, ACCUMULATE)  # fmt: skip
     tma.store_wait(pendings=0)
 
 
@@ -633,17 +607,17 @@ def _blockwise_gemm_gluon_kernel(
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     HALF_M: gl.constexpr = c_desc.block_type.shape[0]  # 64: the rows of one wgmma chain
-    TALL: gl.constexpr = BLOCK_M == 4 * HALF_M  # 256x128 tiles (_consumer_tall)
-    gl.static_assert(BLOCK_M == 2 * HALF_M or TALL)
+    TILE_256x128: gl.constexpr = BLOCK_M == 4 * HALF_M  # 256x128 tiles (_consumer_256x128)
+    gl.static_assert(BLOCK_M == 2 * HALF_M or TILE_256x128)
     C_N: gl.constexpr = c_desc.block_type.shape[1]
-    QUAD: gl.constexpr = BLOCK_N == 4 * C_N  # BLOCK_N=256 in four 64-column chains (_consumer_quad)
-    gl.static_assert(BLOCK_N == C_N or QUAD or (TALL and BLOCK_N == 2 * C_N))
-    SCALE_TMA: gl.constexpr = QUAD or TALL  # scales staged through the smem ring by the producer
+    TILE_128x256: gl.constexpr = BLOCK_N == 4 * C_N  # BLOCK_N=256 in four 64-column chains (_consumer_128x256)
+    gl.static_assert(BLOCK_N == C_N or TILE_128x256 or (TILE_256x128 and BLOCK_N == 2 * C_N))
+    SCALE_TMA: gl.constexpr = TILE_128x256 or TILE_256x128  # scales staged through the smem ring by the producer
 
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BK], b_desc.layout)
-    # one output buffer per consumer warpgroup (two with QUAD)
-    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [4 if QUAD or TALL else 2, HALF_M, C_N], c_desc.layout)
+    # one output buffer per consumer warpgroup (two with TILE_128x256)
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [4 if TILE_128x256 or TILE_256x128 else 2, HALF_M, C_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -663,30 +637,30 @@ def _blockwise_gemm_gluon_kernel(
         bs_src = b_desc
     # The argument tuples must be written inline: a tuple assigned to a variable turns its
     # constexprs into tensors.
-    if TALL:
+    if TILE_256x128:
         gl.warp_specialize([
-            (_consumer_tall, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs,
-                              bs_bufs, 0, ACCUMULATE, GROUP_M)),
-            (_consumer_tall, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs,
-                              bs_bufs, 1, ACCUMULATE, GROUP_M)),
+            (_consumer_256x128, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs,
+                                 bs_bufs, 0, ACCUMULATE, GROUP_M)),
+            (_consumer_256x128, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs,
+                                 bs_bufs, 1, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
                          GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
-    elif QUAD:
+    elif TILE_128x256:
         gl.warp_specialize([
-            (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
-                              as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
-            (_consumer_quad, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
-                              as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+            (_consumer_128x256, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
+                                 as_bufs, bs_bufs, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+            (_consumer_128x256, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_ptr, M, N, K, stride_cm,
+                                 as_bufs, bs_bufs, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
                          GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
     else:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
-                         stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
-                         stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+            (_consumer_128x128, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
+                                 stride_as, stride_bs, stride_cm, 0, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
+            (_consumer_128x128, (a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr, M, N, K,
+                                 stride_as, stride_bs, stride_cm, 1, B_2D, HAS_BIAS, ACCUMULATE, GROUP_M)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_src, bs_src, as_bufs, bs_bufs,
                          GROUP_M, SCALE_TMA, B_2D)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
@@ -728,9 +702,8 @@ _SCALE_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth
 # 128x128-scaled B (b_s [ceil(N/128), >=KB]): one [2, 16] box per K block holds b_s[n0 // 128 + (0, 1),
 # kb] of a 128x256 tile. 16 columns wide so that each stage's box spans 128 bytes of shared memory
 # (TMA destinations are 128-byte aligned); starting at column kb & ~3, 16 bytes aligned, so the scales
-# are words kb & 3 and 16 + (kb & 3). On the H200, [2, 4] boxes at column kb and [2, 16] boxes at
-# column kb both faulted ("illegal instruction" at the producer's TMA, compute-sanitizer) once
-# kb > 0; [2, 16] at kb & ~3 runs (whether [2, 4] at kb & ~3 would was not tried).
+# are words kb & 3 and 16 + (kb & 3). The start must be 16-byte aligned: a box starting at column kb
+# faults on the H200 once kb > 0 ("illegal instruction" at the producer's TMA).
 _B2D_SCALE_BOX = (2, 16)
 
 
@@ -748,12 +721,6 @@ def _tma_ready_scale(scale: torch.Tensor, cols: int) -> torch.Tensor:
     padded = torch.zeros(scale.shape[0], ceil_div(cols, 4) * 4, dtype=torch.float32, device=scale.device)
     padded[:, :cols] = scale[:, :cols]
     return padded
-
-
-def _maxnreg(cfg: GluonGemmConfig) -> int:
-    # 12 warps (2 consumer warpgroups + the producer's warpgroup); setmaxnreg moves registers
-    # between them, the kernel-wide budget is 64K registers: maxnreg * 384 <= 65536.
-    return 168
 
 
 def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
@@ -782,11 +749,14 @@ def _check_config(
 ) -> None:  # fmt: skip
     if cfg.block_n not in (64, 128, 256):
         raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
-    if cfg.tall and (cfg.block_n != 128 or b_block_dim != 1 or has_bias):
-        raise NotImplementedError("tall (256x128) tiles are implemented for 1x128-scaled B (wgrad) with block_n=128 "
+    if cfg.block_m not in (128, 256):
+        raise NotImplementedError(f"block_m={cfg.block_m}: 128 or 256 (two consumer warpgroups of 64 or 128 rows)")
+    if cfg.block_m == 256 and (cfg.block_n != 128 or b_block_dim != 1 or has_bias):
+        raise NotImplementedError("256x128 tiles are implemented for 1x128-scaled B (wgrad) with block_n=128 "
                                   "and no bias")  # fmt: skip
-    if cfg.tall and out_dtype == torch.float32 and not accumulate:
-        raise NotImplementedError("tall (256x128) tiles with a float32 output (without accumulate_into): not tried")
+    if cfg.block_m == 256 and out_dtype == torch.float32 and not accumulate:
+        raise NotImplementedError("256x128 tiles with a float32 output (without accumulate_into) are not "
+                                  "implemented; use bf16/fp16 or accumulate_into")  # fmt: skip
     if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
         raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
                                   "(ptxas, either B scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
@@ -820,7 +790,7 @@ def _launch_plan(
     the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
     cfg = config or select_config(b_block_dim, out_dtype, accumulate, has_bias)
     _check_config(cfg, b_block_dim, out_dtype, accumulate, has_bias)
-    return cfg, stages_that_fit(cfg.block_n, out_dtype, cfg.num_stages, b_block_dim, cfg.tall)
+    return cfg, stages_that_fit(cfg.block_m, cfg.block_n, out_dtype, cfg.num_stages, b_block_dim)
 
 
 def blockwise_gemm_gluon(
@@ -855,7 +825,7 @@ def blockwise_gemm_gluon(
         return c
     cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None, bias is not None)
     bm, bn = cfg.block_m, cfg.block_n
-    cn = _c_block_n(bn, cfg.tall)
+    cn = _c_block_n(bm, bn)
     a_desc = _desc(a, [m, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
     b_desc = _desc(b, [n, k], [k, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
     c_desc = _desc(c, [m, n], [c.stride(0), 1], [64, cn], _shared_layout([64, cn], c.dtype))
@@ -884,191 +854,6 @@ def blockwise_gemm_gluon(
         m, n, k, a_scale_inv.stride(0), b_scale_inv.stride(0), c.stride(0), as_desc, bs_desc,
         b_block_dim == 2, bias is not None, accumulate_into is not None,  # B_2D, HAS_BIAS, ACCUMULATE
         stages, cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
-        num_warps=4, maxnreg=_maxnreg(cfg),
+        num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return c
-
-
-# --------------------------------------------------------------------------------------------------
-# Ahead-of-time compile check (no GPU needed)
-# --------------------------------------------------------------------------------------------------
-
-_GL_NAME = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.bfloat16: "bf16",
-            torch.float16: "fp16", torch.float32: "fp32"}  # fmt: skip
-
-EXPECT_SM90 = {
-    "wgmma": r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e[45]m[23]\.e[45]m[23]",
-    "tma_load": r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global",
-    "tma_store": r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta",
-    "mbarrier_wait": r"mbarrier\.try_wait",
-    "mbarrier_arrive": r"mbarrier\.arrive",
-    "setmaxnreg": r"setmaxnreg",
-    "QGMMA": r"QGMMA",
-}
-
-
-@dataclass
-class AotVariant:
-    name: str
-    b_block_dim: int
-    out_dtype: torch.dtype
-    has_bias: bool
-    accumulate: bool
-    a_dtype: torch.dtype = torch.float8_e4m3fn
-    b_dtype: torch.dtype = torch.float8_e4m3fn
-    config: GluonGemmConfig = GluonGemmConfig()
-
-
-def aot_variants(configs: dict[str, GluonGemmConfig] | None = None) -> list[AotVariant]:
-    """Every kernel variant the wrapper launches for the given configs; by default, every variant
-    that ``select_config`` picks (what the backend runs)."""
-    selected_only = configs is None
-    configs = configs or {"n128": GluonGemmConfig(), "n256": WIDE_CONFIG, "m256": TALL_CONFIG}
-    out = []
-    for cfg_name, cfg in configs.items():
-        for bdim in (2, 1):
-            if supports(cfg, bdim) is not None:
-                continue
-            for od in (torch.bfloat16, torch.float16, torch.float32):
-                if supports(cfg, bdim, od) is not None:
-                    continue
-                for bias in (False, True):
-                    out.append(AotVariant(f"{cfg_name}:b{bdim}d:{_GL_NAME[od]}:bias={int(bias)}", bdim, od, bias,
-                                          False, config=cfg))  # fmt: skip
-            out.append(AotVariant(f"{cfg_name}:b{bdim}d:accumulate", bdim, torch.float32, False, True, config=cfg))
-            if supports(cfg, bdim, torch.float32, True, True) is None:
-                out.append(AotVariant(f"{cfg_name}:b{bdim}d:accumulate+bias", bdim, torch.float32, True, True, config=cfg))
-        if supports(cfg, 1) is None:
-            out.append(AotVariant(f"{cfg_name}:b1d:e5m2xe4m3:bf16", 1, torch.bfloat16, False, False,
-                                  a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
-            # HYBRID wgrad into Megatron's fp32 main_grad: E5M2 dY with accumulate_into
-            out.append(AotVariant(f"{cfg_name}:b1d:e5m2xe4m3:accumulate", 1, torch.float32, False, True,
-                                  a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
-        if supports(cfg, 2) is None:
-            out.append(AotVariant(f"{cfg_name}:b2d:e5m2xe4m3:bf16", 2, torch.bfloat16, False, False,
-                                  a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
-    if selected_only:
-        out = [v for v in out if select_config(v.b_block_dim, v.out_dtype, v.accumulate, v.has_bias) == v.config]
-    return out
-
-
-# Configurations worth timing on the GPU (scripts/check_gluon_gemm.py --configs).
-BENCH_CONFIGS = {
-    "n128_s4": GluonGemmConfig(block_n=128, num_stages=4),
-    "n128_g16": GluonGemmConfig(block_n=128, group_m=16),
-    "n64": GluonGemmConfig(block_n=64),
-    "n128": GluonGemmConfig(),
-    # 128x256 tiles, four n64 chains per K block (what select_config picks)
-    "n256": WIDE_CONFIG,
-    # 256x128 tiles, 1x128 B only (what select_config picks for wgrad)
-    "m256": TALL_CONFIG,
-}
-
-
-def compile_variant(v: AotVariant):
-    """Compile one variant for sm_90 without a GPU; returns the CompiledKernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
-    cfg = v.config
-    bm, bn = cfg.block_m, cfg.block_n
-    out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = stages_that_fit(bn, out_dtype, cfg.num_stages, v.b_block_dim, cfg.tall)
-    cn = _c_block_n(bn, cfg.tall)
-    m = n = k = 1024  # only the descriptors' types matter
-    a = torch.empty(m, k, dtype=v.a_dtype)
-    b = torch.empty(n, k, dtype=v.b_dtype)
-    c = torch.empty(m, n, dtype=out_dtype)
-    descs = [
-        TensorDescriptor.from_tensor(a, [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype)),
-        TensorDescriptor.from_tensor(b, [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype)),
-        TensorDescriptor.from_tensor(c, [64, cn], _shared_layout([64, cn], out_dtype)),
-    ]
-    sig = {
-        "a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
-        "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "bias_ptr": f"*{_GL_NAME[out_dtype]}", "c_ptr": f"*{_GL_NAME[out_dtype]}",
-        "M": "i32", "N": "i32", "K": "i32", "stride_as": "i32", "stride_bs": "i32", "stride_cm": "i32",
-        "as_desc": "constexpr", "bs_desc": "constexpr",
-        "B_2D": "constexpr", "HAS_BIAS": "constexpr", "ACCUMULATE": "constexpr",
-        "NUM_STAGES": "constexpr", "GROUP_M": "constexpr", "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr",
-    }  # fmt: skip
-    cons = {"as_desc": None, "bs_desc": None, "B_2D": v.b_block_dim == 2, "HAS_BIAS": v.has_bias,
-            "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
-            "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
-    if cfg.scale_tma:
-        kbs = ceil_div(k, BLOCK_K)
-        b_box = list(_B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
-        for name, rows, box in (("as_desc", kbs, [1, bm]), ("bs_desc", kbs, b_box)):
-            sig[name] = mangle_type(_scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box))
-            del cons[name]
-    names = list(sig)
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("a_s_ptr", "b_s_ptr", "bias_ptr", "c_ptr")}
-    attrs.update({(names.index(p),): [["tt.divisibility", 16]] for p in ("N", "K", "stride_as", "stride_cm")})
-    src = GluonASTSource(fn=_blockwise_gemm_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": _maxnreg(cfg)})
-
-
-def inspect_compiled(kernel) -> dict:
-    from .aot import cuda_tool, sm90_resources
-
-    ptx = kernel.asm["ptx"]
-    res, sass = sm90_resources(kernel.asm["cubin"])
-    with tempfile.TemporaryDirectory() as d:  # ptxas -v again: Triton does not surface its warnings
-        ptx_file = Path(d) / "k.ptx"
-        ptx_file.write_text(ptx)
-        ptxas = subprocess.run([cuda_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx_file), "-o", str(Path(d) / "o.cubin")],
-                               capture_output=True, text=True)  # fmt: skip
-    text = ptx + "\n" + sass
-    found = {key: len(re.findall(pat, text)) for key, pat in EXPECT_SM90.items()}
-    setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
-    # C7515: ptxas serialised the wgmma pipeline (accumulator registers touched while in flight)
-    warnings = [
-        ln
-        for ln in (ptxas.stdout + ptxas.stderr).splitlines()
-        if "arning" in ln or "Performance Loss" in ln or "spill" in ln and " 0 bytes spill" not in ln
-    ]
-    return {
-        "regs": int(res.get("REG", -1)), "stack": int(res.get("STACK", -1)), "local": int(res.get("LOCAL", -1)),
-        "smem": int(getattr(kernel.metadata, "shared", 0)), "found": found, "setmaxnreg": setmaxnreg,
-        "ptxas_warnings": warnings, "ptx": ptx, "sass": sass,
-    }  # fmt: skip
-
-
-def aot_check(dump_dir: Path | None = None, verbose: bool = True, configs: dict[str, GluonGemmConfig] | None = None) -> bool:
-    """Compile every variant the wrapper can launch (default configs) for sm_90 and check the result:
-    wgmma with FP8 operands, TMA loads/stores, mbarriers, setmaxnreg, no spills, fits in smem."""
-    ok_all = True
-    for v in aot_variants(configs):
-        try:
-            info = inspect_compiled(compile_variant(v))
-        except Exception as e:  # noqa: BLE001
-            ok_all = False
-            print(f"{v.name:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:2000]}")
-            continue
-        ok = (all(info["found"].values()) and info["stack"] == 0 and info["local"] == 0
-              and info["smem"] <= SMEM_LIMIT and not any("serializ" in w for w in info["ptxas_warnings"]))  # fmt: skip
-        ok_all &= ok
-        if verbose:
-            print(f"{v.name:40} {'OK ' if ok else 'BAD'} regs={info['regs']:3} stack={info['stack']} "
-                  f"local={info['local']} smem={info['smem']} setmaxnreg={info['setmaxnreg']} "
-                  f"found={info['found']}")  # fmt: skip
-            for w in info["ptxas_warnings"]:
-                print(f"    ptxas: {w}")
-        if dump_dir is not None:
-            from .aot import dump_asm
-
-            dump_asm(dump_dir, v.name, {"ptx": info["ptx"], "sass": info["sass"]})
-    return ok_all
-
-
-if __name__ == "__main__":
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(description="AOT-compile the Gluon blockwise GEMM for sm_90 and check it")
-    ap.add_argument("--dump", type=Path, help="write PTX and SASS of each variant into this folder")
-    ap.add_argument("--all-configs", action="store_true", help="also compile every entry of BENCH_CONFIGS")
-    args = ap.parse_args()
-    cfgs = {"default": GluonGemmConfig(), **BENCH_CONFIGS} if args.all_configs else None
-    sys.exit(0 if aot_check(args.dump, configs=cfgs) else 1)

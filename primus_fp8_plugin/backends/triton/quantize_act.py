@@ -10,7 +10,7 @@ SM, docs/PERFORMANCE.md) and makes both copies from registers:
   transposed as FP8 bytes through shared memory, with its scale_inv entries ``[mb, k]`` of
   ``[ceil(M/128), pad4(K)]``.
 
-With ``SUB_M < BLOCK`` (fewer registers; ``scripts/bench_quant.py --variants`` sweeps it) the program
+With ``SUB_M < BLOCK`` (fewer registers; ``benchmarks/bench_quant.py --variants`` sweeps it) the program
 walks the tile in chunks of SUB_M rows in a rolled loop: rowwise copy and a running column amax per
 chunk, then a second pass over the chunks (from L2) for the columnwise copy.
 
@@ -38,7 +38,7 @@ RAGGED_SUB_M = 16
 RAGGED_NUM_WARPS = 4
 MAX_DIM = 2**31 // BLOCK  # in-tile offsets (row * K, col * M within a 128-tile) are int32
 MAX_GRID_Y = 65535 * BLOCK  # K blocks run on grid axis 1, which CUDA caps at 65535 programs
-NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
+NUM_STAGES = 3  # passed explicitly so that the AOT check (tools/aot_triton.py) compiles the binary that runs
 
 
 @triton.jit

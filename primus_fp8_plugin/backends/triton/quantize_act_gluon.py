@@ -16,19 +16,17 @@ along M):
   (in-thread, then 3 shuffles across the 8 K lanes), its scale, FP8 stored from registers (8-byte
   stores); scale_inv ``[kb, m]`` of ``[ceil(K/128), pad4(M)]``, padding rows written 1.0.
 
-The earlier version reduced the columns in the ``L`` registers (across warps through shared memory)
-and sent the scales back and the FP8 tile through a second buffer: 8 block barriers, 75-77% of copy
-bandwidth on the H200, against 87-89% now in ``scripts/check_quant_hopper.py`` and 90% in
-``scripts/bench_quant.py`` (docs/PERFORMANCE.md).
+The one barrier is the design's point: reducing the columns across warps in the ``L`` registers
+and sending the scales and the FP8 tile back through shared memory would take eight, and the
+kernel is bound by how often its warps wait for each other (``quantize_gluon_tiles.py``).
 
 Masked loads and stores handle partial tiles; the wrapper takes M % 16 == 0 and K % 16 == 0 (16-byte
-rows of both FP8 copies) and raises ``GluonActUnsupported`` otherwise, so that the caller uses the
+rows of both FP8 copies) and raises ``GluonUnsupported`` otherwise, so that the caller uses the
 Triton kernel."""
 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -36,15 +34,12 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
 from .launch import FastLauncher, aligned
 from .quantize_act import MAX_GRID_Y, dual_outputs
-from .quantize_gluon_tiles import SIG_TYPE, load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
+from .quantize_gluon_tiles import load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import amax_nan, scale_and_inverse
+from .sm90 import GluonUnsupported
 
 NUM_WARPS = 8
-
-
-class GluonActUnsupported(NotImplementedError):
-    """Valid input that this kernel does not take (device or shape); the caller uses the Triton kernel."""
 
 
 @gluon.jit
@@ -102,10 +97,10 @@ def _layouts(element_size: int) -> tuple:
 
 def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool) -> BlockwiseFp8Tensor:
     """Same contract and bits as :func:`.quantize_act.quantize_1x128_dual`. Raises
-    ``GluonActUnsupported`` before launching anything where ``unsupported_reason`` says so."""
+    ``GluonUnsupported`` before launching anything where ``unsupported_reason`` says so."""
     why = unsupported_reason(x, params)
     if why is not None:
-        raise GluonActUnsupported(why)
+        raise GluonUnsupported(why)
     m, k = x.shape
     rowwise, columnwise = bool(rowwise), bool(columnwise)  # constexprs: 1 and True would compile apart
     row_q, row_s, col_q, col_s, parts = dual_outputs(x, params, rowwise, columnwise)
@@ -128,54 +123,3 @@ def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: 
     elif m == 0 and columnwise:
         col_s.fill_(1.0)
     return BlockwiseFp8Tensor((m, k), 1, params.fp8_dtype, x.dtype, **parts)
-
-
-# --------------------------------------------------------------------------------------------------
-# Ahead-of-time compile check (no GPU needed)
-# --------------------------------------------------------------------------------------------------
-
-
-def aot_variants() -> list[tuple]:
-    """Every (input dtype, FP8 dtype, pow2, rowwise, columnwise) the wrapper can launch."""
-    return [
-        (i, f, p, r, c)
-        for i in (torch.bfloat16, torch.float16, torch.float32)
-        for f in (torch.float8_e4m3fn, torch.float8_e5m2)
-        for p in (True, False)
-        for r, c in ((True, True), (True, False), (False, True))
-    ]
-
-
-def compile_variant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
-    """Compile one variant for sm_90 without a GPU, as a launch with M, K multiples of 16 compiles."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    f8 = SIG_TYPE[fp8_dtype]
-    sig = {"x_ptr": f"*{SIG_TYPE[in_dtype]}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}",
-           "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "fp8_max": "fp32",
-           "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr", "COLWISE": "constexpr", "POW2": "constexpr",
-           "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr"}  # fmt: skip
-    lay, lay_n, lt_raw, t_raw = _layouts(torch.finfo(in_dtype).bits // 8)
-    names = list(sig)
-    divisible_by_16 = ("x_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "M", "K", "M_PAD", "K_PAD")
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
-    cons = {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "L": lay, "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw}
-    src = GluonASTSource(fn=_quantize_1x128_dual_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-
-
-def aot_check(verbose: bool = True) -> bool:
-    """Compile and check every variant (``aot.check_quantizer_variants``)."""
-    from .aot import check_quantizer_variants
-
-    def name(v):
-        return f"{SIG_TYPE[v[0]]}->{SIG_TYPE[v[1]]}:pow2={int(v[2])}:row={int(v[3])}:col={int(v[4])}"
-
-    return check_quantizer_variants(aot_variants(), compile_variant, name, lambda v: v[4], verbose)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(0 if aot_check() else 1)

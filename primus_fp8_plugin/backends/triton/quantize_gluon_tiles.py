@@ -1,13 +1,11 @@
 """The 128x128-tile machinery the two Hopper Gluon quantizers (``quantize_act_gluon.py``,
 ``quantize_weight_gluon.py``) share: their register and shared-memory layouts, the tile load and
-store, the weight kernel's FP8 transpose through shared memory, the input rules, and the names their
-ahead-of-time checks give dtypes.
+store, the weight kernel's FP8 transpose through shared memory, and the input rules.
 
 Both kernels are bound by how often their 8 warps wait for each other, more than by instructions:
 each block-wide barrier (a reduction across warps, a transpose through shared memory, a layout
 conversion that the compiler routes through shared memory) stalls the whole program while it holds
-a tile's loads. The act kernel therefore has one barrier and the weight kernel two
-(docs/PERFORMANCE.md: 8 -> 1 barriers took the act kernel from 75-77% to 87-90% of copy bandwidth)."""
+a tile's loads. The act kernel therefore has one barrier and the weight kernel two."""
 
 from __future__ import annotations
 
@@ -17,12 +15,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .hopper import runs_on
 from .quantize_act import MAX_DIM  # in-tile offsets are int32, tile bases int64, as in the Triton kernels
-
-# dtype -> the name Triton's signatures use (AOT compiles, fingerprints)
-SIG_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-            torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}  # fmt: skip
+from .sm90 import runs_on
 
 
 @functools.cache  # built once: the wrappers' host time counts

@@ -4,8 +4,8 @@ Hopper FP8 tensor cores need the contraction dim contiguous, so dgrad needs W^T 
 copies hold the same FP8 values and scales (transposed), produced by the same program. A program
 walks its 128x128 block in chunks of SUB_M rows (by default the whole block at once): one pass for
 the block's amax, then (from L2) one to quantize and store W and one for W^T. The transposed copy
-is made by transposing fp32 values, never FP8 ones (loading the block once and transposing the FP8
-copy gave wrong W^T bytes on the H200, docs/PERFORMANCE.md 2026-12-01; see also the kernel's comment).
+is made in a second pass over the block, from fp32 values: computing both copies from one loaded
+chunk gives wrong W^T bytes with Triton 3.6 on sm_90 (see the kernel's comment).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .scales import max_nan, scale_and_inverse
 SUB_M = 128  # the whole block per pass, with NUM_WARPS: fastest of a sweep on the H200 (docs/PERFORMANCE.md)
 NUM_WARPS = 8
 MAX_DIM = 2**31 // BLOCK  # in-block offsets (row * K, col * N within a 128-block) are int32
-NUM_STAGES = 3  # passed explicitly so that the AOT check (aot.py) compiles the binary that runs
+NUM_STAGES = 3  # passed explicitly so that the AOT check (tools/aot_triton.py) compiles the binary that runs
 
 
 @triton.jit

@@ -3,8 +3,8 @@
 writes.
 
 Why Gluon: the transposed copy. Plain Triton picks the register layouts itself; its weight kernel
-reads the block three times (the amax pass from HBM, one pass per copy from L2) and transposes bf16
-through shared memory (80-84% of copy bandwidth on the H200, docs/PERFORMANCE.md). Here the layouts
+reads the block three times (the amax pass from HBM, one pass per copy from L2) and transposes fp32
+values through shared memory. Here the layouts
 are explicit (``quantize_gluon_tiles.py``, shared with the act quantizer), so each thread owns 4 rows
 x (2 x 8) columns of the block: its 4 FP8 values of one column of W are 4 consecutive bytes of a row
 of W^T, one 32-bit word. Per program (one 128x128 block, 8 warps, 2-D grid, two block barriers):
@@ -14,22 +14,19 @@ of W^T, one 32-bit word. Per program (one 128x128 block, 8 warps, 2-D grid, two 
   barrier, and every thread reduces the 8 partials itself (the compiler's own cross-warp reduction
   takes two barriers); the scale rule of ``scales.py``;
 * W: quantize and store from registers (8-byte stores along K);
-* W^T: converted again from the N-first register order ``LN`` (FP8 pairs along N; converting from
-  the K-first order and repacking was miscompiled, docs/PERFORMANCE.md), stored transposed into a
-  shared buffer in 32-bit words (swizzled: conflict-free), read back and stored with 16-byte stores;
+* W^T: converted again from the N-first register order ``LN`` (FP8 pairs along N, so the 32-bit
+  words of W^T need no repacking: Triton 3.6 miscompiles pairs converted along K and repacked, which
+  ``tools/aot_triton.py``'s undefined-register check catches), stored transposed into a shared buffer
+  in 32-bit words (swizzled: conflict-free), read back and stored with 16-byte stores;
 * scale_inv of both copies, including TE's padding entries (so the wrapper launches nothing else).
-
-A version that also sent the raw block through shared memory (one barrier) was no faster: the
-kernel runs at 90-91% of copy bandwidth either way (docs/PERFORMANCE.md).
 
 Edges: masked loads (zeros never raise the amax) and masked stores, so any N and K; the wrapper
 takes K % 16 == 0 and N % 16 == 0 (the recipe's weight shapes; 16-byte vectors) and leaves other
-shapes to the Triton kernel (``GluonWeightUnsupported``)."""
+shapes to the Triton kernel (``GluonUnsupported``)."""
 
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -37,15 +34,12 @@ from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher, aligned, int_class
 from .quantize_act import MAX_GRID_Y
-from .quantize_gluon_tiles import SIG_TYPE, load_tile, store_tile, store_transposed, transpose_tile_layouts
+from .quantize_gluon_tiles import load_tile, store_tile, store_transposed, transpose_tile_layouts
 from .quantize_gluon_tiles import unsupported_reason as tile_rules
 from .scales import max_nan, scale_and_inverse
+from .sm90 import GluonUnsupported
 
 NUM_WARPS = 8
-
-
-class GluonWeightUnsupported(NotImplementedError):
-    """Valid input that this kernel does not take (device or shape); the caller uses the Triton kernel."""
 
 
 @gluon.jit
@@ -57,7 +51,7 @@ def _quantize_128x128_gluon_kernel(
     B: gl.constexpr = 128
     NW: gl.constexpr = gl.num_warps()
     # tile order (grid axis 0 runs fastest): along each row of blocks first for tall weights, down
-    # each column first otherwise (about 1.5% apart on the H200 at 16384x4096, docs/PERFORMANCE.md)
+    # each column first otherwise (about 1.5% apart on the H200 at 16384x4096)
     if ROW_FIRST:
         pid_k = gl.program_id(0)
         pid_n = gl.program_id(1)
@@ -114,10 +108,10 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
     """Same contract and bits as :func:`.quantize_weight.quantize_128x128`: ``w [N, K]`` (bf16, fp16
     or fp32, contiguous) -> W [N, K] and W^T [K, N] in ``params.fp8_dtype`` with 128x128-block
     scale_inv ``[ceil(N/128), pad4(ceil(K/128))]`` and its transpose layout (TE's). Raises
-    ``GluonWeightUnsupported`` before launching anything where ``unsupported_reason`` says so."""
+    ``GluonUnsupported`` before launching anything where ``unsupported_reason`` says so."""
     why = unsupported_reason(w, params)
     if why is not None:
-        raise GluonWeightUnsupported(why)
+        raise GluonUnsupported(why)
     assert params.block_dim == 2
     n, k = w.shape
     dev, f8 = w.device, params.fp8_dtype
@@ -145,54 +139,3 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# Ahead-of-time compile check (no GPU needed)
-# --------------------------------------------------------------------------------------------------
-
-
-def aot_variants() -> list[tuple]:
-    """Every (input dtype, FP8 dtype, pow2, row-first tile order) the wrapper can launch."""
-    return [
-        (i, f, p, r)
-        for i in (torch.bfloat16, torch.float16, torch.float32)
-        for f in (torch.float8_e4m3fn, torch.float8_e5m2)
-        for p in (True, False)
-        for r in (False, True)
-    ]
-
-
-def compile_variant(in_dtype, fp8_dtype, pow2, row_first=False):
-    """Compile one variant for sm_90 without a GPU, as a launch with N, K multiples of 16 compiles."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    f8 = SIG_TYPE[fp8_dtype]
-    sig = {"w_ptr": f"*{SIG_TYPE[in_dtype]}", "q_ptr": f"*{f8}", "qt_ptr": f"*{f8}", "s_ptr": "*fp32", "st_ptr": "*fp32",
-           "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
-           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "ROW_FIRST": "constexpr", "L": "constexpr",
-           "LN": "constexpr", "LT": "constexpr", "T_SMEM": "constexpr"}  # fmt: skip
-    lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
-    names = list(sig)
-    divisible_by_16 = ("w_ptr", "q_ptr", "qt_ptr", "s_ptr", "st_ptr", "N", "K", "stride_wn")
-    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
-    cons = {"POW2": pow2, "ROW_FIRST": row_first, "L": lay, "LN": lay_n, "LT": lay_t, "T_SMEM": t_smem}
-    src = GluonASTSource(fn=_quantize_128x128_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
-
-
-def aot_check(verbose: bool = True) -> bool:
-    """Compile and check every variant (``aot.check_quantizer_variants``)."""
-    from .aot import check_quantizer_variants
-
-    def name(v):
-        return f"{SIG_TYPE[v[0]]}->{SIG_TYPE[v[1]]}:pow2={int(v[2])}:row_first={int(v[3])}"
-
-    return check_quantizer_variants(aot_variants(), compile_variant, name, lambda v: True, verbose)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(0 if aot_check() else 1)

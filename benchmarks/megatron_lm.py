@@ -1,0 +1,273 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` as the client: the plugin's specs against TE and BF16.
+
+Runs ``pretrain_gpt.py`` from a user's Megatron-LM checkout (``--megatron-lm PATH``; the
+megatron-core wheel ships ``megatron.training`` but not ``pretrain_gpt.py``, ``gpt_builders.py``,
+``model_provider.py``) on mock data, once per arm, one GPU, and prints per arm the median
+ms/iteration after warm-up, tokens/s, Megatron's TFLOP/s/GPU, the first and last ``lm loss`` and the
+peak allocated memory, with ratios against a chosen arm (default ``te_fp8``)::
+
+    python benchmarks/megatron_lm.py --megatron-lm ~/Megatron-LM --model llama8b_4l \\
+        --arms plugin,local_bf16,te_fp8,te_bf16 --iters 20 --json out.json --plot out.png
+
+Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
+
+* ``plugin``      the plugin's ``--spec`` (``--transformer-impl local``; no TE, no apex);
+* ``local_bf16``  Megatron's local spec in BF16 (the same flags, no ``--spec``);
+* ``te_fp8``      TE's spec under ``--fp8-format e4m3 --fp8-recipe blockwise``;
+* ``te_bf16``     TE's spec in BF16.
+
+For MoE models the TE arms add ``--moe-grouped-gemm``; the plugin arm adds it when
+``--plugin-grouped`` is given (the spec then must honour it).
+
+``pretrain()`` runs ``make`` in ``megatron/core/datasets``, whose Makefile a wheel install lacks;
+when the compiled helper imports, the entry shim (``megatron_lm_entry.py``) skips that step and says
+so. A spec that does not import stops the run here, before Megatron can fall back to its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# flags a run without TE and apex needs (Megatron's fused kernels come from them)
+TE_FREE = ("--transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion "
+           "--no-gradient-accumulation-fusion --no-rope-fusion")  # fmt: skip
+
+MODELS = {
+    "gpt125m": dict(
+        args="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 "
+        "--max-position-embeddings 1024 --position-embedding-type learned_absolute "
+        "--micro-batch-size 8 --global-batch-size 64 --normalization LayerNorm",
+        spec="fp8_gpt_layer_spec",
+        moe=False,
+    ),
+    "llama8b_4l": dict(
+        args="--num-layers 4 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 "
+        "--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 16",
+        spec="fp8_gpt_layer_spec_rmsnorm",
+        moe=False,
+    ),
+    "moe_proxy": dict(
+        args="--num-layers 4 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 "
+        "--seq-length 2048 --max-position-embeddings 2048 --position-embedding-type rope --swiglu "
+        "--normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
+        "--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 1408 "
+        "--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss "
+        "--moe-aux-loss-coeff 1e-2 --micro-batch-size 4 --global-batch-size 32",
+        spec="fp8_gpt_moe_layer_spec",
+        moe=True,
+    ),
+}
+
+COMMON = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --bf16 --lr 3e-4 --min-lr 3e-5 "
+          "--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 "
+          "--init-method-std 0.02 --attention-dropout 0.0 --hidden-dropout 0.0 --seed 1234 "
+          "--log-interval 1 --log-throughput --eval-iters 0 --eval-interval 1000000 "
+          "--distributed-timeout-minutes 10")  # fmt: skip
+
+ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|(.*)")
+FIELD_RE = {
+    "ms": re.compile(r"elapsed time per iteration \(ms\): ([\d.]+)"),
+    "tflops": re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)"),
+    "loss": re.compile(r"lm loss: ([-\d.E+]+)"),
+    "gbs": re.compile(r"global batch size:\s+(\d+)"),
+}
+MEM_RE = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)")
+
+
+def parse_log(text: str) -> dict:
+    """Per-iteration figures and peak memory from a ``pretrain_gpt.py`` log (rank 0's stdout)."""
+    iters = []
+    for line in text.splitlines():
+        m = ITER_RE.search(line)
+        if not m:
+            continue
+        rec = {"iteration": int(m.group(1))}
+        for key, rx in FIELD_RE.items():
+            f = rx.search(m.group(3))
+            if f:
+                rec[key] = float(f.group(1))
+        if "ms" in rec:
+            iters.append(rec)
+    peaks = [float(m.group(3)) for m in MEM_RE.finditer(text)]
+    return {"iterations": iters, "max_allocated_mb": max(peaks) if peaks else None}
+
+
+def summarize(parsed: dict, seq_length: int, warmup: int) -> dict:
+    """Median ms/iteration (and TFLOP/s) over the iterations after ``warmup``; tokens/s from it."""
+    its = parsed["iterations"]
+    timed = [r for r in its if r["iteration"] > warmup]
+    if not timed:
+        raise ValueError(f"no iteration after the first {warmup} in the log ({len(its)} logged): "
+                         "raise --iters or lower --warmup")  # fmt: skip
+    ms = statistics.median(r["ms"] for r in timed)
+    gbs = timed[-1].get("gbs")
+    tfl = [r["tflops"] for r in timed if "tflops" in r]
+    losses = [r["loss"] for r in its if "loss" in r]
+    return {
+        "ms_per_iter": ms,
+        "ms_spread": [min(r["ms"] for r in timed), max(r["ms"] for r in timed)],
+        "tokens_per_s": gbs * seq_length / (ms / 1000.0) if gbs else None,
+        "tflops_per_gpu": statistics.median(tfl) if tfl else None,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "max_allocated_mb": parsed["max_allocated_mb"],
+        "timed_iterations": len(timed),
+    }
+
+
+def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
+    spec = f"--spec primus_fp8_plugin.megatron {model['spec']}"
+    grouped = " --moe-grouped-gemm" if model["moe"] else ""
+    arms = {
+        "plugin": f"{TE_FREE} {spec}" + (grouped if plugin_grouped else ""),
+        "local_bf16": TE_FREE,
+        "te_fp8": "--transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe blockwise" + grouped,
+        "te_bf16": "--transformer-impl transformer_engine" + grouped,
+    }
+    if arm not in arms:
+        raise SystemExit(f"unknown arm {arm!r}: choose from {sorted(arms)} or give --extra-arm {arm}='ARGS'")
+    return arms[arm]
+
+
+def check_spec(args_str: str) -> None:
+    """Import a ``--spec MODULE NAME`` here first: Megatron would log one line and train its default."""
+    toks = shlex.split(args_str)
+    if "--spec" not in toks:
+        return
+    i = toks.index("--spec")
+    module, name = toks[i + 1], toks[i + 2]
+    try:
+        mod = importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001 - report any import failure with its cause
+        raise SystemExit(f"--spec {module} {name}: importing {module} failed ({type(err).__name__}: {err}); "
+                         "put this repository on PYTHONPATH and install its Megatron extras") from err  # fmt: skip
+    if not hasattr(mod, name):
+        raise SystemExit(f"--spec {module} {name}: {module} has no attribute {name!r}")
+
+
+def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+           str(HERE / "megatron_lm_entry.py"), str(args.megatron_lm), *shlex.split(COMMON),
+           *shlex.split(model["args"]), "--train-iters", str(args.iters), *shlex.split(extra)]  # fmt: skip
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    log = log_dir / f"megatron_lm_{name}.log"
+    print(f"[megatron_lm] {name}: {shlex.join(cmd[5:])}", flush=True)
+    t0 = time.time()
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    text = log.read_text()
+    row = {"arm": name, "args": extra, "rc": rc, "wall_s": round(time.time() - t0, 1), "log": str(log)}
+    if rc != 0:
+        tail = "\n".join(text.splitlines()[-25:])
+        print(f"[megatron_lm] {name} failed (rc={rc}); last lines of {log}:\n{tail}", flush=True)
+        return row
+    seq = int(re.search(r"--seq-length (\d+)", model["args"]).group(1))
+    row.update(summarize(parse_log(text), seq, args.warmup))
+    return row
+
+
+def print_table(rows: list[dict], ref: str) -> None:
+    base = next((r for r in rows if r["arm"] == ref and "ms_per_iter" in r), None)
+    cols = ["arm", "ms/iter", f"vs {ref}", "tokens/s", "TFLOP/s", "first loss", "last loss", "max alloc MB"]
+    print(" | ".join(cols))
+    print(" | ".join("---" for _ in cols))
+    for r in rows:
+        if "ms_per_iter" not in r:
+            print(f"{r['arm']} | failed (rc={r['rc']}, see {r['log']})")
+            continue
+        ratio = f"{base['ms_per_iter'] / r['ms_per_iter']:.3f}x" if base else "-"
+
+        def fmt(v, spec):
+            return "-" if v is None else format(v, spec)
+
+        print(" | ".join([r["arm"], f"{r['ms_per_iter']:.1f}", ratio, fmt(r["tokens_per_s"], ".0f"),
+                          fmt(r["tflops_per_gpu"], ".1f"), fmt(r["first_loss"], ".6f"), fmt(r["last_loss"], ".6f"),
+                          fmt(r["max_allocated_mb"], ".0f")]))  # fmt: skip
+    print(f"(ratio = {ref}'s ms/iter over the arm's: above 1 is faster than {ref})")
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "ms_per_iter" in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar([r["arm"] for r in ok], [r["ms_per_iter"] for r in ok], color="tab:blue")
+    a.set_ylabel("ms / iteration (median)")
+    a.set_title(title)
+    for r in ok:
+        its = [x for x in parse_log(Path(r["log"]).read_text())["iterations"] if "loss" in x]
+        b.plot([x["iteration"] for x in its], [x["loss"] for x in its], label=r["arm"])
+    b.set_xlabel("iteration")
+    b.set_ylabel("lm loss")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron-lm", type=Path, required=True, help="a Megatron-LM checkout (holds pretrain_gpt.py)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama8b_4l")
+    ap.add_argument("--arms", default="plugin,local_bf16,te_fp8,te_bf16", help="comma list of arms, in run order")
+    ap.add_argument(
+        "--extra-arm", action="append", default=[], metavar="NAME=ARGS", help="another arm: its pretrain_gpt.py flags"
+    )
+    ap.add_argument("--plugin-grouped", action="store_true", help="MoE: pass --moe-grouped-gemm to the plugin arm too")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the median")
+    ap.add_argument("--ref", default="te_fp8", help="the arm the ratios compare with")
+    ap.add_argument("--log-dir", type=Path, default=Path("outputs/megatron_lm"))
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    args = ap.parse_args(argv)
+    if not (args.megatron_lm / "pretrain_gpt.py").is_file():
+        ap.error(f"{args.megatron_lm} has no pretrain_gpt.py: give the root of a Megatron-LM checkout")
+    if args.iters <= args.warmup:
+        ap.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup})")
+    model = MODELS[args.model]
+    extra = {}
+    for item in args.extra_arm:
+        name, sep, flags = item.partition("=")
+        if not sep or not name:
+            ap.error(f"--extra-arm takes NAME=ARGS, got {item!r}")
+        extra[name] = flags
+    names = [a for a in args.arms.split(",") if a] + [n for n in extra if n not in args.arms.split(",")]
+    plans = [(n, extra[n] if n in extra else arm_args(n, model, args.plugin_grouped)) for n in names]
+    if str(ROOT) not in sys.path:  # the arms run with this repository on PYTHONPATH: check the same way
+        sys.path.insert(0, str(ROOT))
+    for _, flags in plans:
+        check_spec(flags)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    rows = [run_arm(n, flags, args, model, args.log_dir) for n, flags in plans]
+    print(f"\nMegatron-LM pretrain_gpt.py, model {args.model}, {args.iters} iterations (median after {args.warmup}):")
+    print_table(rows, args.ref)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "model_args": model["args"], "common": COMMON,
+                                               "rows": rows}, indent=1))  # fmt: skip
+    if args.plot:
+        plot(rows, args.plot, f"pretrain_gpt.py, {args.model}")
+    return 0 if all("ms_per_iter" in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

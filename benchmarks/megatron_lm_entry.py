@@ -1,0 +1,45 @@
+"""Runs a Megatron-LM checkout's ``pretrain_gpt.py`` (``python megatron_lm_entry.py CHECKOUT ARGS...``).
+
+``megatron.training`` compiles the dataset helpers with ``make`` in ``megatron/core/datasets``
+before training. A megatron-core wheel ships the compiled helper but no Makefile, so that ``make``
+fails; when the helper already imports, this shim skips the step (and says so) instead. Everything
+else is Megatron-LM's own code, run unchanged with the checkout first on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+
+def _skip_compile_if_built() -> None:
+    from megatron.core.datasets import utils
+
+    makefile = Path(utils.__file__).with_name("Makefile")
+    if makefile.exists():
+        return
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError as err:
+        raise SystemExit(f"megatron/core/datasets has no Makefile and no compiled helpers_cpp ({err}): "
+                         "install megatron-core from a wheel that ships it, or from a source checkout") from err  # fmt: skip
+
+    def compile_helpers():
+        print(f"> dataset helpers: {makefile.parent} has no Makefile; using the compiled helpers_cpp", flush=True)
+
+    utils.compile_helpers = compile_helpers
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or not (Path(sys.argv[1]) / "pretrain_gpt.py").is_file():
+        raise SystemExit("usage: megatron_lm_entry.py MEGATRON_LM_CHECKOUT [pretrain_gpt.py args...]")
+    checkout = Path(sys.argv[1]).resolve()
+    sys.path.insert(0, str(checkout))
+    _skip_compile_if_built()
+    sys.argv = [str(checkout / "pretrain_gpt.py"), *sys.argv[2:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

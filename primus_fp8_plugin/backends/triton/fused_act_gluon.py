@@ -1,0 +1,148 @@
+"""The fused quantization of ``fused_act.py`` for Hopper (sm_90), in Gluon: the act quantizer of
+``quantize_act_gluon.py`` (one program per 128x128 tile, 8 warps, one block barrier, the columnwise
+copy transposed through shared memory in the input dtype) with the fused op's producer in front of it.
+
+The producer computes the norm's or SwiGLU's output in the loaded tile's registers (layout ``L``),
+rounds it to the input dtype exactly as ``fused_act._produce`` does (the same fp32 operations, the
+same ``swiglu_value``, compiled without FMA contraction), and the quantizer then treats that tile as
+the act quantizer treats its input: the same bits as ``fused_act.quantize_fused`` and as
+``quantize_1x128_dual_gluon`` of the unfused output.
+
+The wrapper takes M, K and the source row stride multiples of 16 and a 16-byte aligned source (the
+Gluon act quantizer's rules) and raises ``GluonUnsupported`` otherwise, before launching, so that
+``fused_act.quantize_fused`` runs the Triton kernel instead."""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from ...recipe import BLOCK, QuantParams
+from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
+from .fused_math import FP_OPTIONS, swiglu_value
+from .launch import FastLauncher, aligned
+from .quantize_act import MAX_DIM, MAX_GRID_Y, dual_outputs
+from .quantize_act_gluon import NUM_WARPS, _layouts
+from .quantize_gluon_tiles import load_tile, store_tile
+from .scales import amax_nan, scale_and_inverse
+from .sm90 import GluonUnsupported, runs_on
+
+
+@gluon.jit
+def _produce_tile(src_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, m0, k0, M, K, stride, up_offset,
+                  OP: gl.constexpr, HAS_BETA: gl.constexpr, L: gl.constexpr):  # fmt: skip
+    """The fused op's output on tile [m0:m0+128, k0:k0+128], rounded to the input dtype, 0 outside."""
+    B: gl.constexpr = 128
+    ty = src_ptr.dtype.element_ty
+    rows = m0 + gl.arange(0, B, layout=gl.SliceLayout(1, L))
+    cols = k0 + gl.arange(0, B, layout=gl.SliceLayout(0, L))
+    mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < K, 0)
+    if OP == 2:
+        a = load_tile(src_ptr, m0, k0, M, K, stride, L).to(gl.float32)
+        b = load_tile(src_ptr + up_offset, m0, k0, M, K, stride, L).to(gl.float32)
+        y = swiglu_value(a, b, ty)
+    else:
+        x = load_tile(src_ptr, m0, k0, M, K, stride, L).to(gl.float32)
+        rstd = gl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+        gamma = gl.load(gamma_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
+        if OP == 0:
+            mean = gl.load(mean_ptr + rows, mask=rows < M, other=0.0)
+            xhat = (x - gl.expand_dims(mean, 1)) * gl.expand_dims(rstd, 1)
+        else:
+            xhat = x * gl.expand_dims(rstd, 1)
+        y = xhat * gl.expand_dims(gamma, 0)
+        if HAS_BETA:
+            beta = gl.load(beta_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
+            y = y + gl.expand_dims(beta, 0)
+    return gl.where(mask, y.to(ty).to(gl.float32), 0.0).to(ty)
+
+
+@gluon.jit
+def _quantize_fused_gluon_kernel(
+    src_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
+    M, K, M_PAD, K_PAD, stride_sm, up_offset, fp8_max, amax_eps, in_max,
+    OP: gl.constexpr, HAS_BETA: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, POW2: gl.constexpr,
+    L: gl.constexpr, LN: gl.constexpr, LT_RAW: gl.constexpr, T_RAW: gl.constexpr,
+):  # fmt: skip
+    B: gl.constexpr = 128
+    pid_m = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    m0 = pid_m * B
+    k0 = pid_k * B
+
+    yr = _produce_tile(src_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, m0, k0, M, K, stride_sm, up_offset, OP,
+                       HAS_BETA, L)  # fmt: skip
+
+    if COLWISE:
+        t_raw = gl.allocate_shared_memory(src_ptr.dtype.element_ty, [B, B], T_RAW)
+        t_raw.permute((1, 0)).store(gl.convert_layout(yr, LN, assert_trivial=True))
+
+    if ROWWISE:
+        y = yr.to(gl.float32)
+        scale, s_inv = scale_and_inverse(amax_nan(y, 1), fp8_max, amax_eps, in_max, POW2)
+        store_tile((gl.expand_dims(scale, 1) * y).to(row_q_ptr.dtype.element_ty), row_q_ptr, m0, k0, M, K, L)
+        rows = m0 + gl.arange(0, B, layout=gl.SliceLayout(1, L))
+        gl.store(row_s_ptr + pid_k * M_PAD + rows, gl.where(rows < M, s_inv, 1.0), mask=rows < M_PAD)
+
+    if COLWISE:
+        gl.thread_barrier()  # the only one: the transposed tile is complete
+        yt = t_raw.load(LT_RAW).to(gl.float32)  # [B (k), B (m)]: each column of the output inside one warp
+        cscale, cs_inv = scale_and_inverse(amax_nan(yt, 1), fp8_max, amax_eps, in_max, POW2)
+        store_tile((gl.expand_dims(cscale, 1) * yt).to(col_q_ptr.dtype.element_ty), col_q_ptr, k0, m0, K, M, LT_RAW)
+        cols = k0 + gl.arange(0, B, layout=gl.SliceLayout(1, LT_RAW))
+        gl.store(col_s_ptr + pid_m * K_PAD + cols, gl.where(cols < K, cs_inv, 1.0), mask=cols < K_PAD)
+
+
+_launch = FastLauncher(_quantize_fused_gluon_kernel)
+
+
+def unsupported_reason(src: torch.Tensor, k: int, params: QuantParams) -> str | None:
+    """Why this kernel does not take the fused op's source ``src`` (output ``[M, k]``), or None."""
+    if not runs_on(src.device):
+        return "the Gluon fused quantizer runs on NVIDIA Hopper (sm_90) only"
+    if params.block_dim != 1:
+        return "1x128 tiles (block_dim=1) only"
+    if src.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"input dtype {src.dtype} not supported (bf16, fp16, fp32)"
+    m, stride = src.shape[0], src.stride(0)
+    if m % 16 or k % 16 or stride % 16:
+        return f"M = {m}, K = {k} and the row stride {stride} must be multiples of 16 (16-byte vectors)"
+    if max(m, k) >= MAX_DIM or k > MAX_GRID_Y:
+        return f"[{m}, {k}] is too large for this kernel's 32-bit in-tile offsets or grid"
+    if src.data_ptr() % 16 or src.stride(1) != 1:
+        return "the source must be 16-byte aligned with a contiguous last dim"
+    return None
+
+
+def quantize_fused_gluon(src, op, params, *, k, up_offset=0, mean=None, rstd=None, gamma=None, beta=None, rowwise,
+                         columnwise) -> BlockwiseFp8Tensor:  # fmt: skip
+    """``fused_act.quantize_fused`` (same contract and bits) on Hopper; raises ``GluonUnsupported``
+    before launching anything where ``unsupported_reason`` says so."""
+    why = unsupported_reason(src, k, params)
+    if why is not None:
+        raise GluonUnsupported(why)
+    m = src.shape[0]
+    rowwise, columnwise = bool(rowwise), bool(columnwise)
+    row_q, row_s, col_q, col_s, parts = dual_outputs(src.new_empty(()).expand(m, k), params, rowwise, columnwise)
+    if m > 0 and k > 0 and (rowwise or columnwise):
+        lay, lay_n, lt_raw, t_raw = _layouts(src.element_size())
+        q_any = row_q if row_q is not None else col_q
+        s_any = row_s if row_s is not None else col_s
+        stats = rstd if rstd is not None else s_any  # pointers the kernel does not read for this OP
+        pow2 = bool(params.pow2_scales)
+        # what can vary between calls; unsupported_reason fixes the rest (M, K, the stride and so F
+        # multiples of 16 below MAX_DIM, pad4(M) == M, a 16-byte aligned source; float scalars)
+        hint = (src.dtype, params.fp8_dtype, op, beta is not None, rowwise, columnwise, pow2,
+                aligned(row_q, row_s, col_q, col_s, mean, rstd, gamma, beta))  # fmt: skip
+        _launch.hinted(
+            hint, (ceil_div(m, BLOCK), ceil_div(k, BLOCK)), src, row_q if rowwise else q_any, row_s if rowwise else s_any,
+            col_q if columnwise else q_any, col_s if columnwise else s_any, mean if mean is not None else stats, stats,
+            gamma if gamma is not None else src, beta if beta is not None else src, m, k, pad4(m), pad4(k),
+            src.stride(0), up_offset, params.fp8_max, float(params.amax_epsilon), torch.finfo(src.dtype).max,
+            op, beta is not None, rowwise, columnwise, pow2, lay, lay_n, lt_raw, t_raw,
+            num_warps=NUM_WARPS, **FP_OPTIONS,
+        )  # fmt: skip
+    elif m == 0 and columnwise:
+        col_s.fill_(1.0)
+    return BlockwiseFp8Tensor((m, k), 1, params.fp8_dtype, src.dtype, **parts)

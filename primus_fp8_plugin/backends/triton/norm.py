@@ -1,0 +1,218 @@
+"""LayerNorm / RMSNorm over the residual stream ``x [M, H]``: statistics, output (plain or quantized
+to FP8 directly) and backward, bit for bit ``reference_fused.py``.
+
+Forward, two kernels:
+
+1. ``_stats_kernel``: a program per ``STATS_ROWS`` rows walks the row in 128-column chunks, one
+   lane per column of a chunk (LayerNorm: a Welford update per lane; RMSNorm: a running sum of
+   squares), then merges the 128 lanes pairwise: mean (LayerNorm) and rstd, fp32 [M]. One read of x.
+2. ``fused_act``'s kernels, tile-parallel over 128x128 tiles: the output ``xhat * gamma (+ beta)``
+   rounded to x's dtype, then either written (``norm_fwd``) or quantized to the rowwise 1x128 and
+   columnwise 128x1 FP8 copies with their scales (``quantize_norm_act``): a second read of x and the
+   FP8 bytes written, against a read, a write and a read of the bf16 output in the unfused path.
+
+Backward, two kernels: ``_bwd_kernel`` (a program per ``NORM_BWD_ROWS`` rows: pass 1 over the row
+for the two row sums, pass 2 for dx and the group's column sums of ``dy * xhat`` and ``dy``), then
+``_column_sum_kernel`` merges the groups' partial sums in the spec's order (``lane_sum`` over the
+groups) into dgamma and dbeta.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference_fused import NORM_BWD_ROWS, NORMALIZATIONS
+from .fused_act import OP_LAYERNORM, OP_RMSNORM, apply_fused, quantize_fused
+from .fused_math import FP_OPTIONS, LANES, tree_lanes, tree_rows, welford_merge_lanes
+from .launch import FastLauncher
+
+STATS_ROWS = 16
+STATS_WARPS = 4
+BWD_WARPS = 4
+COLSUM_COLS = 32
+COLSUM_WARPS = 4
+
+
+@triton.jit
+def _stats_kernel(x_ptr, mean_ptr, rstd_ptr, M, H, stride_xm, eps, RMS: tl.constexpr, R: tl.constexpr):
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    lanes = tl.arange(0, LANES)
+    rows_ok = rows < M
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    hf = H.to(tl.float32)
+    if RMS:
+        acc = tl.zeros([R, LANES], dtype=tl.float32)
+        for k0 in tl.range(0, H, LANES):
+            cols = k0 + lanes
+            x = tl.load(x_rows + cols[None, :], mask=rows_ok[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
+            acc = acc + x * x
+        var = tl.div_rn(tree_lanes(acc, R), hf)
+    else:
+        mean = tl.zeros([R, LANES], dtype=tl.float32)
+        m2 = tl.zeros([R, LANES], dtype=tl.float32)
+        count = tl.zeros([R, LANES], dtype=tl.float32)
+        n = tl.zeros([], dtype=tl.float32)  # elements per lane so far, chunk index + 1
+        for k0 in tl.range(0, H, LANES):
+            cols = k0 + lanes
+            ok = rows_ok[:, None] & (cols < H)[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            n = n + 1.0
+            delta = x - mean
+            new_mean = mean + delta * tl.div_rn(1.0, n)
+            new_m2 = m2 + delta * (x - new_mean)
+            # rows past M are computed like real ones (their x is 0) and not stored: only columns past
+            # H are empty lanes
+            col_ok = (cols < H)[None, :]
+            mean = tl.where(col_ok, new_mean, mean)
+            m2 = tl.where(col_ok, new_m2, m2)
+            count = tl.where(col_ok, n, count)
+        mean_r, m2_r = welford_merge_lanes(mean, m2, count, R)
+        var = tl.div_rn(m2_r, hf)
+        tl.store(mean_ptr + rows, mean_r, mask=rows_ok)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    tl.store(rstd_ptr + rows, rstd, mask=rows_ok)
+
+
+@triton.jit
+def _bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, gamma_ptr, dx_ptr, pg_ptr, pb_ptr, M, H, stride_dy, stride_x,
+                RMS: tl.constexpr, DGAMMA: tl.constexpr, DBETA: tl.constexpr, G: tl.constexpr,
+                G_LEVELS: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * G + tl.arange(0, G)
+    lanes = tl.arange(0, LANES)
+    rows_ok = rows < M
+    r64 = rows.to(tl.int64)[:, None]
+    hf = H.to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=rows_ok, other=0.0)
+    if RMS:
+        mean = tl.zeros([G], dtype=tl.float32)
+    else:
+        mean = tl.load(mean_ptr + rows, mask=rows_ok, other=0.0)
+    # pass 1: c2 = sum(g * xhat) / H and (LayerNorm) c1 = sum(g) / H, g = dy * gamma
+    acc2 = tl.zeros([G, LANES], dtype=tl.float32)
+    acc1 = tl.zeros([G, LANES], dtype=tl.float32)
+    for k0 in tl.range(0, H, LANES):
+        cols = k0 + lanes
+        ok = rows_ok[:, None] & (cols < H)[None, :]
+        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        gamma = tl.load(gamma_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+        if RMS:
+            xhat = x * rstd[:, None]
+        else:
+            xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * gamma[None, :]
+        acc2 = acc2 + tl.where(ok, g * xhat, 0.0)
+        if not RMS:
+            acc1 = acc1 + tl.where(ok, g, 0.0)
+    c2 = tl.div_rn(tree_lanes(acc2, G), hf)
+    c1 = tl.div_rn(tree_lanes(acc1, G), hf)
+    # pass 2: dx, and this group's column sums (a pairwise tree over its G rows)
+    for k0 in tl.range(0, H, LANES):
+        cols = k0 + lanes
+        ok = rows_ok[:, None] & (cols < H)[None, :]
+        x = tl.load(x_ptr + r64 * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        gamma = tl.load(gamma_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+        if RMS:
+            xhat = x * rstd[:, None]
+        else:
+            xhat = (x - mean[:, None]) * rstd[:, None]
+        g = dy * gamma[None, :]
+        t = g - xhat * c2[:, None]
+        if not RMS:
+            t = t - c1[:, None]
+        dx = t * rstd[:, None]
+        tl.store(dx_ptr + r64 * H + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=ok)
+        if DGAMMA:
+            tl.store(pg_ptr + pid.to(tl.int64) * H + cols, tree_rows(tl.where(ok, dy * xhat, 0.0), G, LANES, G_LEVELS),
+                     mask=cols < H)  # fmt: skip
+        if DBETA:
+            tl.store(pb_ptr + pid.to(tl.int64) * H + cols, tree_rows(dy, G, LANES, G_LEVELS), mask=cols < H)
+
+
+@triton.jit
+def _column_sum_kernel(p_ptr, out_ptr, NG, H, N: tl.constexpr):
+    """out[j] = lane_sum over the NG groups of p[:, j]: 128 lanes over the groups, then a pairwise tree."""
+    cols = tl.program_id(0) * N + tl.arange(0, N)
+    lanes = tl.arange(0, LANES)
+    acc = tl.zeros([LANES, N], dtype=tl.float32)
+    for g0 in tl.range(0, NG, LANES):
+        grp = g0 + lanes
+        acc = acc + tl.load(p_ptr + grp.to(tl.int64)[:, None] * H + cols[None, :],
+                            mask=(grp < NG)[:, None] & (cols < H)[None, :], other=0.0)  # fmt: skip
+    tl.store(out_ptr + cols, tree_rows(acc, LANES, N, 7).to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+_launch_stats = FastLauncher(_stats_kernel)
+_launch_bwd = FastLauncher(_bwd_kernel)
+_launch_column_sum = FastLauncher(_column_sum_kernel)
+
+
+def _op(normalization: str) -> int:
+    if normalization == "LayerNorm":
+        return OP_LAYERNORM
+    if normalization == "RMSNorm":
+        return OP_RMSNORM
+    raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+
+
+def norm_stats(x: torch.Tensor, eps: float, normalization: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(mean or None, rstd), fp32 [M], of ``x [M, H]`` (last dim contiguous)."""
+    rms = _op(normalization) == OP_RMSNORM
+    m, h = x.shape
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)
+    if m > 0:
+        _launch_stats((triton.cdiv(m, STATS_ROWS),), x, rstd if rms else mean, rstd, m, h, x.stride(0), float(eps),
+                      rms, STATS_ROWS, num_warps=STATS_WARPS, **FP_OPTIONS)  # fmt: skip
+    return mean, rstd
+
+
+def _contiguous(*ts):
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+def norm_fwd(x, gamma, beta, eps, normalization):
+    gamma, beta = _contiguous(gamma, beta)
+    mean, rstd = norm_stats(x, eps, normalization)
+    y = apply_fused(x, _op(normalization), k=x.shape[1], mean=mean, rstd=rstd, gamma=gamma, beta=beta)
+    return y, mean, rstd
+
+
+def quantize_norm_act(x, gamma, beta, eps, normalization, params, *, rowwise, columnwise):
+    gamma, beta = _contiguous(gamma, beta)
+    mean, rstd = norm_stats(x, eps, normalization)
+    xq = quantize_fused(x, _op(normalization), params, k=x.shape[1], mean=mean, rstd=rstd, gamma=gamma, beta=beta,
+                        rowwise=rowwise, columnwise=columnwise)  # fmt: skip
+    return xq, mean, rstd
+
+
+def norm_bwd(dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta):
+    (gamma,) = _contiguous(gamma)
+    m, h = x.shape
+    rms = mean is None
+    dx = torch.empty(m, h, dtype=x.dtype, device=x.device)
+    groups = triton.cdiv(m, NORM_BWD_ROWS)
+    pg = torch.empty(groups, h, dtype=torch.float32, device=x.device) if need_dgamma else None
+    pb = torch.empty(groups, h, dtype=torch.float32, device=x.device) if need_dbeta else None
+    if m > 0:
+        _launch_bwd((groups,), dy, x, rstd if rms else mean, rstd, gamma, dx, pg if pg is not None else rstd,
+                    pb if pb is not None else rstd, m, h, dy.stride(0), x.stride(0), rms, bool(need_dgamma),
+                    bool(need_dbeta), NORM_BWD_ROWS, NORM_BWD_ROWS.bit_length() - 1,
+                    num_warps=BWD_WARPS, **FP_OPTIONS)  # fmt: skip
+    out = []
+    for p in (pg, pb):
+        if p is None:
+            out.append(None)
+            continue
+        total = torch.empty(h, dtype=gamma.dtype, device=x.device)
+        if m == 0:
+            total.zero_()
+        else:
+            _launch_column_sum((triton.cdiv(h, COLSUM_COLS),), p, total, groups, h, COLSUM_COLS,
+                               num_warps=COLSUM_WARPS, **FP_OPTIONS)  # fmt: skip
+        out.append(total)
+    return dx, out[0], out[1]
