@@ -8,6 +8,7 @@ from .backends import (
 )
 from .convert import convert_to_fp8_blockwise
 from .gemm import gemm_dgrad, gemm_fwd, gemm_wgrad
+from .grouped_linear import Fp8GroupedLinear, GroupedWeightCache, fp8_grouped_linear
 from .linear import fp8_blockwise_linear
 from .module import Fp8BlockwiseLinear
 from .quantize import quantize_activation, quantize_weight
@@ -23,6 +24,8 @@ __all__ = [
     "BlockwiseRecipe",
     "Fp8BlockwiseLinear",
     "Fp8Format",
+    "Fp8GroupedLinear",
+    "GroupedWeightCache",
     "QuantParams",
     "TensorRole",
     "WeightCache",
@@ -30,6 +33,7 @@ __all__ = [
     "backend_availability",
     "convert_to_fp8_blockwise",
     "fp8_blockwise_linear",
+    "fp8_grouped_linear",
     "gemm_dgrad",
     "gemm_fwd",
     "gemm_wgrad",

@@ -52,6 +52,7 @@ def losses(records):
         ("fp8=nonsense", "Could not find 'fp8/nonsense'"),
         ("train.lr=fast", "train.lr"),
         ("model.attention=flash", "model.attention: 'flash' is not one of local, sdpa"),
+        ("model.moe_grouped_gemm=true", "model.moe_grouped_gemm: needs model.num_experts"),
         ("train.steps=abc", "train.steps=abc\nValue 'abc' of type 'str' could not be converted to Integer"),
         ("+train.foo=1", "train.foo: unknown key"),
         ("fp8.bf16_layers=[5]", "fp8.bf16_layers: [5] out of range for model.num_layers=2"),
@@ -142,6 +143,17 @@ def test_resume_reproduces_the_next_steps_exactly(tmp_path):
     a, b = losses(full), losses(resumed)
     assert sorted(b) == [5, 6, 7, 8]
     assert all(a[s] == b[s] for s in b), (a, b)
+
+
+def test_moe_run_with_grouped_experts(tmp_path):
+    """model.moe_grouped_gemm=true: the experts are the plugin's grouped ones, and the MoE model trains."""
+    moe = ["model.num_experts=4", "model.add_bias_linear=false", "train.steps=6", "logging.log_interval=1",
+           "train.micro_batch_size=2", "train.global_batch_size=2"]  # fmt: skip
+    proc, records = train(tmp_path, *moe, "model.moe_grouped_gemm=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert next(r for r in records if r.get("event") == "start")["experts"] == "TEGroupedMLP"
+    loss = losses(records)
+    assert sorted(loss) == [1, 2, 3, 4, 5, 6] and loss[6] < loss[1]
 
 
 def test_two_process_tensor_and_sequence_parallel_run(tmp_path):

@@ -31,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from primus_fp8_plugin.backends.triton import aot_fused, gemm, quantize_act, quantize_weight
+from primus_fp8_plugin.backends.triton.aot_specs_grouped import grouped_kernel_specs
 from primus_fp8_plugin.backends.triton.fused_math import OP_SWIGLU
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx950": GPUTarget("hip", "gfx950", 64)}
@@ -48,6 +49,8 @@ class KernelSpec:
     expect: dict[str, list[str]] = field(default_factory=dict)
     # compile with the int arguments specialised as multiples of 16 (aligned shapes) or not (ragged)
     ints_divisible: bool = True
+    # or with exactly these int arguments specialised as multiples of 16 (overrides ints_divisible)
+    divisible: tuple[str, ...] | None = None
     # further compile options, as the launcher passes them (e.g. enable_fp_fusion)
     options: dict = field(default_factory=dict)
 
@@ -151,6 +154,7 @@ def kernel_specs() -> list[KernelSpec]:
         _gemm_spec("fwd"),
         _gemm_spec("wgrad"),
         *(KernelSpec(**spec) for spec in aot_fused.kernel_specs()),  # norm, SwiGLU, RoPE
+        *(KernelSpec(**kw) for kw in grouped_kernel_specs()),  # the grouped (MoE) kernels
     ]
 
 
@@ -257,7 +261,10 @@ def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbo
 def compile_spec(spec: KernelSpec, target: str) -> tuple[AotReport, dict[str, str]]:
     # Integer arguments are specialised as multiples of 16, as a launch with aligned shapes would be
     # (ragged specs: not at all, the worst case for registers).
-    divisible_ints = [i for i, ty in enumerate(spec.signature.values()) if ty == "i32" and spec.ints_divisible]
+    if spec.divisible is not None:
+        divisible_ints = [i for i, name in enumerate(spec.signature) if name in spec.divisible]
+    else:
+        divisible_ints = [i for i, ty in enumerate(spec.signature.values()) if ty == "i32" and spec.ints_divisible]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible_ints}
     attrs.update({(i,): [["tt.divisibility", 16]] for i, ty in enumerate(spec.signature.values()) if ty[0] == "*"})
     src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)

@@ -1,5 +1,6 @@
-"""What every backend implements: five operations on :class:`BlockwiseFp8Tensor`, and optionally the
-fused ops (norm, SwiGLU and RoPE, with or without the FP8 quantization of their output).
+"""What every backend implements: five operations on :class:`BlockwiseFp8Tensor`, and optionally their
+grouped (mixture-of-experts) forms on ``GroupedFp8Tensor`` / ``GroupedFp8Weight`` (``grouped_tensor.py``)
+and the fused ops (norm, SwiGLU and RoPE, with or without the FP8 quantization of their output).
 
 Arguments reach a backend already checked by the public functions in
 ``primus_fp8_plugin.quantize`` and ``primus_fp8_plugin.gemm`` (dtypes, shapes, devices, which
@@ -9,12 +10,17 @@ copies exist); a backend asserts only what is specific to its kernels.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..recipe import QuantParams
 from ..tensor import BlockwiseFp8Tensor
+
+if TYPE_CHECKING:
+    from ..grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight, GroupLayout
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,49 @@ class Backend(abc.ABC):
         With ``accumulate_into`` (fp32 [N, K]) the result is added to it in place and it is returned.
         """
 
+    # ---- grouped (mixture-of-experts) operations: optional; results equal a loop of the dense ones ----
+    def _no_grouped(self, op: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"backend {self.name!r} has no grouped (mixture-of-experts) kernels ({op}): use backend='triton' or "
+            "'reference' for grouped experts, or Megatron's SequentialMLP experts (moe_grouped_gemm=False)"
+        )
+
+    def quantize_act_grouped(
+        self, x: torch.Tensor, layout: GroupLayout, params: QuantParams, *, rowwise: bool, columnwise: bool
+    ) -> GroupedFp8Tensor:
+        """1x128 quantization of permuted tokens ``x [T, K]`` (contiguous): rowwise unpadded, columnwise with
+        each expert's tokens zero-padded to a multiple of 128 (``grouped_tensor.py``)."""
+        raise self._no_grouped("quantize_act_grouped")
+
+    def quantize_weight_grouped(
+        self, weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, out: GroupedFp8Weight | None = None
+    ) -> GroupedFp8Weight:
+        """128x128 quantization of ``E`` weights (contiguous ``[N, K]`` each, or one ``[E, N, K]``) into W and W^T,
+        written into ``out`` when given (its buffers of the right shapes)."""
+        raise self._no_grouped("quantize_weight_grouped")
+
+    def gemm_fwd_grouped(
+        self, x: GroupedFp8Tensor, w: GroupedFp8Weight, bias: torch.Tensor | None, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``Y [T, N]``: expert ``e``'s rows ``= X_e W_e^T (+ bias[e])``; ``bias`` is ``[E, N]`` or None."""
+        raise self._no_grouped("gemm_fwd_grouped")
+
+    def gemm_dgrad_grouped(self, dy: GroupedFp8Tensor, w: GroupedFp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+        """``dX [T, K]``: expert ``e``'s rows ``= dY_e W_e`` (W^T copies)."""
+        raise self._no_grouped("gemm_dgrad_grouped")
+
+    def gemm_wgrad_grouped(
+        self,
+        dy: GroupedFp8Tensor,
+        x: GroupedFp8Tensor,
+        out_dtype: torch.dtype,
+        accumulate_into: Sequence[torch.Tensor] | None,
+    ) -> list[torch.Tensor]:
+        """``dW_e [N, K] = dY_e^T X_e`` for every expert, from the columnwise copies. Returns ``E`` tensors (views
+        of one ``[E, N, K]`` buffer), or, with ``accumulate_into`` (``E`` contiguous fp32 ``[N, K]`` tensors
+        anywhere in memory, e.g. Megatron's ``main_grad``), adds into them in place and returns them."""
+        raise self._no_grouped("gemm_wgrad_grouped")
+
     # ---- fused ops (optional): the spec is backends/reference_fused.py, docs/NUMERICS.md "Fused ops" ----
 
     def _no_fused(self, op: str):
@@ -117,11 +166,18 @@ class Backend(abc.ABC):
 
 
 FUSED_OPS = ("norm_fwd", "quantize_norm_act", "norm_bwd", "swiglu_fwd", "quantize_swiglu_act", "swiglu_bwd", "rope")
+GROUPED_OPS = (
+    "quantize_act_grouped",
+    "quantize_weight_grouped",
+    "gemm_fwd_grouped",
+    "gemm_dgrad_grouped",
+    "gemm_wgrad_grouped",
+)
 
 
 def fused_ops_from_triton(cls: type) -> type:
     """Class decorator: a backend that holds a ``TritonBackend`` as ``self.triton`` runs the fused
-    ops (norm, SwiGLU, RoPE) through it."""
+    ops (norm, SwiGLU, RoPE) and the grouped (mixture-of-experts) ops through it."""
 
     def delegate(name):
         def method(self, *args, **kwargs):
@@ -131,6 +187,6 @@ def fused_ops_from_triton(cls: type) -> type:
         method.__doc__ = f"``{name}`` of the triton backend this backend holds."
         return method
 
-    for name in FUSED_OPS:
+    for name in FUSED_OPS + GROUPED_OPS:
         setattr(cls, name, delegate(name))
     return cls

@@ -27,6 +27,7 @@ from ..recipe import BLOCK, QuantParams
 from ..tensor import BlockwiseFp8Tensor, ceil_div, scales_to_te_layout
 from . import reference_fused as fused
 from .base import Availability, Backend
+from .grouped_loop import DenseLoopGrouped
 
 _EXPONENT_MASK = 0x7F800000
 
@@ -131,8 +132,9 @@ def blockwise_gemm(
     return acc.to(out_dtype)
 
 
-class ReferenceBackend(Backend):
-    """Plain torch, any device; the oracle every other backend is tested against."""
+class ReferenceBackend(DenseLoopGrouped, Backend):
+    """Plain torch, any device; the oracle every other backend is tested against. Its grouped (MoE)
+    operations loop the dense ones over the experts (``grouped_loop.py``)."""
 
     name = "reference"
 

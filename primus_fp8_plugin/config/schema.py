@@ -41,6 +41,9 @@ class ModelConfig:
     add_bias_linear: bool = True
     num_experts: int | None = None
     moe_router_topk: int = 2
+    # MoE experts: true = grouped (one grouped FP8 GEMM per pass for all local experts: Megatron's TEGroupedMLP
+    # with the plugin's grouped linears, or TE's in the te_* modes); false = SequentialMLP (a GEMM per expert)
+    moe_grouped_gemm: bool = False
     init_method_std: float = 0.02
 
 
@@ -187,6 +190,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     )
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length"):
         _require(getattr(m, name) > 0, f"model.{name}", "must be > 0")
+    _require(not m.moe_grouped_gemm or bool(m.num_experts), "model.moe_grouped_gemm", "needs model.num_experts (an MoE model)")
     _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size", "must be divisible by model.num_attention_heads")
     _require(m.init_method_std > 0, "model.init_method_std", "must be > 0")
     if m.num_query_groups is not None:

@@ -1,5 +1,6 @@
 """Megatron-core integration: FP8 blockwise layer classes and layer specs (needs ``megatron-core``)."""
 
+from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8RowParallelGroupedLinear
 from .layers import (
     Fp8ColumnParallelLinear,
     Fp8LayerNormColumnParallelLinear,
@@ -20,8 +21,11 @@ from .specs import (
 )
 
 __all__ = [
+    "Fp8ColumnParallelGroupedLinear",
     "Fp8ColumnParallelLinear",
+    "Fp8Experts",
     "Fp8LayerNormColumnParallelLinear",
+    "Fp8RowParallelGroupedLinear",
     "Fp8RowParallelLinear",
     "Fp8SpecProvider",
     "TorchNorm",

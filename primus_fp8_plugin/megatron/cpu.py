@@ -96,8 +96,11 @@ class CudaAsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def init_cpu_distributed(rank: int = 0, world_size: int = 1, tp: int = 1, port: int | None = None) -> None:
-    """gloo process group + Megatron's model-parallel groups (TP = ``tp``) on this CPU process."""
+def init_cpu_distributed(
+    rank: int = 0, world_size: int = 1, tp: int = 1, port: int | None = None, ep: int = 1, etp: int | None = None
+) -> None:
+    """gloo process group + Megatron's model-parallel groups (TP = ``tp``, expert parallelism ``ep``, expert TP
+    ``etp``, default ``tp``) on this CPU process."""
     from megatron.core import parallel_state
 
     install_cpu_standins()
@@ -108,7 +111,9 @@ def init_cpu_distributed(rank: int = 0, world_size: int = 1, tp: int = 1, port: 
         os.environ.setdefault("MASTER_PORT", "29531")
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+        )
 
 
 def cpu_transformer_config(**overrides):

@@ -154,7 +154,9 @@ def set_is_first_microbatch(model: torch.nn.Module) -> int:
     """Mark every FP8 layer of ``model`` so its next forward re-quantizes its weight (call it at
     the start of a training step; Megatron's own method skips it unless ``config.fp8`` is set).
     Returns how many layers were marked."""
-    layers = [m for m in model.modules() if isinstance(m, _Fp8LinearMixin)]
+    from .grouped import Fp8GroupedLinearBase
+
+    layers = [m for m in model.modules() if isinstance(m, (_Fp8LinearMixin, Fp8GroupedLinearBase))]
     for m in layers:
         m.is_first_microbatch = True
     return len(layers)

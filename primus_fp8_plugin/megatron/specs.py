@@ -6,9 +6,11 @@
   FP8 counterpart; ``fp8_block_spec`` keeps chosen layers (e.g. first and last) in BF16.
 * ``get_gpt_block_spec(num_layers, ...)``: a whole decoder block (with a sequence-parallel capable
   final norm), optionally with BF16 layers (e.g. first and last).
-* ``Fp8SpecProvider``: a Megatron ``BackendSpecProvider``.
+* ``Fp8SpecProvider``: a Megatron ``BackendSpecProvider`` (``grouped_mlp_modules(True)``: the plugin's grouped
+  experts, ``grouped.py``).
 * Module-level specs for Megatron-LM's ``--spec primus_fp8_plugin.megatron <name>``:
-  ``fp8_gpt_layer_spec`` (LayerNorm), ``fp8_gpt_layer_spec_rmsnorm``, ``fp8_gpt_moe_layer_spec``.
+  ``fp8_gpt_layer_spec`` (LayerNorm), ``fp8_gpt_layer_spec_rmsnorm``, ``fp8_gpt_moe_layer_spec`` (grouped
+  experts under ``--moe-grouped-gemm``, SequentialMLP otherwise).
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..recipe import BlockwiseRecipe
+from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8RowParallelGroupedLinear, grouped_mlp, sequential_mlp
 from .layers import Fp8ColumnParallelLinear, Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
 from .norm import TorchNorm
 
@@ -40,7 +41,13 @@ _SWAP = {
     "TERowParallelLinear": Fp8RowParallelLinear,
     "TELayerNormColumnParallelLinear": Fp8LayerNormColumnParallelLinear,
 }
-_FP8_CLASSES = (Fp8ColumnParallelLinear, Fp8RowParallelLinear, Fp8LayerNormColumnParallelLinear)
+# TE's grouped expert linears (builders called directly by TEGroupedMLP, so replaced by partials, not ModuleSpecs)
+_SWAP_GROUPED = {
+    "TEColumnParallelGroupedLinear": Fp8ColumnParallelGroupedLinear,
+    "TERowParallelGroupedLinear": Fp8RowParallelGroupedLinear,
+}
+_FP8_CLASSES = (Fp8ColumnParallelLinear, Fp8RowParallelLinear, Fp8LayerNormColumnParallelLinear,
+                Fp8ColumnParallelGroupedLinear, Fp8RowParallelGroupedLinear)  # fmt: skip
 
 
 def _fp8_module(cls: type, recipe: BlockwiseRecipe | None, backend: str) -> ModuleSpec:
@@ -50,6 +57,8 @@ def _fp8_module(cls: type, recipe: BlockwiseRecipe | None, backend: str) -> Modu
 def _swap(node, recipe, backend):
     """Recursively replace linear classes in a spec tree (ModuleSpec, submodule dataclasses, partials)."""
     if isinstance(node, type):
+        if node.__name__ in _SWAP_GROUPED:
+            return partial(_SWAP_GROUPED[node.__name__], fp8_recipe=recipe, fp8_backend=backend)
         new = _SWAP.get(node.__name__)
         return _fp8_module(new, recipe, backend) if new is not None else node
     if isinstance(node, ModuleSpec):
@@ -73,8 +82,8 @@ def _swap(node, recipe, backend):
 
 
 def apply_fp8_blockwise(spec, *, recipe: BlockwiseRecipe | None = None, backend: str = "auto", norm=None):
-    """A copy of ``spec`` whose column/row-parallel linears (local or TE classes) are the FP8 blockwise
-    ones. Attention and everything else stay.
+    """A copy of ``spec`` whose column/row-parallel linears (local or TE classes, TE's grouped expert linears
+    included) are the FP8 blockwise ones. Attention and everything else stay.
 
     TE's fused norm+linear (``TELayerNormColumnParallelLinear``) becomes, by default, the plugin's fused
     ``Fp8LayerNormColumnParallelLinear`` (the norm is then the plugin's). With ``norm`` (a norm class,
@@ -195,6 +204,7 @@ def get_gpt_layer_spec(
     normalization: str = "LayerNorm",
     fused_norm: bool = True,
     core_attention: str = "local",
+    moe_grouped_gemm: bool | None = False,
     recipe: BlockwiseRecipe | None = None,
     backend: str = "auto",
 ) -> ModuleSpec:
@@ -203,7 +213,10 @@ def get_gpt_layer_spec(
     ``fused_norm=True`` (TE-style): ``input_layernorm`` is folded into ``linear_qkv`` and, for dense
     layers, ``pre_mlp_layernorm`` into ``linear_fc1`` (MoE layers keep a separate pre-MLP norm:
     the router needs the normalized input). ``fused_norm=False``: Megatron's local layout.
-    ``num_experts``: None for dense, else an MoE layer with SequentialMLP experts.
+    ``num_experts``: None for dense, else an MoE layer whose experts are, with ``moe_grouped_gemm=True``,
+    Megatron's ``TEGroupedMLP`` with the plugin's grouped FP8 linears (one grouped GEMM for all local experts),
+    with ``False`` ``SequentialMLP`` with the dense FP8 linears, and with ``None`` the one that
+    ``config.moe_grouped_gemm`` (``--moe-grouped-gemm``) names when the layer is built.
     ``core_attention``: ``"local"`` (Megatron's unfused attention) or ``"sdpa"`` (fused, TE-free;
     see ``with_core_attention``).
     """
@@ -213,6 +226,10 @@ def get_gpt_layer_spec(
         backend=backend,
     )
     spec = with_core_attention(_norms_to_torch_norm(spec), core_attention)
+    if num_experts is not None and moe_grouped_gemm is not False:
+        experts = grouped_mlp(recipe, backend) if moe_grouped_gemm else Fp8Experts(recipe, backend, grouped=None)
+        mlp = _with_experts(spec.submodules.mlp, experts)
+        spec = ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
     if not fused_norm:
         return spec
     sub = spec.submodules
@@ -222,6 +239,17 @@ def get_gpt_layer_spec(
     if num_experts is None:
         changes.update(pre_mlp_layernorm=IdentityOp, mlp=_with_fc1(sub.mlp, fused))
     return ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(sub, **changes))
+
+
+def _with_experts(mlp, experts):
+    """The MoE layer spec (a partial of MoELayer, or a ModuleSpec) with its ``experts`` replaced."""
+    if isinstance(mlp, partial):
+        kw = dict(mlp.keywords)
+        kw["submodules"] = dataclasses.replace(kw["submodules"], experts=experts)
+        return partial(mlp.func, *mlp.args, **kw)
+    mlp = copy.copy(mlp)
+    mlp.submodules = dataclasses.replace(mlp.submodules, experts=experts)
+    return mlp
 
 
 def _with_fc1(mlp, fc1):
@@ -255,10 +283,9 @@ class Fp8SpecProvider(LocalSpecProvider):
         return _fp8_module(Fp8LayerNormColumnParallelLinear, self.recipe, self.backend) if self.fuse_norm else None
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
-        return partial(
-            SequentialMLP,
-            submodules=MLPSubmodules(linear_fc1=self.column_parallel_linear(), linear_fc2=self.row_parallel_linear()),
-        )
+        """``TEGroupedMLP`` with the plugin's grouped FP8 linears (``moe_use_grouped_gemm``), else
+        ``SequentialMLP`` with the dense FP8 linears."""
+        return (grouped_mlp if moe_use_grouped_gemm else sequential_mlp)(self.recipe, self.backend)
 
 
 def is_fp8_linear(module) -> bool:
@@ -270,4 +297,5 @@ assert {c.__name__ for c in (ColumnParallelLinear, RowParallelLinear)} <= _SWAP.
 # For Megatron-LM: --spec primus_fp8_plugin.megatron fp8_gpt_layer_spec
 fp8_gpt_layer_spec = get_gpt_layer_spec()
 fp8_gpt_layer_spec_rmsnorm = get_gpt_layer_spec(normalization="RMSNorm")
-fp8_gpt_moe_layer_spec = get_gpt_layer_spec(num_experts=8)
+# MoE: grouped experts where Megatron-LM's --moe-grouped-gemm is given, SequentialMLP otherwise
+fp8_gpt_moe_layer_spec = get_gpt_layer_spec(num_experts=8, moe_grouped_gemm=None)

@@ -226,8 +226,11 @@ def run(cfg) -> dict:
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         if rank == 0:
             n_params = sum(p.numel() for p in model.parameters())
+            # which experts an MoE model runs (TEGroupedMLP: grouped GEMMs; SequentialMLP: a GEMM per expert)
+            experts = next((type(m.experts).__name__ for m in model.modules() if hasattr(m, "router")), None)
             metrics.log({"event": "start", "params": n_params, "fp8": cfg.fp8.mode, "backend": cfg.backend.name,
-                         "device": str(device), "world_size": dist.get_world_size(), "start_step": start})  # fmt: skip
+                         "device": str(device), "world_size": dist.get_world_size(), "start_step": start,
+                         "experts": experts})  # fmt: skip
             if resumed.path is not None:
                 metrics.log({"event": "resume", "checkpoint": str(resumed.path), "step": start,
                              "changed": {k: list(v) for k, v in resumed.changed.items()}})  # fmt: skip

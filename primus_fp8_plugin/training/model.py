@@ -38,7 +38,8 @@ def transformer_config(cfg, on_cuda: bool):
     if cfg.train.cuda_graph:  # init_runtime refused it on the CPU
         kw.update(cuda_graph_impl="local", cuda_graph_warmup_steps=cfg.train.cuda_graph_warmup_steps)
     if m.num_experts:
-        kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_token_dispatcher_type="allgather")
+        kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_token_dispatcher_type="allgather",
+                  moe_grouped_gemm=m.moe_grouped_gemm)  # fmt: skip
     if cfg.fp8.mode == "te_blockwise":  # te_bf16: the same TE spec without FP8
         kw.update(fp8="hybrid" if cfg.fp8.fp8_format == "HYBRID" else "e4m3", fp8_recipe="blockwise")
     return TransformerConfig(**kw)
@@ -53,7 +54,7 @@ def layer_spec(cfg):
     if cfg.fp8.mode in TE_MODES:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        te_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts)
+        te_spec = get_gpt_layer_with_transformer_engine_spec(num_experts=m.num_experts, moe_grouped_gemm=m.moe_grouped_gemm)
         if cfg.fp8.mode == "te_spec_blockwise":  # TE's spec, norms and attention around the plugin's linears
             from megatron.core.extensions.transformer_engine import TENorm
 
@@ -61,7 +62,7 @@ def layer_spec(cfg):
         return te_spec
     bf16_layers = range(m.num_layers) if cfg.fp8.mode == "bf16" else list(cfg.fp8.bf16_layers)
     return get_gpt_block_spec(
-        m.num_layers, bf16_layers=bf16_layers, num_experts=m.num_experts,
+        m.num_layers, bf16_layers=bf16_layers, num_experts=m.num_experts, moe_grouped_gemm=m.moe_grouped_gemm,
         normalization=m.normalization, core_attention=m.attention, recipe=recipe, backend=cfg.backend.name,
     )  # fmt: skip
 

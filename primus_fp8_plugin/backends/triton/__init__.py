@@ -24,6 +24,7 @@ from ..base import Availability, Backend
 from . import norm, rope, swiglu
 from .gemm import blockwise_gemm
 from .gemm_gluon import blockwise_gemm_gluon
+from .grouped import TritonGrouped
 from .quantize_act import quantize_1x128_dual
 from .quantize_act_gluon import quantize_1x128_dual_gluon
 from .quantize_weight import quantize_128x128
@@ -88,8 +89,9 @@ def hopper_or_portable_weight_quant(w, params):
     return _hopper_or_portable(w.device, quantize_128x128_gluon, quantize_128x128, w, params)
 
 
-class TritonBackend(Backend):
-    """Triton kernels for all five operations: the Gluon kernels on Hopper, the portable ones elsewhere.
+class TritonBackend(TritonGrouped, Backend):
+    """Triton kernels for all five operations: the Gluon kernels on Hopper, the portable ones elsewhere;
+    their grouped (MoE) forms (``grouped.py``) and the fused ops.
 
     Args:
         blockwise_gemm: the GEMM the three GEMM methods call, with ``blockwise_gemm``'s contract

@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""Grouped (MoE) expert linears on the GPU: the plugin's Fp8GroupedLinear vs TE's te.GroupedLinear
+(Float8BlockScaling), the plugin's SequentialMLP path (a dense Fp8BlockwiseLinear per expert) and BF16 grouped
+(torch._grouped_mm where this torch has it, else a loop of BF16 linears), forward + backward, all in one run.
+
+    python benchmarks/bench_grouped.py [--models mixtral qwen3 dsv3] [--tokens 8192 32768]
+        [--routing balanced skewed] [--backends triton] [--sustained S] [--json out.json] [--plot out.png]
+
+Models (one row per expert linear, SwiGLU experts: fc1 is [hidden -> 2 x ffn], fc2 [ffn -> hidden]):
+``mixtral`` (8 experts, hidden 4096, ffn 14336), ``qwen3`` (Qwen3-30B-A3B-like: 128 experts, hidden 2048,
+ffn 768), ``dsv3`` (DeepSeek-V3's local experts at EP=8: 32 experts, hidden 7168, ffn 2048). ``--tokens`` are
+routed tokens (tokens x top-k) per step; ``balanced`` gives every expert the same count, ``skewed`` a Zipf
+(exponent 1.2) share, randomly permuted over the experts; counts are multiples of ``--align`` (16: what
+Megatron pads to for TE's FP8 grouped GEMM).
+
+Columns: ``step ms`` one forward+backward with a freshly quantized weight (ours ``is_first_microbatch=True``,
+TE ``is_first_microbatch=None``); ``4mb ms/mb`` four forward+backward passes sharing one weight quantization,
+per pass; ``TF`` 6 x tokens x N x K / step time; ``vs TE`` / ``vs bf16`` that contender's step time over this
+one's (above 1: faster). Timing: triton's do_bench (median, L2 flushed) or, with ``--sustained S``, each
+contender run back to back for S seconds (the power-limited clock of training; benchlib.Timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+for _d in (_HERE, _HERE.parent / "scripts", _HERE.parent):  # benchlib lives in benchmarks/ (or scripts/)
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
+
+from benchlib import Timing, environment, report, require_cuda, save_figure, try_import_te  # noqa: E402
+
+from primus_fp8_plugin import Fp8BlockwiseLinear, Fp8GroupedLinear, backend_availability  # noqa: E402
+
+MODELS = {  # name: (experts, hidden, ffn)
+    "mixtral": (8, 4096, 14336),
+    "qwen3": (128, 2048, 768),
+    "dsv3": (32, 7168, 2048),
+}
+
+
+def routing(kind: str, experts: int, tokens: int, align: int, seed: int = 0) -> list[int]:
+    """Tokens per expert, multiples of ``align`` summing to ``tokens`` (rounded down to ``align``)."""
+    units = tokens // align
+    if kind == "balanced":
+        share = torch.full((experts,), 1.0 / experts)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        zipf = 1.0 / torch.arange(1, experts + 1).double() ** 1.2
+        share = (zipf / zipf.sum())[torch.randperm(experts, generator=g)]
+    counts = (share * units).floor().long()
+    counts[torch.argsort(share * units - counts, descending=True)[: units - int(counts.sum())]] += 1
+    return (counts * align).tolist()
+
+
+def grouped_mm_trains() -> bool:
+    """Whether this torch has ``torch._grouped_mm`` with a backward on this GPU (a small probe)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(2, 128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        offs = torch.tensor([32, 64], device="cuda", dtype=torch.int32)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs).sum().backward()
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+class Bf16Grouped(torch.nn.Module):
+    """BF16 experts: ``torch._grouped_mm`` on stacked weights [E, N, K] (offsets on the device), else a loop."""
+
+    def __init__(self, experts, k, n, grouped: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k))
+        self.grouped = grouped
+
+    def forward(self, x, counts, offs):
+        if self.grouped:
+            return torch._grouped_mm(x, self.weight.transpose(-2, -1), offs=offs)
+        return torch.cat([p @ w.t() for p, w in zip(torch.split(x, counts), self.weight.unbind(0))])
+
+
+def contenders(args, experts, k, n, counts, te):
+    """name -> (module, call(module, x, first_microbatch)) for one expert linear."""
+    out = {}
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    bf16 = Bf16Grouped(experts, k, n, args.bf16_grouped)
+    out["bf16 grouped" if bf16.grouped else "bf16 loop"] = (bf16, lambda m, x, first: m(x, counts, offs))
+    counts_dev = torch.tensor(counts, device="cuda", dtype=torch.int32)
+    for b in args.backends:
+        if not backend_availability(b, "cuda"):
+            continue
+        layer = Fp8GroupedLinear(experts, k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=b)
+
+        def call(m, x, first, split=counts_dev if args.device_counts else counts):
+            m.is_first_microbatch = first
+            return m(x, split)
+
+        out[f"ours-{b}"] = (layer, call)
+    if not args.no_sequential:
+        seq_backend = args.sequential_backend
+        dense = torch.nn.ModuleList(
+            Fp8BlockwiseLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=seq_backend) for _ in range(experts)
+        )
+
+        def seq_call(mods, x, first):
+            outs = []
+            for mod, part in zip(mods, torch.split(x, counts)):
+                mod.is_first_microbatch = first
+                outs.append(mod(part))
+            return torch.cat(outs)
+
+        out[f"sequential-{seq_backend}"] = (dense, seq_call)
+    if te is not None:
+        from transformer_engine.common.recipe import Float8BlockScaling
+
+        recipe = Float8BlockScaling()
+        te_layer = te.GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+
+        def te_call(m, x, first):
+            ctx = te.autocast(enabled=True, recipe=recipe) if hasattr(te, "autocast") else \
+                te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # fmt: skip
+            with ctx:
+                return m(x, counts, is_first_microbatch=first)
+
+        out["TE"] = (te_layer, te_call)
+    return out
+
+
+def step_fns(module, call, x, dy, te_style: bool):
+    params = list(module.parameters())
+
+    def fwd_bwd(first):
+        for p in params:
+            p.grad = None
+        call(module, x, first).backward(dy)
+
+    def four():
+        for i in range(4):
+            fwd_bwd(i == 0)
+
+    # TE: one step without weight caching (None); ours and the sequential path: a fresh quantization (True)
+    return (lambda: fwd_bwd(None if te_style else True)), four
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the rows and the environment as JSON")
+    ap.add_argument("--plot", help="write a PNG")
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--linears", nargs="*", default=["fc1", "fc2"], choices=["fc1", "fc2"])
+    ap.add_argument("--tokens", nargs="*", type=int, default=[8192, 32768], help="routed tokens per step")
+    ap.add_argument("--routing", nargs="*", default=["balanced", "skewed"], choices=["balanced", "skewed"])
+    ap.add_argument("--align", type=int, default=16, help="counts are multiples of this")
+    ap.add_argument("--backends", nargs="*", default=["triton"], help="the plugin's backends for the grouped layer")
+    ap.add_argument("--sequential-backend", default="auto", help="backend of the SequentialMLP contender")
+    ap.add_argument("--no-sequential", action="store_true", help="leave out the SequentialMLP path (slow at 128 experts)")
+    ap.add_argument("--device-counts", action="store_true", help="pass ours the counts as a device tensor")
+    ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
+                    help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi)")  # fmt: skip
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not require_cuda("bench_grouped"):
+        return 2
+    te, why = try_import_te()
+    args.bf16_grouped = grouped_mm_trains()
+    with Timing(args.sustained) as timing:
+        rows = _run(args, te, timing)
+    env = environment()
+    env["timing"] = timing.describe()
+    env["bf16"] = "torch._grouped_mm" if args.bf16_grouped else "loop of BF16 matmuls (no torch._grouped_mm backward here)"
+    cols = [("model", ""), ("linear", ""), ("tokens", "d"), ("routing", ""), ("impl", ""), ("step ms", ".3f"), ("TF", ".0f"),
+            ("vs TE", ".2f"), ("vs bf16", ".2f"), ("4mb ms/mb", ".3f"), ("4mb vs TE", ".2f")]  # fmt: skip
+    if args.sustained > 0:
+        cols += [("step MHz", ".0f"), ("step W", ".0f")]
+    notes = [] if te is not None else [f"(TE not installed: {why})"]
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        for key in ("vs TE", "vs bf16"):
+            vals = [r[key] for r in rows if r["impl"] == impl and r.get(key)]
+            if vals:
+                geo = math.exp(sum(math.log(v) for v in vals) / len(vals))
+                notes.append(f"{impl}: step {key} geomean {geo:.3f} (min {min(vals):.3f}, {len(vals)} shapes)")
+    report("bench_grouped", env, rows, cols, args, plot, notes)
+    return 0
+
+
+def _run(args, te, timing) -> list[dict]:
+    rows = []
+    i_shape = 0
+    for model in args.models:
+        experts, hidden, ffn = MODELS[model]
+        for linear in args.linears:
+            k, n = (hidden, 2 * ffn) if linear == "fc1" else (ffn, hidden)
+            for tokens in args.tokens:
+                for kind in args.routing:
+                    counts = routing(kind, experts, tokens, args.align)
+                    t = sum(counts)
+                    torch.manual_seed(0)
+                    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+                    impls = contenders(args, experts, k, n, counts, te)
+                    shape_rows = {name: {"model": model, "linear": linear, "tokens": t, "routing": kind, "impl": name}
+                                  for name in impls}  # fmt: skip
+                    times = {}
+                    for name in timing.order(impls, i_shape):
+                        module, call = impls[name]
+                        single, four = step_fns(module, call, x, dy, te_style=name == "TE")
+                        times[name] = (timing.ms(single, shape_rows[name], "step"), timing.ms(four) / 4)
+                    i_shape += 1
+                    flops = 6 * t * n * k
+                    bf16 = next(v for key, v in times.items() if key.startswith("bf16"))
+                    for name, row in shape_rows.items():
+                        t1, t4 = times[name]
+                        row.update({"step ms": t1, "TF": flops / t1 / 1e9, "vs bf16": bf16[0] / t1, "4mb ms/mb": t4})
+                        if "TE" in times and name != "TE":
+                            row.update({"vs TE": times["TE"][0] / t1, "4mb vs TE": times["TE"][1] / t4})
+                        rows.append(row)
+                    line = "  ".join(f"{nm} {v[0]:.3f}/{v[1]:.3f} ms" for nm, v in times.items())
+                    print(f"{model} {linear} {t} {kind}: {line}", flush=True)
+                    del impls
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(f"{r['model']} {r['linear']}\n{r['tokens']} {r['routing']}" for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(12, len(shapes) * 0.9), 4.5))
+    for j, impl in enumerate(impls):
+        vals = [next((r["vs bf16"] for r in rows if f"{r['model']} {r['linear']}\n{r['tokens']} {r['routing']}" == s
+                      and r["impl"] == impl), 0) for s in shapes]  # fmt: skip
+        ax.bar([i + 0.8 / len(impls) * j for i in range(len(shapes))], vals, width=0.8 / len(impls), label=impl)
+    ax.axhline(1.0, color="gray", lw=1)
+    ax.set_xticks(range(len(shapes)), shapes, fontsize=7)
+    ax.set_ylabel("speed vs BF16 (fwd+bwd step)")
+    ax.legend()
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Device tables of tensor addresses, for kernels that read or write ``E`` tensors anywhere in memory (each
+expert's weight or ``main_grad``, which Megatron's gradient buffers do not lay out next to each other).
+
+A table is an int64 tensor ``[E]`` of ``data_ptr()`` values on the tensors' device; a kernel loads entry
+``e`` and casts it to a pointer. Tables are cached by the addresses they hold (an address reused by another
+tensor of the same layout needs the same table), so the host-to-device copy happens once per set of
+buffers (parameters and gradient buffers keep their storage across steps). The copy comes from pinned
+memory without a synchronisation; the pinned buffer is kept alive with the table.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+MAX_TABLES = 512  # a few per grouped layer (weights, main_grads), for models of many layers
+
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+
+def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 ``[len(tensors)]`` table of the tensors' addresses, on their device (one device for all)."""
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        raise ValueError("a pointer table's tensors must all be on one device")
+    key = (device, tuple(t.data_ptr() for t in tensors))
+    entry = _TABLES.get(key)
+    if entry is not None:
+        _TABLES.move_to_end(key)
+        return entry[0]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "a grouped kernel's pointer table (the experts' weights or main_grads) was first needed inside a CUDA-graph "
+            "capture, where it cannot be copied to the GPU safely: run one step outside the capture first (warm-up)"
+        )
+    host = torch.tensor(key[1], dtype=torch.int64)
+    if device.type == "cuda":
+        host = host.pin_memory()
+        table = host.to(device, non_blocking=True)
+    else:
+        table = host.to(device)
+    _TABLES[key] = (table, host)
+    while len(_TABLES) > MAX_TABLES:
+        _TABLES.popitem(last=False)
+    return table

@@ -1,0 +1,338 @@
+"""The grouped (mixture-of-experts) FP8 linear: ``E`` experts' linears on their permuted tokens at once.
+
+Forward:  X [T, K] (expert 0's tokens first; ``m_splits`` tokens per expert) --grouped quantization (rowwise
+          for the GEMM, padded columnwise kept for wgrad)--> Y_e = X_e W_e^T (+ b_e), one grouped GEMM
+          W_0..W_{E-1} --grouped weight cache (all experts' W and W^T, one batched quantization per change)
+Saved:    X's padded columnwise FP8 copy and its scales, the cached quantized weights. Never the high-precision X.
+Backward: dY --grouped quantization--> dX_e = dY_e W_e (W^T copies), dW_e = dY_e^T X_e, or ``main_grad_e +=`` in
+          fp32 when the weights have a ``main_grad`` (through a table of their addresses: Megatron's buffers need
+          not be adjacent); db_e = sum of dY_e over rows.
+
+Every result equals, bit for bit, running the plugin's dense ``fp8_blockwise_linear`` on each expert's
+tokens with the same backend's kernels (the reference backend's grouped operations are exactly that loop).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .backends import Backend, get_backend
+from .grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight, GroupLayout, group_layout
+from .recipe import BlockwiseRecipe, QuantParams, TensorRole
+from .tensor import HIGH_PRECISION_DTYPES
+from .weight_cache import WeightCache
+
+
+class _Recorder:
+    """Stands for the backend inside each expert's ``WeightCache.get``: where an expert's cached copy is stale,
+    ``WeightCache`` calls ``quantize_weight``, and this hands out that expert's views of one new set of stacked
+    buffers (filled afterwards by one batched quantization) and notes the expert."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self.fresh: GroupedFp8Weight | None = None
+        self.stale: set[int] = set()
+        self.current = 0
+        self.weights: Sequence[torch.Tensor] = ()
+
+    def __getattr__(self, attr):  # anything else a WeightCache may read comes from the real backend
+        return getattr(self.backend, attr)
+
+    def quantize_weight(self, w: torch.Tensor, params: QuantParams):
+        if self.fresh is None:
+            w0 = self.weights[0]
+            self.fresh = GroupedFp8Weight.empty(len(self.weights), tuple(w0.shape), params.fp8_dtype, w0.dtype, w0.device)
+        self.stale.add(self.current)
+        return self.fresh.expert(self.current)
+
+
+class GroupedWeightCache:
+    """The quantized copies (W and W^T, stacked) of ``E`` expert weights, valid while no weight changed.
+
+    Each expert has a ``WeightCache``, which decides when its weight changed (``weight_cache.py``: version
+    counter, storage, optimizer steps, ``refresh``, CUDA-graph capture). When any expert's copy is stale, all
+    experts' copies are re-made by one batched quantization into new stacked buffers, whose per-expert views
+    the experts' caches then hold; relies on ``WeightCache.get`` calling ``backend.quantize_weight`` exactly
+    when it re-quantizes and keeping what that returns.
+    """
+
+    def __init__(self) -> None:
+        self._caches: list[WeightCache] = []
+        self._recorders: dict[str, _Recorder] = {}
+        self._value: GroupedFp8Weight | None = None
+        self.refreshes = 0  # batched quantizations made (for tests and logs)
+
+    def get(
+        self, weights: Sequence[torch.Tensor], params: QuantParams, backend: Backend, *, refresh: bool = False
+    ) -> GroupedFp8Weight:
+        """All experts' quantized copies, re-made (in one launch) if any weight changed."""
+        if len(self._caches) != len(weights):
+            self._caches = [WeightCache() for _ in weights]
+        rec = self._recorders.setdefault(backend.name, _Recorder(backend))
+        rec.backend, rec.weights, rec.fresh, rec.stale = backend, weights, None, set()
+        for e, (cache, w) in enumerate(zip(self._caches, weights)):
+            rec.current = e
+            cache.get(w, params, rec, refresh=refresh)
+        if rec.fresh is not None:
+            for e, (cache, w) in enumerate(zip(self._caches, weights)):
+                if e not in rec.stale:  # fresh experts move into the new buffers too
+                    rec.current = e
+                    cache.get(w, params, rec, refresh=True)
+            with torch.no_grad():
+                backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params, out=rec.fresh)
+            self._value = rec.fresh
+            self.refreshes += 1
+        rec.fresh, rec.weights = None, ()
+        return self._value
+
+    def invalidate(self) -> None:
+        """Drop the cached copies; the next ``get`` re-quantizes."""
+        for cache in self._caches:
+            cache.invalidate()
+        self._value = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._value is None else self._value.nbytes
+
+
+def _check_inputs(x, weights, biases) -> None:
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"input has dtype {x.dtype}; the FP8 grouped linear takes bfloat16, float16 or float32")
+    if not weights:
+        raise ValueError("a grouped linear needs at least one expert weight")
+    n, k = weights[0].shape
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or tuple(w.shape) != (n, k) or w.device != x.device:
+            raise ValueError(f"weight {i} is {tuple(w.shape)} on {w.device}: each expert needs a [{n}, {k}] weight on {x.device}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"input's last dim is {x.shape[-1] if x.dim() else None} but in_features is {k}")
+    if biases is not None:
+        if len(biases) != len(weights) or any(b is None or tuple(b.shape) != (n,) or b.device != x.device for b in biases):
+            raise ValueError(f"biases must be one [{n}] tensor on {x.device} per expert ({len(weights)})")
+
+
+def _layout_of(m_splits, x2d: torch.Tensor, num_groups: int) -> GroupLayout:
+    layout = m_splits if isinstance(m_splits, GroupLayout) else group_layout(m_splits, x2d.shape[0], x2d.device)
+    if layout.num_groups != num_groups or layout.num_tokens != x2d.shape[0]:
+        raise ValueError(f"m_splits describe {layout.num_groups} experts and {layout.num_tokens} tokens; the layer has "
+                         f"{num_groups} experts and the input {x2d.shape[0]} tokens")  # fmt: skip
+    return layout
+
+
+class _Fp8GroupedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, layout, recipe, backend, cache, refresh_cache, num_groups, has_bias, *params):
+        weights, biases = params[:num_groups], params[num_groups:]
+        n, k = weights[0].shape
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, k)
+        if not x2d.is_contiguous():
+            x2d = x2d.contiguous()
+        need_wgrad = any(w.requires_grad for w in weights)
+        xq = backend.quantize_act_grouped(x2d, layout, recipe.params(TensorRole.INPUT), rowwise=True, columnwise=need_wgrad)
+        p_w = recipe.params(TensorRole.WEIGHT)
+        if cache is not None:
+            wq = cache.get(weights, p_w, backend, refresh=refresh_cache)
+        else:
+            with torch.no_grad():
+                wq = backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], p_w)
+        bias = torch.stack([b.detach() for b in biases]) if has_bias else None
+        y = backend.gemm_fwd_grouped(xq, wq, bias, x.dtype)
+
+        if need_wgrad:  # keep only what wgrad reads: X's columnwise copy
+            ctx.save_for_backward(xq.columnwise_data, xq.columnwise_scale_inv, *weights)
+        else:
+            ctx.save_for_backward(None, None, *weights)
+        ctx.x_meta = (tuple(xq.shape), xq.fp8_dtype, x.dtype, lead)
+        ctx.layout, ctx.wq, ctx.recipe, ctx.backend = layout, wq, recipe, backend
+        ctx.num_groups, ctx.has_bias = num_groups, has_bias
+        return y.view(*lead, n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_col, x_col_scale, *weights = ctx.saved_tensors
+        (t, k), x_fp8, x_dtype, lead = ctx.x_meta
+        e, n = ctx.num_groups, weights[0].shape[0]
+        backend: Backend = ctx.backend
+        need = ctx.needs_input_grad
+        need_dx = need[0]
+        need_dw = [need[8 + i] for i in range(e)]
+        need_db = [need[8 + e + i] for i in range(e)] if ctx.has_bias else []
+        dy2d = dy.reshape(-1, n)
+        if not dy2d.is_contiguous():
+            dy2d = dy2d.contiguous()
+        p_g = ctx.recipe.params(TensorRole.GRAD_OUTPUT)
+        dyq = backend.quantize_act_grouped(dy2d, ctx.layout, p_g, rowwise=need_dx, columnwise=any(need_dw))
+        dx = backend.gemm_dgrad_grouped(dyq, ctx.wq, x_dtype).view(*lead, k) if need_dx else None
+        dws = [None] * e
+        if any(need_dw):
+            xq = GroupedFp8Tensor(ctx.layout, (t, k), x_fp8, x_dtype, columnwise_data=x_col, columnwise_scale_inv=x_col_scale)
+            dws = _weight_grads(backend, dyq, xq, weights, need_dw)
+        dbs = [None] * len(need_db)
+        if any(need_db):
+            # the dense layer's bias gradient per expert: a sum of its rows of dY in dY's dtype (reads the counts)
+            parts = torch.split(dy2d, ctx.layout.counts_list())
+            dbs = [p.sum(0) if nd else None for p, nd in zip(parts, need_db)]
+        ctx.wq = None
+        return dx, None, None, None, None, None, None, None, *dws, *dbs
+
+
+def _weight_grads(backend: Backend, dyq, xq, weights, need_dw) -> list:
+    """Per expert: the weight gradient, or (Megatron's gradient-accumulation fusion, where every weight has a
+    ``main_grad``) ``main_grad += dW`` in fp32 and a dummy gradient so that the parameters' hooks still run."""
+    fused = [getattr(w, "main_grad", None) is not None and getattr(w, "fuse_wgrad_accumulation", True) for w in weights]
+    if not any(fused):
+        dws = backend.gemm_wgrad_grouped(dyq, xq, weights[0].dtype, None)
+        return [d if nd else None for d, nd in zip(dws, need_dw)]
+    if not all(fused):
+        raise ValueError("either every expert weight has a main_grad (with fuse_wgrad_accumulation) or none has")
+    for i, w in enumerate(weights):
+        mg = w.main_grad
+        if mg.dtype != torch.float32 or mg.shape != w.shape or not mg.is_contiguous():
+            raise ValueError(
+                f"weight {i}'s main_grad must be a contiguous float32 tensor of the weight's shape {tuple(w.shape)}, got "
+                f"{mg.dtype} {tuple(mg.shape)} (contiguous={mg.is_contiguous()}); set fuse_wgrad_accumulation = False on "
+                "the weights to get the gradients in .grad instead"
+            )
+    backend.gemm_wgrad_grouped(dyq, xq, torch.float32, [w.main_grad for w in weights])
+    out = []
+    for w in weights:
+        dummy = None
+        if hasattr(w, "grad_added_to_main_grad"):
+            make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+            dummy = make(w.shape, dtype=w.dtype, device=w.device)
+        w.grad_added_to_main_grad = True
+        out.append(dummy)
+    return out
+
+
+def fp8_grouped_linear(
+    x: torch.Tensor,
+    m_splits: GroupLayout | torch.Tensor | Sequence[int],
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor] | None = None,
+    *,
+    recipe: BlockwiseRecipe | None = None,
+    backend: str | Backend = "auto",
+    weight_cache: GroupedWeightCache | None = None,
+    refresh_weight_cache: bool = False,
+) -> torch.Tensor:
+    """``y_e = x_e W_e^T + b_e`` for each expert's tokens, with FP8 blockwise GEMMs forward and backward.
+
+    Args:
+        x: ``[..., in_features]`` bfloat16/float16/float32; the flattened rows are the permuted tokens.
+        m_splits: tokens per expert: a list of ints (checked), an integer device tensor ``[E]`` (no host
+            synchronisation in the kernels; biases' gradients read it on the host), or a ``GroupLayout``.
+        weights: ``E`` tensors ``[out_features, in_features]``; with a ``main_grad`` on every one (Megatron),
+            the weight gradients are accumulated into them in fp32.
+        biases: ``E`` tensors ``[out_features]`` or None.
+        recipe, backend, weight_cache, refresh_weight_cache: as for ``fp8_blockwise_linear`` (the cache is a
+            ``GroupedWeightCache``).
+
+    Returns:
+        ``[..., out_features]`` in ``x``'s dtype.
+    """
+    weights = list(weights)
+    biases = None if biases is None else list(biases)
+    _check_inputs(x, weights, biases)
+    impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
+    layout = _layout_of(m_splits, x.reshape(-1, x.shape[-1]), len(weights))
+    params = weights + (biases or [])
+    return _Fp8GroupedLinearFn.apply(x, layout, recipe or BlockwiseRecipe(), impl, weight_cache, refresh_weight_cache,
+                                     len(weights), biases is not None, *params)  # fmt: skip
+
+
+class Fp8GroupedLinear(nn.Module):
+    """``num_gemms`` experts' linears (``y_e = x_e W_e^T + b_e``) on permuted tokens, with TE ``Float8BlockScaling``
+    numerics; parameters ``weight0..``, ``bias0..`` as in TE's ``GroupedLinear``.
+
+    Args:
+        num_gemms: number of experts ``E``.
+        in_features, out_features, bias, device, dtype: per expert, as for ``torch.nn.Linear``.
+        recipe, backend, cache_weight: as for ``Fp8BlockwiseLinear`` (the cache holds all experts' W and W^T).
+
+    ``forward(x, m_splits)``: ``x [T, in_features]`` (or ``[..., in_features]``), ``m_splits`` the tokens per
+    expert (a list, an integer device tensor, or a ``GroupLayout``). ``is_first_microbatch`` as for
+    ``Fp8BlockwiseLinear``.
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: BlockwiseRecipe | None = None,
+        backend: str = "auto",
+        cache_weight: bool = True,
+    ) -> None:
+        super().__init__()
+        if num_gemms < 1:
+            raise ValueError(f"num_gemms must be >= 1, got {num_gemms}")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias = bias
+        make = lambda *shape: nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))  # noqa: E731
+        for i in range(num_gemms):
+            self.register_parameter(f"weight{i}", make(out_features, in_features))
+            self.register_parameter(f"bias{i}", make(out_features) if bias else None)
+        self.recipe = recipe or BlockwiseRecipe()
+        self.backend = backend
+        if backend != "auto":
+            get_backend(backend, self.weight0.device if self.weight0.device.type != "meta" else None)
+        self._weight_cache = GroupedWeightCache() if cache_weight else None
+        self.is_first_microbatch: bool | None = None
+        self.reset_parameters()
+
+    @property
+    def weights(self) -> list[nn.Parameter]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[nn.Parameter] | None:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation for every expert."""
+        bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+        for i in range(self.num_gemms):
+            nn.init.kaiming_uniform_(getattr(self, f"weight{i}"), a=math.sqrt(5))
+            if self.use_bias:
+                nn.init.uniform_(getattr(self, f"bias{i}"), -bound, bound)
+
+    def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        refresh = bool(self.is_first_microbatch)
+        y = fp8_grouped_linear(
+            x, m_splits, self.weights, self.biases, recipe=self.recipe, backend=self.backend,
+            weight_cache=self._weight_cache, refresh_weight_cache=refresh,
+        )  # fmt: skip
+        if refresh:
+            self.is_first_microbatch = False
+        return y
+
+    def invalidate_weight_cache(self) -> None:
+        """Forget the quantized weights (needed only after writing a weight through ``.data``)."""
+        if self._weight_cache is not None:
+            self._weight_cache.invalidate()
+
+    @property
+    def weight_cache_nbytes(self) -> int:
+        return 0 if self._weight_cache is None else self._weight_cache.nbytes
+
+    def _apply(self, fn, *args, **kwargs):
+        self.invalidate_weight_cache()
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.use_bias}, fp8={self.recipe.fp8_format.value}, backend={self.backend}"
+        )

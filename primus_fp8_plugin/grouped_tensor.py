@@ -1,0 +1,327 @@
+"""Grouped (mixture-of-experts) FP8 tensors: the permuted tokens of all local experts, and all experts' weights.
+
+Tokens routed to ``E`` experts arrive permuted, as one ``x [T, K]`` whose rows are expert 0's tokens, then
+expert 1's, ... with ``counts[e]`` rows for expert ``e`` (``sum(counts) == T``, counts may be 0). A
+:class:`GroupLayout` holds the counts and the offsets derived from them, on the device, so that kernels find
+each expert's rows without a host synchronisation:
+
+* ``offsets [E + 1]``: expert ``e``'s tokens are rows ``offsets[e] .. offsets[e+1]`` of ``x``;
+* ``padded_offsets [E + 1]``: the same with each expert's count rounded up to a multiple of 128.
+
+:class:`GroupedFp8Tensor` (activations and output gradients, 1x128 tiles) holds
+
+* the **rowwise** copy exactly as a dense ``BlockwiseFp8Tensor`` of ``x [T, K]`` would (tiles along K never
+  cross a token, so it is every expert's rowwise copy, stacked): ``data [T, K]``, ``scale_inv
+  [ceil(K/128), pad4(T)]`` (entry ``[kb, t]``, padding entries 1.0);
+* the **columnwise** copy in the wgrad layout: ``data [K, C]`` where expert ``e`` owns columns
+  ``padded_offsets[e] .. padded_offsets[e+1]``: its ``counts[e]`` tokens (quantized over 128x1 tiles along
+  its own tokens), then FP8 zeros up to the next multiple of 128. ``scale_inv [C/128, pad4(K)]``: row
+  ``padded_offsets[e]/128 + i`` holds expert ``e``'s tile ``i``. Zero rows change no amax and no product,
+  so each expert's part is exactly the columnwise copy a dense quantization of its own tokens gives.
+  ``C`` (``GroupLayout.capacity``) is the exact padded total when the counts are known on the host,
+  else the bound ``(T // 128 + E) * 128``; columns past ``padded_offsets[E]`` are unspecified.
+
+:class:`GroupedFp8Weight` holds ``E`` weights ``[N, K]`` quantized with 128x128 blocks, stacked: ``W``
+``[E, N, K]`` with ``scale_inv [E, ceil(N/128), pad4(ceil(K/128))]`` and ``W^T`` ``[E, K, N]`` with
+``scale_inv [E, ceil(K/128), pad4(ceil(N/128))]``; slice ``e`` of each is expert ``e``'s dense layout.
+
+``split()`` / ``expert(e)`` give the per-expert ``BlockwiseFp8Tensor`` (``split`` reads the counts on the
+host); ``from_experts`` builds the grouped form from per-expert tensors (the reference backend's way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .recipe import BLOCK
+from .tensor import FP8_DTYPES, BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape, scales_to_te_layout
+
+COUNT_DTYPE = torch.int32
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(frozen=True, eq=False)
+class GroupLayout:
+    """Where each expert's tokens are, for ``num_tokens`` permuted tokens routed to ``num_groups`` experts.
+
+    Attributes:
+        counts: int32 ``[E]`` tokens per expert, on the tokens' device.
+        offsets: int32 ``[E + 1]`` exclusive prefix sum of ``counts`` (``offsets[E] == T``).
+        padded_offsets: int32 ``[E + 1]`` prefix sum of ``counts`` rounded up to multiples of 128.
+        num_tokens: ``T``.
+        capacity: ``C``, the number of token columns of a grouped columnwise copy (a multiple of 128).
+        host_counts: the counts as Python ints where they were given on the host, else None.
+    """
+
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    padded_offsets: torch.Tensor
+    num_tokens: int
+    capacity: int
+    host_counts: tuple[int, ...] | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.counts.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
+
+    def counts_list(self) -> list[int]:
+        """The counts on the host (a device synchronisation unless they were given on the host)."""
+        return list(self.host_counts) if self.host_counts is not None else [int(c) for c in self.counts.tolist()]
+
+
+def capacity_bound(num_tokens: int, num_groups: int) -> int:
+    """Columns a grouped columnwise copy needs at most: ``sum_e ceil(c_e/128) <= T // 128 + E`` tiles."""
+    return (num_tokens // BLOCK + num_groups) * BLOCK
+
+
+def group_layout(counts: torch.Tensor | Sequence[int], num_tokens: int, device: torch.device | str | None = None) -> GroupLayout:
+    """The :class:`GroupLayout` of ``num_tokens`` permuted tokens with per-expert ``counts``.
+
+    ``counts``: a list/tuple of ints (checked: non-negative, summing to ``num_tokens``; one host-to-device
+    copy, from pinned memory on CUDA) or an integer tensor ``[E]`` on the tokens' device (no host
+    synchronisation and nothing checked: the caller guarantees ``sum(counts) == num_tokens``; safe inside a
+    CUDA-graph capture). ``device``: where the layout lives (default: the tensor's device, else the CPU).
+    """
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype == torch.bool or counts.numel() == 0:
+            raise ValueError(f"counts must be a non-empty 1-D integer tensor, got {counts.dtype} {tuple(counts.shape)}")
+        dev = torch.device(device) if device is not None else counts.device
+        c = counts.to(device=dev, dtype=COUNT_DTYPE)
+        e = c.shape[0]
+        offsets = torch.zeros(e + 1, dtype=COUNT_DTYPE, device=dev)
+        torch.cumsum(c, 0, out=offsets[1:])
+        padded = torch.zeros(e + 1, dtype=COUNT_DTYPE, device=dev)
+        torch.cumsum((c + (BLOCK - 1)) // BLOCK * BLOCK, 0, out=padded[1:])
+        return GroupLayout(c, offsets, padded, int(num_tokens), capacity_bound(int(num_tokens), e))
+    host = tuple(int(v) for v in counts)
+    if not host or min(host) < 0 or sum(host) != num_tokens:
+        raise ValueError(f"counts {list(host)[:8]}{'...' if len(host) > 8 else ''} must be >= 0 and sum to the "
+                         f"number of tokens {num_tokens} (they sum to {sum(host)}), one count per expert")  # fmt: skip
+    offsets, padded = [0], [0]
+    for v in host:
+        offsets.append(offsets[-1] + v)
+        padded.append(padded[-1] + ceil_div(v, BLOCK) * BLOCK)
+    e = len(host)
+    packed = torch.tensor([*host, *offsets, *padded], dtype=COUNT_DTYPE)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        if _is_capturing():
+            raise RuntimeError("counts given on the host cannot be captured into a CUDA graph (the graph would "
+                               "replay the captured counts): pass them as a device tensor")  # fmt: skip
+        packed = packed.pin_memory().to(dev, non_blocking=True)
+    elif dev.type != "cpu":
+        packed = packed.to(dev)
+    c, o, p = packed[:e], packed[e : 2 * e + 1], packed[2 * e + 1 :]
+    return GroupLayout(c, o, p, int(num_tokens), padded[-1], host)
+
+
+def _check_copy(name: str, data, scale, shape, scale_shape, fp8_dtype, device) -> torch.device:
+    if (data is None) != (scale is None):
+        raise ValueError(f"{name}: data and scale_inv must both be given or both be None")
+    if data is None:
+        return device
+    if data.dtype != fp8_dtype or tuple(data.shape) != tuple(shape) or not data.is_contiguous():
+        raise ValueError(f"{name}_data must be contiguous {fp8_dtype} {tuple(shape)}, got {data.dtype} {tuple(data.shape)}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(scale_shape) or not scale.is_contiguous():
+        raise ValueError(
+            f"{name}_scale_inv must be contiguous float32 {tuple(scale_shape)}, got {scale.dtype} {tuple(scale.shape)}"
+        )
+    for t in (data, scale):
+        if device is not None and t.device != device:
+            raise ValueError(f"all parts must be on one device, found {device} and {t.device}")
+        device = t.device
+    return device
+
+
+@dataclass(eq=False)
+class GroupedFp8Tensor:
+    """Permuted tokens of ``E`` experts quantized with 1x128 tiles (layouts in the module docstring).
+
+    Attributes:
+        layout: the :class:`GroupLayout` (counts, offsets) the copies were made for.
+        shape: ``(T, K)``.
+        fp8_dtype, orig_dtype: the FP8 type and the high-precision source's dtype.
+        rowwise_data ``[T, K]``, rowwise_scale_inv ``[ceil(K/128), pad4(T)]``, or None.
+        columnwise_data ``[K, C]``, columnwise_scale_inv ``[C/128, pad4(K)]`` (``C = layout.capacity``), or None.
+    """
+
+    layout: GroupLayout
+    shape: tuple[int, int]
+    fp8_dtype: torch.dtype
+    orig_dtype: torch.dtype
+    rowwise_data: torch.Tensor | None = None
+    rowwise_scale_inv: torch.Tensor | None = None
+    columnwise_data: torch.Tensor | None = None
+    columnwise_scale_inv: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.shape = (int(self.shape[0]), int(self.shape[1]))
+        self.check()
+
+    def check(self) -> None:
+        """Raise ValueError if a stored copy breaks the layout contract of the module docstring."""
+        t, k = self.shape
+        if self.fp8_dtype not in FP8_DTYPES:
+            raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {self.fp8_dtype}")
+        if t != self.layout.num_tokens:
+            raise ValueError(f"shape {self.shape} does not match the layout's {self.layout.num_tokens} tokens")
+        if self.rowwise_data is None and self.columnwise_data is None:
+            raise ValueError("a GroupedFp8Tensor needs a rowwise or a columnwise copy (or both)")
+        cap = self.layout.capacity
+        dev = _check_copy("rowwise", self.rowwise_data, self.rowwise_scale_inv, (t, k), scale_inv_shape(t, k, 1),
+                          self.fp8_dtype, None)  # fmt: skip
+        dev = _check_copy("columnwise", self.columnwise_data, self.columnwise_scale_inv, (k, cap), (cap // BLOCK, pad4(k)),
+                          self.fp8_dtype, dev)  # fmt: skip
+        if dev != self.layout.device:
+            raise ValueError(f"the copies are on {dev} but the layout is on {self.layout.device}")
+
+    @property
+    def device(self) -> torch.device:
+        return self.layout.device
+
+    @property
+    def num_groups(self) -> int:
+        return self.layout.num_groups
+
+    @property
+    def has_rowwise(self) -> bool:
+        return self.rowwise_data is not None
+
+    @property
+    def has_columnwise(self) -> bool:
+        return self.columnwise_data is not None
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+    def split(self) -> list[BlockwiseFp8Tensor]:
+        """Expert ``e``'s part as the dense ``BlockwiseFp8Tensor`` of its ``counts[e]`` tokens (copies; reads
+        the counts on the host)."""
+        counts = self.layout.counts_list()
+        _, k = self.shape
+        out, off, poff = [], 0, 0
+        for c in counts:
+            parts = {}
+            if self.has_rowwise:
+                s = self.rowwise_scale_inv[:, off : off + c].t()
+                parts.update(rowwise_data=self.rowwise_data[off : off + c].contiguous(),
+                             rowwise_scale_inv=scales_to_te_layout(s, c, k, 1))  # fmt: skip
+            if self.has_columnwise:
+                t0, t1 = poff // BLOCK, poff // BLOCK + ceil_div(c, BLOCK)
+                parts.update(columnwise_data=self.columnwise_data[:, poff : poff + c].contiguous(),
+                             columnwise_scale_inv=self.columnwise_scale_inv[t0:t1].contiguous())  # fmt: skip
+            out.append(BlockwiseFp8Tensor((c, k), 1, self.fp8_dtype, self.orig_dtype, **parts))
+            off, poff = off + c, poff + ceil_div(c, BLOCK) * BLOCK
+        return out
+
+    @classmethod
+    def from_experts(cls, parts: Sequence[BlockwiseFp8Tensor], layout: GroupLayout, k: int) -> GroupedFp8Tensor:
+        """The grouped tensor whose expert ``e`` is ``parts[e]`` (dense 1x128 tensors ``(counts[e], k)``)."""
+        counts = layout.counts_list()
+        if len(parts) != len(counts) or any(p.shape != (c, k) or p.block_dim != 1 for p, c in zip(parts, counts)):
+            raise ValueError("parts must be one 1x128 BlockwiseFp8Tensor (counts[e], K) per expert")
+        first = parts[0]
+        t, dev, cap = layout.num_tokens, layout.device, layout.capacity
+        fields = {}
+        if first.has_rowwise:
+            data = torch.cat([p.rowwise_data for p in parts]) if t else torch.empty(0, k, dtype=first.fp8_dtype, device=dev)
+            compact = torch.cat([p.scales("rowwise") for p in parts]) if t else torch.empty(0, ceil_div(k, BLOCK), device=dev)
+            fields.update(rowwise_data=data.contiguous(), rowwise_scale_inv=scales_to_te_layout(compact, t, k, 1))
+        if first.has_columnwise:
+            data = torch.zeros(k, cap, dtype=first.fp8_dtype, device=dev)
+            scale = torch.ones(cap // BLOCK, pad4(k), dtype=torch.float32, device=dev)
+            poff = 0
+            for p, c in zip(parts, counts):
+                data[:, poff : poff + c] = p.columnwise_data
+                scale[poff // BLOCK : poff // BLOCK + ceil_div(c, BLOCK)] = p.columnwise_scale_inv
+                poff += ceil_div(c, BLOCK) * BLOCK
+            fields.update(columnwise_data=data, columnwise_scale_inv=scale)
+        return cls(layout, (t, k), first.fp8_dtype, first.orig_dtype, **fields)
+
+
+@dataclass(eq=False)
+class GroupedFp8Weight:
+    """``E`` weights ``[N, K]`` quantized with 128x128 blocks into W and W^T, stacked (module docstring).
+
+    Attributes:
+        shape: ``(N, K)`` of one expert's weight.
+        fp8_dtype, orig_dtype: as for ``BlockwiseFp8Tensor``.
+        rowwise_data ``[E, N, K]``, rowwise_scale_inv ``[E, ceil(N/128), pad4(ceil(K/128))]``;
+        columnwise_data ``[E, K, N]``, columnwise_scale_inv ``[E, ceil(K/128), pad4(ceil(N/128))]``.
+    """
+
+    shape: tuple[int, int]
+    fp8_dtype: torch.dtype
+    orig_dtype: torch.dtype
+    rowwise_data: torch.Tensor
+    rowwise_scale_inv: torch.Tensor
+    columnwise_data: torch.Tensor
+    columnwise_scale_inv: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.shape = (int(self.shape[0]), int(self.shape[1]))
+        self.check()
+
+    def check(self) -> None:
+        n, k = self.shape
+        e = self.num_groups
+        dev = _check_copy("rowwise", self.rowwise_data, self.rowwise_scale_inv, (e, n, k), (e, *scale_inv_shape(n, k, 2)),
+                          self.fp8_dtype, None)  # fmt: skip
+        _check_copy("columnwise", self.columnwise_data, self.columnwise_scale_inv, (e, k, n), (e, *scale_inv_shape(k, n, 2)),
+                    self.fp8_dtype, dev)  # fmt: skip
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.rowwise_data.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.rowwise_data.device
+
+    @property
+    def nbytes(self) -> int:
+        parts = (self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv)
+        return sum(p.numel() * p.element_size() for p in parts)
+
+    @classmethod
+    def empty(cls, num_groups: int, shape: tuple[int, int], fp8_dtype, orig_dtype, device) -> GroupedFp8Weight:
+        """Uninitialised buffers, except the scales' padding entries, which hold 1.0."""
+        n, k = shape
+        e = num_groups
+        return cls(
+            (n, k), fp8_dtype, orig_dtype,
+            torch.empty(e, n, k, dtype=fp8_dtype, device=device),
+            torch.ones(e, *scale_inv_shape(n, k, 2), dtype=torch.float32, device=device),
+            torch.empty(e, k, n, dtype=fp8_dtype, device=device),
+            torch.ones(e, *scale_inv_shape(k, n, 2), dtype=torch.float32, device=device),
+        )  # fmt: skip
+
+    def expert(self, e: int) -> BlockwiseFp8Tensor:
+        """Expert ``e``'s weight as a dense ``BlockwiseFp8Tensor`` (views of this tensor's buffers)."""
+        return BlockwiseFp8Tensor(
+            self.shape, 2, self.fp8_dtype, self.orig_dtype,
+            rowwise_data=self.rowwise_data[e], rowwise_scale_inv=self.rowwise_scale_inv[e],
+            columnwise_data=self.columnwise_data[e], columnwise_scale_inv=self.columnwise_scale_inv[e],
+        )  # fmt: skip
+
+    @classmethod
+    def from_experts(cls, parts: Sequence[BlockwiseFp8Tensor]) -> GroupedFp8Weight:
+        """Stack per-expert 128x128 tensors (each with both copies) of one shape."""
+        first = parts[0]
+        if any(p.shape != first.shape or p.block_dim != 2 or not (p.has_rowwise and p.has_columnwise) for p in parts):
+            raise ValueError("parts must be 128x128 BlockwiseFp8Tensors of one shape, each with both copies")
+        stack = lambda name: torch.stack([getattr(p, name) for p in parts])  # noqa: E731
+        return cls(first.shape, first.fp8_dtype, first.orig_dtype, stack("rowwise_data"), stack("rowwise_scale_inv"),
+                   stack("columnwise_data"), stack("columnwise_scale_inv"))  # fmt: skip

@@ -1,0 +1,54 @@
+"""Process bodies for the multi-rank grouped-experts tests (spawned; gloo on the CPU)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def global_expert_names(grads: dict, ep_rank: int, local_experts: int) -> dict:
+    """``...linear_fc1.weight{i}`` (local expert i) -> ``...linear_fc1.weight{global index}``."""
+    out = {}
+    for name, g in grads.items():
+        m = re.fullmatch(r"(.*\.experts\.linear_fc[12]\.weight)(\d+)", name)
+        out[f"{m.group(1)}{ep_rank * local_experts + int(m.group(2))}" if m else name] = g
+    return out
+
+
+def run(rank, world, port, jobs, out_dir):
+    """Each job (a dict: name, ep, etp, grouped, save, load) builds the tiny MoE GPT under its parallel layout
+    (seed 0, or another seed and the weights of the checkpoint ``load``), takes the loss and gradients of one
+    batch, writes them (rank 0) to ``out_dir/<name>.pt`` and its checkpoint to ``save`` if given."""
+    warnings.simplefilter("ignore")
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from primus_fp8_plugin.megatron.cpu import init_cpu_distributed
+
+    from .common import build_gpt, loss_and_grads
+    from .test_moe_grouped import NUM_EXPERTS, moe_config, moe_spec
+
+    for job in jobs:
+        ep, etp = job.get("ep", 1), job.get("etp", 1)
+        init_cpu_distributed(rank=rank, world_size=world, tp=1, port=port, ep=ep, etp=etp)
+        config = moe_config(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        model = build_gpt(moe_spec(job.get("grouped", True)), config, seed=0 if job.get("load") is None else 123)
+        if job.get("load") is not None:
+            model.module.load_state_dict(dist_checkpointing.load(model.module.sharded_state_dict(), job["load"]))
+        loss, grads = loss_and_grads(model)
+        if etp == 1:  # expert grads with global expert indices, from every EP rank
+            ep_rank = parallel_state.get_expert_model_parallel_rank()
+            mine = {n: g for n, g in global_expert_names(grads, ep_rank, NUM_EXPERTS // ep).items() if ".experts." in n}
+            parts = [None] * world
+            dist.all_gather_object(parts, mine)
+            for part in parts:
+                grads.update(part)
+        if job.get("save") is not None:
+            dist_checkpointing.save(model.module.sharded_state_dict(), job["save"])
+        if rank == 0:
+            torch.save({"loss": loss, "grads": grads}, f"{out_dir}/{job['name']}.pt")
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

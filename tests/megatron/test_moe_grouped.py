@@ -1,0 +1,172 @@
+"""The plugin's grouped experts in Megatron-core MoE layers (CPU, gloo, TP=1): specs, TE's grouped-linear
+protocol, bit-identity with SequentialMLP experts, distributed checkpoints moving between the two, main_grad
+fusion and the first-microbatch refresh. Multi-rank runs (EP=2, expert TP=2): test_moe_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .common import build_gpt, loss_and_grads, tiny_config
+
+pytestmark = pytest.mark.usefixtures("megatron_world")
+
+NUM_EXPERTS = 4
+
+
+def moe_config(**overrides):
+    # allgather dispatcher (alltoall needs CUDA streams); SwiGLU experts (fc1's checkpoint keys go through
+    # Megatron's swiglu factory); no expert biases (Megatron 0.19.2's own BF16 MoE fails with them at TP=1)
+    kw = dict(num_moe_experts=NUM_EXPERTS, moe_router_topk=2, moe_token_dispatcher_type="allgather", add_bias_linear=False,
+              gated_linear_unit=True, activation_func=F.silu, moe_ffn_hidden_size=384)  # fmt: skip
+    kw.update(overrides)
+    return tiny_config(**kw)
+
+
+def moe_spec(grouped, backend="reference"):
+    from primus_fp8_plugin.megatron import get_gpt_layer_spec
+
+    return get_gpt_layer_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=grouped, backend=backend)
+
+
+def sequential_name(name: str) -> str:
+    """``...experts.linear_fc1.weight3`` -> ``...experts.local_experts.3.linear_fc1.weight``."""
+    if ".experts.linear_fc" not in name:
+        return name
+    head, tail = name.split(".experts.")
+    linear, param = tail.split(".")
+    kind = param.rstrip("0123456789")
+    return f"{head}.experts.local_experts.{param[len(kind) :]}.{linear}.{kind}"
+
+
+def test_specs_put_the_grouped_experts_where_te_grouped_mlp_stands():
+    from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+
+    from primus_fp8_plugin.megatron import (
+        Fp8ColumnParallelGroupedLinear,
+        Fp8RowParallelGroupedLinear,
+        Fp8SpecProvider,
+        fp8_gpt_moe_layer_spec,
+    )
+
+    provider = Fp8SpecProvider(backend="reference")
+    grouped = provider.grouped_mlp_modules(True)
+    assert grouped.func is TEGroupedMLP
+    assert grouped.keywords["submodules"].linear_fc1.func is Fp8ColumnParallelGroupedLinear
+    assert grouped.keywords["submodules"].linear_fc2.keywords["fp8_backend"] == "reference"
+    assert provider.grouped_mlp_modules(False).func is SequentialMLP
+    model = build_gpt(moe_spec(True), moe_config())
+    experts = model.module.decoder.layers[0].mlp.experts
+    assert isinstance(experts, TEGroupedMLP) and isinstance(experts.linear_fc2, Fp8RowParallelGroupedLinear)
+    fc1 = experts.linear_fc1
+    assert fc1.num_gemms == NUM_EXPERTS and fc1.weight3.shape == (768, 256) and experts.linear_fc2.weight0.shape == (256, 384)
+    # TE's parameter attributes (EP=1, expert TP = TP: reduced with the dense data-parallel group)
+    for lin, dim in ((fc1, 0), (experts.linear_fc2, 1)):
+        for w in lin.weights:
+            assert w.allreduce and w.tensor_model_parallel and w.partition_dim == dim and w.partition_stride == 1
+    # the module-level spec follows config.moe_grouped_gemm (Megatron-LM's --moe-grouped-gemm)
+    kinds = {}
+    for flag in (True, False):
+        m = build_gpt(fp8_gpt_moe_layer_spec, moe_config(moe_grouped_gemm=flag, num_moe_experts=8))
+        kinds[flag] = type(m.module.decoder.layers[0].mlp.experts)
+    assert kinds == {True: TEGroupedMLP, False: SequentialMLP}
+
+
+def test_grouped_experts_equal_sequential_experts_and_share_their_checkpoints(tmp_path):
+    """A SequentialMLP model's distributed checkpoint loads into the grouped model (other initial weights):
+    same loss and gradients bit for bit (grouped == a loop of the dense linears); the grouped model's
+    checkpoint loads back into a SequentialMLP model exactly."""
+    from megatron.core import dist_checkpointing
+
+    cfg = moe_config()
+    seq = build_gpt(moe_spec(False), cfg, seed=0)
+    ckpt = tmp_path / "sequential"
+    ckpt.mkdir()
+    dist_checkpointing.save(seq.module.sharded_state_dict(), str(ckpt))
+    grouped = build_gpt(moe_spec(True), cfg, seed=5)
+    grouped.module.load_state_dict(dist_checkpointing.load(grouped.module.sharded_state_dict(), str(ckpt)))
+    loss_s, grads_s = loss_and_grads(seq)
+    loss_g, grads_g = loss_and_grads(grouped)
+    assert loss_g == loss_s
+    assert {sequential_name(n) for n in grads_g} == set(grads_s)
+    for name, g in grads_g.items():
+        assert torch.equal(g, grads_s[sequential_name(name)]), name
+    assert any(".experts.linear_fc1.weight3" in n and g.abs().sum() > 0 for n, g in grads_g.items())
+
+    back = tmp_path / "grouped"
+    back.mkdir()
+    with torch.no_grad():  # move the grouped model away from the SequentialMLP weights first
+        for p in grouped.parameters():
+            p.mul_(0.5)
+    dist_checkpointing.save(grouped.module.sharded_state_dict(), str(back))
+    seq2 = build_gpt(moe_spec(False), cfg, seed=9)
+    seq2.module.load_state_dict(dist_checkpointing.load(seq2.module.sharded_state_dict(), str(back)))
+    params_g = dict(grouped.named_parameters())
+    for name, p in seq2.named_parameters():
+        src = next(n for n in params_g if sequential_name(n) == name)
+        assert torch.equal(p, params_g[src]), name
+
+
+def test_sharded_keys_are_sequential_mlps():
+    """One key per expert linear with an expert axis, as SequentialMLP's (not weight0, weight1, ...)."""
+    cfg = moe_config()
+    keys_g = {v.key for v in build_gpt(moe_spec(True), cfg).module.sharded_state_dict().values()}
+    keys_s = {v.key for v in build_gpt(moe_spec(False), cfg).module.sharded_state_dict().values()}
+    assert keys_g == keys_s
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in keys_g and not any("weight0" in k for k in keys_g)
+
+
+def test_gradient_accumulation_fusion_accumulates_every_expert_into_its_main_grad():
+    from primus_fp8_plugin.megatron import Fp8ColumnParallelGroupedLinear, Fp8ColumnParallelLinear
+
+    cfg = moe_config(gradient_accumulation_fusion=True)
+    kw = dict(config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False, skip_bias_add=False, is_expert=True,
+              fp8_backend="reference")  # fmt: skip
+    layer = Fp8ColumnParallelGroupedLinear(3, 256, 384, **kw)
+    buf = torch.randn(3 * 384 * 256 + 100)
+    starts = [200 + 2 * 384 * 256 - 100, 0, 384 * 256 + 50]  # not in expert order, with gaps
+    for w, s in zip(layer.weights, starts):
+        w.main_grad = buf[s : s + w.numel()].view(w.shape)
+        w.grad_added_to_main_grad = False
+    before = [w.main_grad.clone() for w in layer.weights]
+    counts = [70, 0, 133]
+    x = torch.randn(sum(counts), 256, dtype=torch.bfloat16)
+    y, bias = layer(x, counts)
+    assert bias is None
+    y.float().pow(2).sum().backward()
+    for i, (w, start) in enumerate(zip(layer.weights, before)):
+        assert w.grad_added_to_main_grad
+        dense = Fp8ColumnParallelLinear(256, 384, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False,
+                                        gather_output=False, is_expert=True, fp8_backend="reference")  # fmt: skip
+        with torch.no_grad():
+            dense.weight.copy_(w)
+        dense.weight.main_grad = start.clone()
+        dense(x[sum(counts[:i]) : sum(counts[: i + 1])])[0].float().pow(2).sum().backward()
+        assert torch.equal(w.main_grad, dense.weight.main_grad), f"expert {i} (count {counts[i]})"
+    assert not torch.equal(layer.weight0.main_grad, before[0]) and torch.equal(layer.weight1.main_grad, before[1])
+
+
+def test_first_microbatch_mark_reaches_the_grouped_linears():
+    from primus_fp8_plugin.megatron import set_is_first_microbatch
+    from primus_fp8_plugin.megatron.grouped import Fp8GroupedLinearBase
+
+    model = build_gpt(moe_spec(True), moe_config())
+    grouped = [m for m in model.modules() if isinstance(m, Fp8GroupedLinearBase)]
+    assert len(grouped) == 4  # fc1, fc2 in each of 2 layers
+    marked = set_is_first_microbatch(model)
+    assert marked == 4 + 2 * 2  # + qkv, proj per layer
+    loss_and_grads(model)
+    assert all(m.is_first_microbatch is False and m._weight_cache.refreshes == 1 for m in grouped)
+    loss_and_grads(model)
+    assert all(m._weight_cache.refreshes == 1 for m in grouped)  # weights unchanged: cached
+
+
+def test_delayed_wgrad_is_refused():
+    from primus_fp8_plugin.megatron import Fp8RowParallelGroupedLinear
+
+    cfg = moe_config()
+    cfg.delay_wgrad_compute = True
+    with pytest.raises(NotImplementedError, match="delayed expert wgrad"):
+        Fp8RowParallelGroupedLinear(2, 384, 256, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
+                                    skip_bias_add=True, is_expert=True)  # fmt: skip

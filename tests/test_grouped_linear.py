@@ -1,0 +1,190 @@
+"""Fp8GroupedLinear / fp8_grouped_linear: forward and backward equal the plugin's dense linear run on each
+expert's tokens, bit for bit; the grouped weight cache; main_grad accumulation; what is saved; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_fp8_plugin import BlockwiseRecipe, Fp8BlockwiseLinear, available_backends
+from primus_fp8_plugin.grouped_linear import Fp8GroupedLinear, fp8_grouped_linear
+
+from .conftest import make_input
+
+CPU_BACKENDS = [n for n, a in available_backends("cpu").items() if a]
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def backend(request):
+    return request.param
+
+
+def bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def same(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def dense_experts(layer: Fp8GroupedLinear, backend) -> list[Fp8BlockwiseLinear]:
+    """One dense plugin layer per expert, holding the grouped layer's weights (copies)."""
+    out = []
+    for i in range(layer.num_gemms):
+        d = Fp8BlockwiseLinear(layer.in_features, layer.out_features, bias=layer.use_bias, dtype=layer.weight0.dtype,
+                               recipe=layer.recipe, backend=backend)  # fmt: skip
+        with torch.no_grad():
+            d.weight.copy_(getattr(layer, f"weight{i}"))
+            if layer.use_bias:
+                d.bias.copy_(getattr(layer, f"bias{i}"))
+        out.append(d)
+    return out
+
+
+def run_dense(experts, x, dy, counts):
+    x = x.detach().clone().requires_grad_(True)
+    ys = [m(part) for m, part in zip(experts, torch.split(x, counts))]
+    y = torch.cat(ys)
+    y.backward(dy)
+    return y, x.grad
+
+
+def give_main_grads(params, seed):
+    """fp32 main_grads, views of one buffer in reverse order with gaps (Megatron's buffers are not adjacent)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [p.numel() for p in params]
+    buf = torch.randn(sum(sizes) + 64 * len(params), generator=g)
+    off = 0
+    for p, size in zip(reversed(params), reversed(sizes)):
+        p.main_grad = buf[off : off + size].view(p.shape)
+        p.grad_added_to_main_grad = False
+        off += size + 64
+    return [p.main_grad.clone() for p in params]
+
+
+CASES = [
+    # counts, K, N, bias, format, x dtype, main_grad
+    ([0, 130, 1, 16], 144, 128, True, "E4M3", torch.bfloat16, False),
+    ([129, 0, 15, 127, 128], 128, 136, False, "HYBRID", torch.bfloat16, True),
+    ([40, 7], 256, 128, True, "HYBRID", torch.float32, True),
+]
+
+
+@pytest.mark.parametrize("counts, k, n, bias, fmt, dtype, main_grad", CASES)
+def test_grouped_linear_equals_dense_linear_per_expert(backend, counts, k, n, bias, fmt, dtype, main_grad):
+    torch.manual_seed(0)
+    layer = Fp8GroupedLinear(len(counts), k, n, bias=bias, dtype=dtype, recipe=BlockwiseRecipe(fp8_format=fmt), backend=backend)
+    experts = dense_experts(layer, backend)
+    t = sum(counts)
+    x = make_input((t, k), dtype=dtype, seed=1)
+    dy = make_input((t, n), dtype=dtype, seed=2)
+    if main_grad:
+        start = give_main_grads(layer.weights, seed=3)
+        for d, mg in zip(experts, start):
+            d.weight.main_grad = mg.clone()
+            d.weight.grad_added_to_main_grad = False
+    y_ref, dx_ref = run_dense(experts, x, dy, counts)
+
+    xg = x.clone().requires_grad_(True)
+    y = layer(xg, counts)
+    y.backward(dy)
+    assert same(y, y_ref) and same(xg.grad, dx_ref)
+    for i, d in enumerate(experts):
+        w = getattr(layer, f"weight{i}")
+        if main_grad:
+            assert same(w.main_grad, d.weight.main_grad), f"main_grad of expert {i} (count {counts[i]})"
+            assert w.grad_added_to_main_grad and w.grad is not None and w.grad.shape == w.shape  # dummy for the hooks
+        else:
+            assert same(w.grad, d.weight.grad), f"weight grad of expert {i} (count {counts[i]})"
+        if bias:
+            assert same(getattr(layer, f"bias{i}").grad, d.bias.grad), f"bias grad of expert {i}"
+
+
+def test_device_counts_give_the_host_counts_results(backend):
+    counts = [3, 0, 140, 20]
+    torch.manual_seed(1)
+    layer = Fp8GroupedLinear(4, 128, 128, bias=True, dtype=torch.bfloat16, backend=backend)
+    x, dy = make_input((163, 128), seed=4), make_input((163, 128), seed=5)
+    grads = []
+    for m_splits in (counts, torch.tensor(counts)):
+        layer.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        y = layer(xg, m_splits)
+        y.backward(dy)
+        grads.append((y, xg.grad, [w.grad.clone() for w in layer.weights], [b.grad.clone() for b in layer.biases]))
+    (ya, dxa, dwa, dba), (yb, dxb, dwb, dbb) = grads
+    assert same(ya, yb) and same(dxa, dxb)
+    assert all(same(a, b) for a, b in zip(dwa + dba, dwb + dbb))
+
+
+def test_weight_cache_quantizes_once_per_weight_change(backend):
+    torch.manual_seed(2)
+    layer = Fp8GroupedLinear(3, 128, 128, bias=False, dtype=torch.bfloat16, backend=backend)
+    cache = layer._weight_cache
+    x = make_input((50, 128), seed=6)
+    counts = [20, 0, 30]
+    y0 = layer(x, counts)
+    layer(x, counts)
+    assert cache.refreshes == 1 and layer.weight_cache_nbytes > 0
+    first = cache._value
+    # an optimizer step re-quantizes all experts once
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    layer(x.clone().requires_grad_(True), counts).float().sum().backward()
+    assert cache.refreshes == 1  # backward reuses the cached copies
+    opt.step()
+    y1 = layer(x, counts)
+    layer(x, counts)
+    assert cache.refreshes == 2 and cache._value is not first and not same(y0, y1)
+    # an in-place edit of one expert's weight: every expert's copy is re-made, the edited one from its new values
+    with torch.no_grad():
+        layer.weight1.mul_(2)
+    layer(x, counts)
+    assert cache.refreshes == 3
+    uncached = fp8_grouped_linear(x, counts, layer.weights, recipe=layer.recipe, backend=backend)
+    assert same(layer(x, counts), uncached)
+    # is_first_microbatch forces one refresh
+    layer.is_first_microbatch = True
+    layer(x, counts)
+    assert cache.refreshes == 4 and layer.is_first_microbatch is False
+    assert not [k for k in layer.state_dict() if "cache" in k.lower()]
+    assert sorted(layer.state_dict()) == ["weight0", "weight1", "weight2"]
+
+
+def test_saved_activation_is_only_the_padded_columnwise_copy(backend):
+    """What autograd keeps between forward and backward: X's columnwise FP8 copy (T rounded up per expert to
+    128) and scales, plus the weights; never the high-precision input."""
+    layer = Fp8GroupedLinear(2, 256, 128, bias=False, dtype=torch.bfloat16, backend=backend)
+    counts = [128, 128]
+    x = make_input((256, 256), seed=7).requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, counts)
+    params = {p.data_ptr() for p in layer.parameters()}
+    act = [t for t in saved if t.data_ptr() not in params]
+    assert sum(t.numel() * t.element_size() for t in act) == 256 * 256 + 2 * 256 * 4  # FP8 bytes + fp32 scales
+    assert not any(t.dtype == torch.bfloat16 for t in act)
+
+
+def test_bad_input_is_refused():
+    layer = Fp8GroupedLinear(2, 128, 128, bias=False, dtype=torch.bfloat16, backend="reference")
+    x = make_input((10, 128), seed=0)
+    with pytest.raises(ValueError, match="sum to"):
+        layer(x, [3, 3])
+    with pytest.raises(ValueError, match="2 experts"):
+        layer(x, [10, 0, 0])
+    with pytest.raises(ValueError, match="in_features"):
+        layer(make_input((10, 64), seed=0), [5, 5])
+    layer.weight0.main_grad = torch.zeros(128, 128)
+    xg = x.clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="every expert weight has a main_grad"):
+        layer(xg, [5, 5]).float().sum().backward()
+    layer.weight1.main_grad = torch.zeros(128, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="weight 1's main_grad must be a contiguous float32"):
+        layer(x.clone().requires_grad_(True), [5, 5]).float().sum().backward()
+    with pytest.raises(ValueError, match="num_gemms"):
+        Fp8GroupedLinear(0, 128, 128)

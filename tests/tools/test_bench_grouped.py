@@ -1,0 +1,47 @@
+"""benchmarks/bench_grouped.py on the CPU: the routings it times (counts against an independent count), its
+options, and its refusal without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_grouped", ROOT / "benchmarks" / "bench_grouped.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("experts, tokens", [(8, 8192), (128, 32768), (32, 8200), (128, 1000)])
+def test_routings_are_aligned_and_add_up(bench, experts, tokens):
+    for kind in ("balanced", "skewed"):
+        counts = bench.routing(kind, experts, tokens, 16)
+        assert len(counts) == experts and all(c >= 0 and c % 16 == 0 for c in counts)
+        assert sum(counts) == tokens // 16 * 16
+    balanced = bench.routing("balanced", experts, tokens, 16)
+    assert max(balanced) - min(balanced) <= 16
+    skewed = bench.routing("skewed", experts, tokens, 16)
+    # Zipf 1.2: the busiest expert gets 1 / H(E, 1.2) of the tokens (H the generalised harmonic number)
+    share = 1 / sum(1 / i**1.2 for i in range(1, experts + 1))
+    assert abs(max(skewed) - share * tokens) <= 32  # a count is off its share by < 16 (rounding) + tokens % 16
+    assert skewed != sorted(skewed, reverse=True)  # permuted over the experts
+
+
+def test_models_are_the_issue_shapes(bench):
+    assert bench.MODELS == {"mixtral": (8, 4096, 14336), "qwen3": (128, 2048, 768), "dsv3": (32, 7168, 2048)}
+    args = bench.parser().parse_args(["--models", "qwen3", "--tokens", "16384", "--sustained", "2"])
+    assert args.models == ["qwen3"] and args.tokens == [16384] and args.sustained == 2.0 and args.backends == ["triton"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_needs_a_gpu(bench, capsys):
+    assert bench.main(["--models", "qwen3"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
