@@ -45,6 +45,9 @@ ROOT = HERE.parent
 TE_FREE = ("--transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion "
            "--no-gradient-accumulation-fusion --no-rope-fusion")  # fmt: skip
 
+# TE's arms: Megatron's output layer still wants apex's fused wgrad unless told otherwise
+TE_ARM = "--transformer-impl transformer_engine --no-gradient-accumulation-fusion"
+
 MODELS = {
     "gpt125m": dict(
         args="--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 "
@@ -136,8 +139,8 @@ def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
     arms = {
         "plugin": f"{TE_FREE} {spec}" + (grouped if plugin_grouped else ""),
         "local_bf16": TE_FREE,
-        "te_fp8": "--transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe blockwise" + grouped,
-        "te_bf16": "--transformer-impl transformer_engine" + grouped,
+        "te_fp8": f"{TE_ARM} --fp8-format e4m3 --fp8-recipe blockwise" + grouped,
+        "te_bf16": TE_ARM + grouped,
     }
     if arm not in arms:
         raise SystemExit(f"unknown arm {arm!r}: choose from {sorted(arms)} or give --extra-arm {arm}='ARGS'")
