@@ -58,7 +58,9 @@ def runs(tmp_path_factory):
     # the settings of test_train.train that matter here: the reference backend and the shared corpus
     settings = ["backend=reference", f"data.cache_dir={tmp / 'data'}", *COMMON, f"train.micro_batch_size={G}"]
     cmd = [sys.executable, "-m", "tests.train_reference", str(ref), *settings]
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    # not the rendezvous of an in-process gloo world another test fixture may hold (tests/megatron)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = json.loads(ref.read_text())
