@@ -177,3 +177,22 @@ def test_the_names_table_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() and "reference" in proc.stdout
+
+
+def test_composed_backends_hand_fused_and_grouped_ops_to_their_triton_backend():
+    """hopper, cublas and flydsl hold a triton backend and must run every fused and grouped op
+    through it (the class decorator), with the arguments unchanged."""
+    from primus_fp8_plugin.backends.base import FUSED_OPS, GROUPED_OPS
+    from primus_fp8_plugin.backends.cublas import CublasBackend
+    from primus_fp8_plugin.backends.flydsl import FlydslBackend
+    from primus_fp8_plugin.backends.hopper import HopperBackend
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: (name, args, kwargs)
+
+    for cls in (HopperBackend, CublasBackend, FlydslBackend):
+        backend = object.__new__(cls)  # no device or toolchain probing: only the delegation is tested
+        backend.triton = Recorder()
+        for op in FUSED_OPS + GROUPED_OPS:
+            assert getattr(backend, op)(1, "two", three=3) == (op, (1, "two"), {"three": 3}), (cls.__name__, op)
