@@ -188,3 +188,48 @@ def test_bad_input_is_refused():
         layer(x.clone().requires_grad_(True), [5, 5]).float().sum().backward()
     with pytest.raises(ValueError, match="num_gemms"):
         Fp8GroupedLinear(0, 128, 128)
+
+
+def test_backward_twice_with_retain_graph_gives_the_same_gradients(backend):
+    torch.manual_seed(5)
+    layer = Fp8GroupedLinear(3, 128, 128, bias=True, dtype=torch.bfloat16, backend=backend)
+    x = make_input((150, 128), seed=11).requires_grad_(True)
+    dy = make_input((150, 128), seed=12)
+    y = layer(x, [20, 0, 130])
+    y.backward(dy, retain_graph=True)
+    first = [t.grad.clone() for t in (x, *layer.parameters())]
+    for t in (x, *layer.parameters()):
+        t.grad = None
+    y.backward(dy)
+    assert all(same(a, t.grad) for a, t in zip(first, (x, *layer.parameters())))
+
+
+def test_fused_wgrad_returns_one_shared_placeholder_not_one_per_expert(backend):
+    """Under Megatron's protocol (``grad_added_to_main_grad``) the gradients go into ``main_grad`` and autograd
+    gets a placeholder per weight: one tensor per shape shared by every expert (what TE returns too), so backward
+    does not allocate ``E`` weight-sized tensors at once; the parameters' hooks still run."""
+    from primus_fp8_plugin.grouped_linear import _Fp8GroupedLinearFn
+
+    torch.manual_seed(6)
+    layer = Fp8GroupedLinear(4, 128, 256, bias=False, dtype=torch.bfloat16, backend=backend)
+    give_main_grads(layer.weights, seed=3)
+    x = make_input((200, 128), seed=13).requires_grad_(True)
+    seen = []
+    for w in layer.weights:
+        w.register_hook(lambda g: seen.append(g.untyped_storage().data_ptr()))
+    captured = {}
+    original = _Fp8GroupedLinearFn.backward
+
+    def spy(ctx, dy):
+        out = original(ctx, dy)
+        captured["dws"] = out[8:12]
+        return out
+
+    _Fp8GroupedLinearFn.backward = staticmethod(spy)
+    try:
+        layer(x, [50, 0, 100, 50]).backward(make_input((200, 256), seed=14))
+    finally:
+        _Fp8GroupedLinearFn.backward = staticmethod(original)
+    dws = captured["dws"]
+    assert len(seen) == 4 and all(d is dws[0] for d in dws) and dws[0].shape == (256, 128)
+    assert all(w.grad_added_to_main_grad for w in layer.weights)
