@@ -1,7 +1,7 @@
 """Reading directories of Transformer Engine golden outputs (format: ``docs/GOLDENS.md``).
 
-A directory holds ``quant.safetensors`` and ``linear.safetensors`` (each may instead be stored
-xz-compressed as ``*.safetensors.xz``). Keys are paths ``cases/<case>/...``; string facts sit in
+A directory holds ``quant.safetensors``, ``linear.safetensors`` and optionally ``grouped.safetensors``
+(each may instead be stored xz-compressed as ``*.safetensors.xz``). Keys are paths ``cases/<case>/...``; string facts sit in
 the file's metadata. A file that cannot be read, is not safetensors (empty, truncated, not xz) or
 does not hold the documented keys, dtypes and shapes raises ``GoldenFormatError`` naming the file.
 """
@@ -24,6 +24,9 @@ _VARIANT = re.compile(r"^dim(?P<dim>[12])_pow2(?P<pow2>[01])(?P<e5m2>_e5m2)?$")
 QUANT_VARIANT_KEYS = frozenset({"rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"})
 LINEAR_KEYS = frozenset({"x", "weight", "grad_out", "out", "dgrad", "wgrad"})
 LINEAR_OPTIONAL_KEYS = frozenset({"bias", "bgrad"})
+GROUPED_KEYS = frozenset({"x", "m_splits", "weight", "grad_out", "out", "dgrad", "wgrad"})
+GROUPED_OPTIONAL_KEYS = LINEAR_OPTIONAL_KEYS
+_COUNT_DTYPES = (torch.int32, torch.int64)
 _HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -61,6 +64,18 @@ class LinearCase:
     pow2_scales: bool
 
 
+@dataclass
+class GroupedCase:
+    """A grouped (mixture-of-experts) linear case: ``E`` experts' ``y_e = x_e W_e^T + b_e`` on permuted tokens."""
+
+    name: str
+    fmt: str
+    tensors: dict[str, torch.Tensor]
+    counts: list[int]
+    snr_db: float | None
+    pow2_scales: bool
+
+
 def parse_variant(name: str) -> tuple[int, bool, torch.dtype]:
     """``dim1_pow21_e5m2`` -> (block_dim 1, pow2 True, float8_e5m2)."""
     m = _VARIANT.match(name)
@@ -78,6 +93,14 @@ def golden_file(path_dir: Path, stem: str) -> Path:
     if packed.exists():
         return packed
     raise FileNotFoundError(f"{path_dir} has neither {plain.name} nor {packed.name}")
+
+
+def optional_golden_file(path_dir: Path, stem: str) -> Path | None:
+    """``golden_file`` for a file a golden directory may leave out: None where neither form exists."""
+    try:
+        return golden_file(path_dir, stem)
+    except FileNotFoundError:
+        return None
 
 
 def _read(path_dir: Path, stem: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -194,15 +217,7 @@ def load_linear_cases(golden_dir: str | Path) -> tuple[list[LinearCase], dict[st
                 path, f"{where}: bias and bgrad go together (found only {'bias' if 'bias' in items else 'bgrad'})"
             )
         _check_linear_shapes(items, path, where)
-        fmt = meta.get(f"cases/{case}/fmt", "E4M3")
-        if fmt not in ("E4M3", "HYBRID"):
-            raise GoldenFormatError(path, f"metadata cases/{case}/fmt={fmt!r} is not E4M3 or HYBRID")
-        snr = meta.get(f"cases/{case}/snr_db_vs_fp32")
-        try:
-            snr_db = None if snr is None else float(snr)
-        except ValueError:
-            raise GoldenFormatError(path, f"metadata cases/{case}/snr_db_vs_fp32={snr!r} is not a number") from None
-        pow2 = _flag(meta, f"cases/{case}/pow2_scales", meta.get("pow2_scales", "1"), path)
+        fmt, snr_db, pow2 = _case_meta(meta, case, path)
         out.append(LinearCase(name=case, fmt=fmt, tensors=items, snr_db=snr_db, pow2_scales=pow2))
     return out, meta
 
@@ -226,3 +241,69 @@ def _check_linear_shapes(t: dict[str, torch.Tensor], path: Path, where: str) -> 
     for name, shape in want.items():
         if name in t and tuple(t[name].shape) != tuple(shape):
             raise GoldenFormatError(path, f"{where}: {name} has shape {tuple(t[name].shape)}, expected {tuple(shape)}")
+
+
+def _case_meta(meta: dict[str, str], case: str, path: Path) -> tuple[str, float | None, bool]:
+    fmt = meta.get(f"cases/{case}/fmt", "E4M3")
+    if fmt not in ("E4M3", "HYBRID"):
+        raise GoldenFormatError(path, f"metadata cases/{case}/fmt={fmt!r} is not E4M3 or HYBRID")
+    snr = meta.get(f"cases/{case}/snr_db_vs_fp32")
+    try:
+        snr_db = None if snr is None else float(snr)
+    except ValueError:
+        raise GoldenFormatError(path, f"metadata cases/{case}/snr_db_vs_fp32={snr!r} is not a number") from None
+    return fmt, snr_db, _flag(meta, f"cases/{case}/pow2_scales", meta.get("pow2_scales", "1"), path)
+
+
+def load_grouped_cases(golden_dir: str | Path) -> tuple[list[GroupedCase], dict[str, str]]:
+    """The grouped-linear cases of ``golden_dir`` (``grouped.safetensors[.xz]``; none, with empty metadata,
+    where the directory has no such file), each checked: the keys of ``docs/GOLDENS.md`` (``bias`` and
+    ``bgrad`` together or not at all), an integer ``m_splits [E]`` of counts >= 0 summing to the tokens,
+    floating tensors with the shapes of ``E`` linears ``[N, K]``, and the metadata values. GoldenFormatError
+    naming the file otherwise."""
+    file = optional_golden_file(Path(golden_dir), "grouped")
+    if file is None:
+        return [], {}
+    tensors, meta, path = _read_file(file)
+    out = []
+    for case, items in sorted(_group(tensors, path).items()):
+        where = f"grouped case {case!r}"
+        missing = GROUPED_KEYS - items.keys()
+        if missing:
+            raise GoldenFormatError(path, f"{where} lacks {sorted(missing)}")
+        stray = items.keys() - GROUPED_KEYS - GROUPED_OPTIONAL_KEYS
+        if stray:
+            raise GoldenFormatError(path, f"{where} has unexpected keys {sorted(stray)}")
+        if ("bias" in items) != ("bgrad" in items):
+            raise GoldenFormatError(
+                path, f"{where}: bias and bgrad go together (found only {'bias' if 'bias' in items else 'bgrad'})"
+            )
+        counts = _check_grouped_shapes(items, path, where)
+        fmt, snr_db, pow2 = _case_meta(meta, case, path)
+        out.append(GroupedCase(name=case, fmt=fmt, tensors=items, counts=counts, snr_db=snr_db, pow2_scales=pow2))
+    return out, meta
+
+
+def _check_grouped_shapes(t: dict[str, torch.Tensor], path: Path, where: str) -> list[int]:
+    m = t["m_splits"]
+    if m.dtype not in _COUNT_DTYPES or m.dim() != 1 or m.numel() == 0:
+        raise GoldenFormatError(path, f"{where}: m_splits must be a non-empty 1-D int32/int64 tensor, got {m.dtype} "
+                                      f"{tuple(m.shape)}")  # fmt: skip
+    counts = [int(c) for c in m.tolist()]
+    for name, v in t.items():
+        if name != "m_splits" and v.dtype not in _HIGH_PRECISION:
+            raise GoldenFormatError(path, f"{where}: {name} has dtype {v.dtype}, expected bf16, fp16 or fp32")
+    w, x = t["weight"], t["x"]
+    if w.dim() != 3 or w.shape[0] != len(counts) or x.dim() != 2 or x.shape[1] != w.shape[2]:
+        raise GoldenFormatError(path, f"{where}: x {tuple(x.shape)} and weight {tuple(w.shape)} do not fit [T, K] and "
+                                      f"[E, N, K] with E = {len(counts)} experts (m_splits)")  # fmt: skip
+    if min(counts) < 0 or sum(counts) != x.shape[0]:
+        raise GoldenFormatError(path, f"{where}: m_splits {counts[:8]}{'...' if len(counts) > 8 else ''} must be >= 0 "
+                                      f"and sum to x's {x.shape[0]} tokens (they sum to {sum(counts)})")  # fmt: skip
+    e, n, k = w.shape
+    want = {"out": (x.shape[0], n), "grad_out": (x.shape[0], n), "dgrad": tuple(x.shape), "wgrad": (e, n, k),
+            "bias": (e, n), "bgrad": (e, n)}  # fmt: skip
+    for name, shape in want.items():
+        if name in t and tuple(t[name].shape) != tuple(shape):
+            raise GoldenFormatError(path, f"{where}: {name} has shape {tuple(t[name].shape)}, expected {tuple(shape)}")
+    return counts

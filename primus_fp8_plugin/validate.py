@@ -6,7 +6,11 @@
   variant (1x128 / 128x128, power-of-2 / fp32 scales, E4M3 / E5M2);
 * linear (through the plugin's autograd op, as ``Fp8BlockwiseLinear`` runs it): ``out``,
   ``dgrad``, ``wgrad``, ``bgrad`` within a relative Frobenius error of 2e-3 of
-  TE's, and the SNR of ``out`` against an fp32 linear within 0.2 dB of TE's recorded SNR.
+  TE's, and the SNR of ``out`` against an fp32 linear within 0.2 dB of TE's recorded SNR;
+* grouped linear, where the directory has ``grouped.safetensors`` (through ``fp8_grouped_linear``, as
+  ``Fp8GroupedLinear`` runs it, against ``te.GroupedLinear``): the same checks on all experts' ``out``,
+  ``dgrad``, ``wgrad`` (stacked ``[E, N, K]``) and ``bgrad``, and the worst expert's ``wgrad``; each row
+  also says how many values differ from TE's bits.
 
 Prints a table; exits 0 only if every check passes and there is at least one, 1 otherwise (naming
 what failed), 2 for usage errors and golden files that cannot be read or break the format (naming
@@ -25,7 +29,17 @@ from pathlib import Path
 import torch
 
 from .backends import get_backend
-from .golden import GoldenFormatError, LinearCase, QuantCase, golden_file, load_linear_cases, load_quant_cases
+from .golden import (
+    GoldenFormatError,
+    GroupedCase,
+    LinearCase,
+    QuantCase,
+    load_grouped_cases,
+    load_linear_cases,
+    load_quant_cases,
+    optional_golden_file,
+)
+from .grouped_linear import fp8_grouped_linear
 from .linear import fp8_blockwise_linear
 from .quantize import quantize_activation, quantize_weight
 from .recipe import BlockwiseRecipe, QuantParams
@@ -37,7 +51,7 @@ SNR_TOL_DB = 0.2
 
 @dataclass
 class Check:
-    kind: str  # "quant" or "linear"
+    kind: str  # "quant", "linear" or "grouped"
     case: str
     item: str  # variant / tensor name
     passed: bool
@@ -113,40 +127,84 @@ def run_linear(
     return res
 
 
+def run_grouped_linear(
+    recipe: BlockwiseRecipe,
+    x: torch.Tensor,
+    counts: list[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    grad_out: torch.Tensor,
+    backend: str,
+) -> dict[str, torch.Tensor]:
+    """Forward and backward of ``E`` experts' ``y_e = x_e W_e^T + b_e`` (``weight [E, N, K]``, ``bias [E, N]``)
+    through the plugin's grouped autograd op (as ``Fp8GroupedLinear`` runs it, one parameter per expert):
+    returns out, dgrad, wgrad ``[E, N, K]`` and (with a bias) bgrad ``[E, N]``."""
+    x = x.detach().clone().requires_grad_(True)
+    ws = [w.detach().clone().requires_grad_(True) for w in weight.unbind(0)]
+    bs = None if bias is None else [b.detach().clone().requires_grad_(True) for b in bias.unbind(0)]
+    out = fp8_grouped_linear(x, counts, ws, bs, recipe=recipe, backend=backend)
+    out.backward(grad_out)
+    res = {"out": out.detach(), "dgrad": x.grad, "wgrad": torch.stack([w.grad for w in ws])}
+    if bs is not None:
+        res["bgrad"] = torch.stack([b.grad for b in bs])
+    return res
+
+
+def _differ(got: torch.Tensor, ref: torch.Tensor) -> str:
+    got, ref = got.cpu().to(ref.dtype), ref.cpu()
+    bad = int((got.view(-1) != ref.view(-1)).sum()) - int((got.isnan() & ref.isnan()).sum())
+    return "bits equal" if bad == 0 else f"{bad}/{ref.numel()} values differ"
+
+
+def _tolerance_checks(kind: str, case: str, ours: dict, te: dict, names) -> list[Check]:
+    checks = []
+    for name in names:
+        if name not in te:
+            continue
+        err = rel_frobenius(ours[name], te[name])
+        detail = f"rel. Frobenius error {err:.2e} (tol {REL_FROB_TOL:.0e})"
+        if kind == "grouped":
+            detail += f"; {_differ(ours[name], te[name])}"
+        checks.append(Check(kind, case, name, err <= REL_FROB_TOL, detail))
+    return checks
+
+
+def _snr_check(kind: str, case: str, ours_out: torch.Tensor, ref: torch.Tensor, te_snr: float) -> Check:
+    ours_snr = snr_db(ours_out.reshape(ref.shape), ref.float())
+    gap = ours_snr - te_snr
+    return Check(kind, case, "out SNR", abs(gap) <= SNR_TOL_DB,
+                 f"{ours_snr:.2f} dB vs TE {te_snr:.2f} dB (gap {gap:+.2f}, tol {SNR_TOL_DB})")  # fmt: skip
+
+
+def check_grouped_case(case: GroupedCase, backend: str, device: torch.device) -> list[Check]:
+    t = {k: v.to(device) for k, v in case.tensors.items() if k != "m_splits"}
+    recipe = BlockwiseRecipe(fp8_format=case.fmt, pow2_scales=case.pow2_scales)
+    ours = run_grouped_linear(recipe, t["x"], case.counts, t["weight"], t.get("bias"), t["grad_out"], backend)
+    checks = _tolerance_checks("grouped", case.name, ours, t, ("out", "dgrad", "wgrad", "bgrad"))
+    per_expert = [(rel_frobenius(ours["wgrad"][e], t["wgrad"][e]), e) for e in range(len(case.counts))]
+    worst, e = max(per_expert)
+    detail = f"expert {e} ({case.counts[e]} tokens): rel. Frobenius error {worst:.2e} (tol {REL_FROB_TOL:.0e})"
+    checks.append(Check("grouped", case.name, "wgrad worst expert", worst <= REL_FROB_TOL, detail))
+    if case.snr_db is not None:
+        parts = torch.split(t["x"].double(), case.counts)
+        ref = torch.cat([p @ w.double().t() for p, w in zip(parts, t["weight"].unbind(0))])
+        if "bias" in t:
+            ref = ref + torch.repeat_interleave(t["bias"].double(), torch.tensor(case.counts, device=device), dim=0)
+        checks.append(_snr_check("grouped", case.name, ours["out"], ref, case.snr_db))
+    return checks
+
+
 def check_linear_case(case: LinearCase, backend: str, device: torch.device) -> list[Check]:
     t = {k: v.to(device) for k, v in case.tensors.items()}
     recipe = BlockwiseRecipe(fp8_format=case.fmt, pow2_scales=case.pow2_scales)
     ours = run_linear(recipe, t["x"], t["weight"], t.get("bias"), t["grad_out"], backend)
-    checks = []
-    for name in ("out", "dgrad", "wgrad", "bgrad"):
-        if name not in t:
-            continue
-        err = rel_frobenius(ours[name], t[name])
-        checks.append(
-            Check(
-                "linear",
-                case.name,
-                name,
-                err <= REL_FROB_TOL,
-                f"rel. Frobenius error {err:.2e} (tol {REL_FROB_TOL:.0e})",
-            )
-        )
+    checks = _tolerance_checks("linear", case.name, ours, t, ("out", "dgrad", "wgrad", "bgrad"))
     if case.snr_db is not None:
         x2 = t["x"].reshape(-1, t["x"].shape[-1]).double()
         ref = x2 @ t["weight"].double().t()
         if "bias" in t:
             ref = ref + t["bias"].double()
-        ours_snr = snr_db(ours["out"].reshape(ref.shape), ref.float())
-        gap = ours_snr - case.snr_db
-        checks.append(
-            Check(
-                "linear",
-                case.name,
-                "out SNR",
-                abs(gap) <= SNR_TOL_DB,
-                f"{ours_snr:.2f} dB vs TE {case.snr_db:.2f} dB (gap {gap:+.2f}, tol {SNR_TOL_DB})",
-            )
-        )
+        checks.append(_snr_check("linear", case.name, ours["out"], ref, case.snr_db))
     return checks
 
 
@@ -156,11 +214,14 @@ def validate(golden_dir: str | Path, backend: str = "auto", device: str | torch.
     backend_name = get_backend(backend, dev).name  # fail early, with the reason, if unavailable
     quant_cases, _ = load_quant_cases(golden_dir)
     linear_cases, _ = load_linear_cases(golden_dir)
+    grouped_cases, _ = load_grouped_cases(golden_dir)
     checks = []
     for qc in quant_cases:
         checks += check_quant_case(qc, backend_name, dev)
     for lc in linear_cases:
         checks += check_linear_case(lc, backend_name, dev)
+    for gc in grouped_cases:
+        checks += check_grouped_case(gc, backend_name, dev)
     return checks
 
 
@@ -176,7 +237,8 @@ def format_table(checks: list[Check]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m primus_fp8_plugin.validate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--golden", required=True, help="directory with quant.safetensors and linear.safetensors (or .xz)")
+    files = "quant.safetensors, linear.safetensors and optionally grouped.safetensors (or .xz)"
+    ap.add_argument("--golden", required=True, help=f"directory with {files}")
     ap.add_argument("--backend", default="auto", help="backend name or 'auto' (default)")
     ap.add_argument("--device", default=None, help="device to run on (default: cuda if present, else cpu)")
     ap.add_argument("--json", default=None, help="also write every check as JSON to this file")
@@ -201,9 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     if not checks:
         print(f"\nFAILED: {args.golden} yields no checks (its golden files hold no cases): nothing was validated")
         return 1
-    for kind, stem in (("quant", "quant"), ("linear", "linear")):
+    for kind, stem in (("quant", "quant"), ("linear", "linear"), ("grouped", "grouped")):
         if not any(c.kind == kind for c in checks):
-            print(f"\nnote: {golden_file(Path(args.golden), stem)} holds no cases: no {kind} checks ran")
+            file = optional_golden_file(Path(args.golden), stem)
+            where = f"{file} holds no cases" if file else f"{args.golden} has no {stem}.safetensors"
+            print(f"\nnote: {where}: no {kind} checks ran")
     failed = [c for c in checks if not c.passed]
     if failed:
         print(f"\nFAILED {len(failed)} of {len(checks)} checks:")

@@ -1,13 +1,17 @@
 """The validate CLI: passes on TE's goldens, fails (naming what) on tampered ones."""
 
+import importlib.util
 import lzma
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load, save
 
-from primus_fp8_plugin.golden import _read, load_quant_cases, parse_variant
-from primus_fp8_plugin.validate import main
+from primus_fp8_plugin.golden import _read, load_grouped_cases, load_quant_cases, parse_variant
+from primus_fp8_plugin.recipe import BlockwiseRecipe
+from primus_fp8_plugin.validate import main, run_linear
 
 
 def test_passes_on_te_goldens(golden_dir, capsys, tmp_path):
@@ -158,3 +162,189 @@ def test_a_golden_path_that_is_not_a_file_is_named(golden_dir, tmp_path, capsys)
     (bad / "quant.safetensors").mkdir()  # exists, cannot be read as a file
     assert main(["--golden", str(bad), "--backend", "reference"]) == 2
     assert f"error: bad golden file {bad / 'quant.safetensors'}: cannot read it" in capsys.readouterr().err
+
+
+# ---- grouped cases -------------------------------------------------------------------------------------------
+# These goldens are made here, on the CPU, by the plugin's reference backend running its *dense* linear on each
+# expert's tokens (not by TE, and not by the grouped op validate runs): the inputs are the ones
+# scripts/make_te_goldens.py records TE's te.GroupedLinear on.
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("make_te_goldens", ROOT / "scripts" / "make_te_goldens.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dense_loop_grouped_goldens(cases: dict) -> tuple[dict, dict]:
+    tensors, meta = {}, {"source": "primus_fp8_plugin reference backend, dense linear per expert (CPU test data, not TE)"}
+    for name, c in cases.items():
+        recipe = BlockwiseRecipe(fp8_format=c["fmt"])
+        counts = c["m_splits"].tolist()
+        res = {"out": [], "dgrad": [], "wgrad": [], "bgrad": []}
+        for e, (xe, dye) in enumerate(zip(torch.split(c["x"], counts), torch.split(c["grad_out"], counts))):
+            r = run_linear(recipe, xe, c["weight"][e], c["bias"][e] if "bias" in c else None, dye, "reference")
+            for key in res:
+                if key in r:
+                    res[key].append(r[key] if r[key] is not None else torch.zeros_like(c["weight"][e]))
+        saved = {k: c[k] for k in ("x", "m_splits", "weight", "grad_out", "bias") if k in c}
+        saved.update(out=torch.cat(res["out"]), dgrad=torch.cat(res["dgrad"]), wgrad=torch.stack(res["wgrad"]))
+        if "bias" in c:
+            saved["bgrad"] = torch.stack(res["bgrad"])
+        tensors.update({f"cases/{name}/{k}": v.contiguous() for k, v in saved.items()})
+        meta[f"cases/{name}/fmt"] = c["fmt"]
+    return tensors, meta
+
+
+@pytest.fixture(scope="module")
+def grouped_goldens():
+    cases = _script().grouped_inputs()
+    return cases, dense_loop_grouped_goldens(cases)
+
+
+def _with_grouped(golden_dir, tmp_path, tensors, meta, name="g"):
+    dst = tmp_path / name
+    shutil.copytree(golden_dir, dst)
+    (dst / "grouped.safetensors").write_bytes(save(tensors, metadata=meta))
+    return dst
+
+
+def test_the_recorded_grouped_inputs_cover_the_edge_counts(grouped_goldens):
+    cases, _ = grouped_goldens
+    counts = {int(c) for case in cases.values() for c in case["m_splits"]}
+    assert {0, 1, 15, 16, 127, 128, 129} <= counts
+    assert any(len(set(c["m_splits"].tolist())) > 4 and len(c["m_splits"]) == 16 for c in cases.values())  # skewed
+    assert {c["fmt"] for c in cases.values()} == {"E4M3", "HYBRID"}
+
+
+def test_grouped_cases_pass_bit_for_bit_against_a_dense_loop(golden_dir, tmp_path, capsys, grouped_goldens):
+    cases, (tensors, meta) = grouped_goldens
+    d = _with_grouped(golden_dir, tmp_path, tensors, meta)
+    loaded, _ = load_grouped_cases(d)
+    assert [c.name for c in loaded] == sorted(cases)
+    n_grouped = sum(4 + ("bias" in c) for c in cases.values())  # out, dgrad, wgrad, [bgrad], worst expert (no SNR)
+    assert main(["--golden", str(d), "--backend", "reference", "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("grouped")]
+    assert len(rows) == n_grouped and f"all {40 + n_grouped} checks passed" in out
+    assert all("bits equal" in line for line in rows if "worst" not in line), rows
+
+
+def test_a_wrong_expert_gradient_fails_naming_the_expert(golden_dir, tmp_path, capsys, grouped_goldens):
+    _, (tensors, meta) = grouped_goldens
+    bad = dict(tensors)
+    key = "cases/grp_edges_e8_256_384/wgrad"
+    w = bad[key].clone()
+    w[6] *= 1.01  # expert 6: 129 tokens
+    bad[key] = w
+    d = _with_grouped(golden_dir, tmp_path, bad, meta)
+    assert main(["--golden", str(d), "--backend", "reference"]) == 1
+    out = capsys.readouterr().out
+    assert "grouped grp_edges_e8_256_384 wgrad worst expert: expert 6 (129 tokens): rel. Frobenius error" in out
+
+
+def test_grouped_snr_is_checked_where_recorded(golden_dir, tmp_path, capsys, grouped_goldens):
+    _, (tensors, meta) = grouped_goldens
+    d = _with_grouped(golden_dir, tmp_path, tensors, dict(meta, **{"cases/grp_skewed_e16_512_256/snr_db_vs_fp32": "99.0"}))
+    assert main(["--golden", str(d), "--backend", "reference"]) == 1
+    assert "grouped grp_skewed_e16_512_256 out SNR: " in capsys.readouterr().out
+
+
+def test_a_directory_without_grouped_cases_says_so(golden_dir, capsys):
+    assert main(["--golden", str(golden_dir), "--backend", "reference"]) == 0
+    assert f"note: {golden_dir} has no grouped.safetensors: no grouped checks ran" in capsys.readouterr().out
+
+
+def _set(key, value):
+    return lambda t, m: t.update({key: value(t)})
+
+
+G = "cases/grp_aligned16_e4_256_640"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t, m: t.pop(f"{G}/m_splits"), "grouped case 'grp_aligned16_e4_256_640' lacks ['m_splits']"),
+        (_set(f"{G}/m_splits", lambda t: t[f"{G}/m_splits"].float()), "m_splits must be a non-empty 1-D int32/int64"),
+        (_set(f"{G}/m_splits", lambda t: t[f"{G}/m_splits"] + 1), "must be >= 0 and sum to x's 416 tokens (they sum to 420)"),
+        (_set(f"{G}/wgrad", lambda t: t[f"{G}/wgrad"][:3].clone()), "wgrad has shape (3, 640, 256), expected (4, 640, 256)"),
+        (_set(f"{G}/weight", lambda t: t[f"{G}/weight"][0].clone()), "do not fit [T, K] and [E, N, K]"),
+        (lambda t, m: t.pop(f"{G}/bgrad"), "bias and bgrad go together (found only bias)"),
+        (lambda t, m: m.update({f"{G}/fmt": "E5M2"}), "fmt='E5M2' is not E4M3 or HYBRID"),
+    ],
+)  # fmt: skip
+def test_a_malformed_grouped_file_is_named_and_exits_2(golden_dir, tmp_path, capsys, grouped_goldens, edit, message):
+    _, (tensors, meta) = grouped_goldens
+    t, m = dict(tensors), dict(meta)
+    edit(t, m)
+    d = _with_grouped(golden_dir, tmp_path, t, m)
+    assert main(["--golden", str(d), "--backend", "reference"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: bad golden file {d / 'grouped.safetensors'}: " in err and message in err, err
+
+
+def test_pack_keeps_the_chosen_grouped_cases(golden_dir, tmp_path, grouped_goldens):
+    from tools.pack_test_goldens import main as pack_main
+
+    _, (tensors, meta) = grouped_goldens
+    src = tmp_path / "src"
+    src.mkdir()
+    for stem in ("quant", "linear"):
+        (src / f"{stem}.safetensors").write_bytes(lzma.decompress((golden_dir / f"{stem}.safetensors.xz").read_bytes()))
+    (src / "grouped.safetensors").write_bytes(save(tensors, metadata=meta))
+    pack_main(["--src", str(src), "--dst", str(tmp_path / "dst"), "--grouped-cases", "grp_aligned16_e4_256_640"])
+    cases, packed_meta = load_grouped_cases(tmp_path / "dst")
+    assert [c.name for c in cases] == ["grp_aligned16_e4_256_640"] and cases[0].counts == [0, 16, 144, 256]
+    assert packed_meta["source"].startswith("primus_fp8_plugin reference backend")
+
+
+class _FakeTE:
+    """Stands for transformer_engine.pytorch in make_te_goldens.te_grouped_step on the CPU: its GroupedLinear is
+    the plugin's (reference backend) and, like a TE that wants Megatron's padding, refuses counts that are not
+    multiples of 16."""
+
+    class GroupedLinear(torch.nn.Module):
+        def __init__(self, num_gemms, in_features, out_features, bias, params_dtype, device):
+            super().__init__()
+            from primus_fp8_plugin.grouped_linear import Fp8GroupedLinear
+
+            self.inner = Fp8GroupedLinear(num_gemms, in_features, out_features, bias=bias, dtype=params_dtype,
+                                          device=device, backend="reference", recipe=_FakeTE.recipe)  # fmt: skip
+            for name, p in self.inner.named_parameters():
+                self.register_parameter(name, p)
+
+        def forward(self, x, m_splits):
+            if any(int(c) % 16 for c in m_splits):
+                raise RuntimeError("counts must be multiples of 16")
+            return self.inner(x, list(m_splits))
+
+    recipe = None
+
+    @staticmethod
+    def autocast(enabled, recipe):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("case", ["grp_edges_e8_384_256_hybrid", "grp_aligned16_e4_256_640"])
+def test_the_recorder_pads_per_expert_where_te_refuses_and_drops_the_padding(grouped_goldens, case):
+    """make_te_goldens.py's TE call on the CPU with a stand-in TE: the 16-padded run, its padding rows dropped,
+    gives the dense loop's bits (zero rows change no scale and no product)."""
+    script = _script()
+    cases, (tensors, _) = grouped_goldens
+    c = cases[case]
+    _FakeTE.recipe = BlockwiseRecipe(fp8_format=c["fmt"])
+    aligned = all(int(v) % 16 == 0 for v in c["m_splits"])
+    if not aligned:
+        with pytest.raises(RuntimeError, match="multiples of 16"):
+            script.te_grouped_step(_FakeTE, None, c, "cpu")
+    res = script.te_grouped_step(_FakeTE, None, c, "cpu", align=0 if aligned else 16)
+    for key in ("out", "dgrad", "wgrad", "bgrad"):
+        if key in res:
+            want = tensors[f"cases/{case}/{key}"]
+            assert torch.equal(res[key].to(want.dtype), want), key

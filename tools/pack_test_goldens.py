@@ -2,7 +2,9 @@
 """Copy a TE golden directory into tests/data as xz-compressed safetensors, optionally a subset.
 
     python -m tools.pack_test_goldens --src my_goldens --dst tests/data/te_golden \
-        --linear-cases lin_272x384_640 lin_256x512_384_hybrid
+        --linear-cases lin_272x384_640 lin_256x512_384_hybrid [--grouped-cases grp_edges_e8_256_384 ...]
+
+``grouped.safetensors`` is packed where the source has one (all its cases unless ``--grouped-cases``).
 
 The test suite and ``python -m primus_fp8_plugin.validate`` read ``*.safetensors.xz`` directly.
 """
@@ -35,16 +37,21 @@ def pack(src: Path, dst: Path, stem: str, keep_cases: list[str] | None) -> int:
     return len(blob)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", type=Path, required=True)
     ap.add_argument("--dst", type=Path, required=True)
     ap.add_argument("--quant-cases", nargs="*", default=None, help="default: all")
     ap.add_argument("--linear-cases", nargs="*", default=None, help="default: all")
-    args = ap.parse_args()
+    ap.add_argument("--grouped-cases", nargs="*", default=None, help="default: all (where the source has grouped cases)")
+    args = ap.parse_args(argv)
     args.dst.mkdir(parents=True, exist_ok=True)
     total = pack(args.src, args.dst, "quant", args.quant_cases)
     total += pack(args.src, args.dst, "linear", args.linear_cases)
+    if (args.src / "grouped.safetensors").exists():
+        total += pack(args.src, args.dst, "grouped", args.grouped_cases)
+    elif args.grouped_cases:
+        raise SystemExit(f"{args.src} has no grouped.safetensors")
     print(f"wrote {total / 2**20:.2f} MiB to {args.dst}")
 
 
