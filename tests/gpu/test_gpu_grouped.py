@@ -220,3 +220,127 @@ def test_cuda_graph_replays_follow_the_routing_on_the_device(gpu_backend):
         with torch.no_grad():
             expected = eager(x, routing)
         assert same(y, expected), f"replay {i} (routing {routing}) differs from the eager layer"
+
+
+TE_ROUTINGS = [  # name, counts, K, N: the edge counts, a skewed routing with empty experts, Megatron's 16-aligned
+    ("edges", [0, 1, 15, 16, 127, 128, 129, 200], 1024, 768),
+    ("skewed-32", skewed(32, 4000, 3), 512, 1024),
+    ("aligned16", [0, 16, 128, 144, 512, 1040], 1024, 768),
+]
+
+
+def _te_autocast(te, recipe):
+    return te.autocast(enabled=True, recipe=recipe) if hasattr(te, "autocast") else \
+        te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # fmt: skip
+
+
+def _pad(t, counts, align):
+    return torch.cat([q for p, c in zip(torch.split(t, counts), counts) for q in (p, t.new_zeros((-c) % align, t.shape[1]))])
+
+
+def _unpad(t, counts, align):
+    return torch.cat([p[:c] for p, c in zip(torch.split(t, [c + (-c) % align for c in counts]), counts)])
+
+
+def _te_grouped(te, recipe, ws, bias, x, dy, counts, align=0):
+    """te.GroupedLinear forward + backward (tokens padded per expert with zero rows to ``align`` if > 0, the padding
+    rows dropped again): (out, dgrad, wgrad [E, N, K], bgrad [E, N])."""
+    e, (n, k) = len(ws), ws[0].shape
+    layer = te.GroupedLinear(e, k, n, bias=True, params_dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        for i in range(e):
+            getattr(layer, f"weight{i}").copy_(ws[i])
+            getattr(layer, f"bias{i}").copy_(bias[i])
+    splits = [c + (-c) % align for c in counts] if align else counts
+    xi = (_pad(x, counts, align) if align else x).clone().requires_grad_(True)
+    with _te_autocast(te, recipe):
+        y = layer(xi, splits)
+    y.backward(_pad(dy, counts, align) if align else dy)
+    dx, out = xi.grad, y.detach()
+    if align:
+        out, dx = _unpad(out, counts, align), _unpad(dx, counts, align)
+    grad = lambda p, shape: torch.zeros(shape, device="cuda", dtype=torch.bfloat16) if p.grad is None else p.grad  # noqa: E731
+    dw = torch.stack([grad(getattr(layer, f"weight{i}"), (n, k)) for i in range(e)])
+    db = torch.stack([grad(getattr(layer, f"bias{i}"), (n,)) for i in range(e)])
+    return out, dx, dw, db
+
+
+def _te_dense_per_expert(te, recipe, ws, bias, x, dy, counts):
+    """te.Linear on each expert's tokens (an expert without tokens: zero gradients), padded to 16 rows where
+    te.Linear refuses the count: what TE's per-expert path computes."""
+    outs, dxs, dws, dbs = [], [], [], []
+    for i, (xe, dye) in enumerate(zip(torch.split(x, counts), torch.split(dy, counts))):
+        n, k = ws[i].shape
+        if xe.shape[0] == 0:
+            outs.append(xe.new_zeros(0, n)), dxs.append(xe.new_zeros(0, k))
+            dws.append(ws[i].new_zeros(n, k)), dbs.append(bias[i].new_zeros(n))
+            continue
+        lin = te.Linear(k, n, bias=True, params_dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            lin.weight.copy_(ws[i])
+            lin.bias.copy_(bias[i])
+        for pad in (0, 16):
+            xi = (_pad(xe, [xe.shape[0]], pad) if pad else xe).clone().requires_grad_(True)
+            try:
+                with _te_autocast(te, recipe):
+                    y = lin(xi)
+                break
+            except (RuntimeError, AssertionError, ValueError):
+                if pad:
+                    raise
+        y.backward(_pad(dye, [dye.shape[0]], pad) if pad else dye)
+        c = xe.shape[0]
+        outs.append(y.detach()[:c]), dxs.append(xi.grad[:c]), dws.append(lin.weight.grad), dbs.append(lin.bias.grad)
+    return torch.cat(outs), torch.cat(dxs), torch.stack(dws), torch.stack(dbs)
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+@pytest.mark.parametrize("name, counts, k, n", TE_ROUTINGS, ids=[r[0] for r in TE_ROUTINGS])
+def test_grouped_linear_against_te_grouped_linear_at_edge_counts(gpu_backend, name, counts, k, n, fmt):
+    """Fp8GroupedLinear against te.GroupedLinear under Float8BlockScaling (same weights, bias, inputs; counts 0, 1, 15,
+    16, 127, 128, 129, skewed, 16-aligned; E4M3 and HYBRID): fwd, dgrad, wgrad, bgrad. Where TE's grouped results
+    equal te.Linear run on each expert (TE's per-expert path), fwd, dgrad and bgrad must be TE's bits and wgrad within
+    1e-6 (the wgrad kernels may sum inside a 128-block in another order; bit-exactness is printed); otherwise all
+    within 2e-3. Where TE refuses counts that are not multiples of 16, TE runs on the tokens padded per expert with zero
+    rows (Megatron's padding; zero rows change no scale and no product) and the padding rows are dropped."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    from transformer_engine.common.recipe import Float8BlockScaling, Format
+
+    recipe = Float8BlockScaling(fp8_format=getattr(Format, fmt))
+    ours_recipe, x, dy, ws, bias, _ = _case(counts, k, n, fmt)
+    align = 0
+    try:
+        theirs = _te_grouped(te, recipe, ws, bias, x, dy, counts)
+    except (RuntimeError, AssertionError, ValueError) as err:
+        assert any(c % 16 for c in counts), f"TE refused 16-aligned counts: {err}"
+        align = 16
+        print(f"{name}: TE refused the raw counts ({type(err).__name__}: {str(err)[:160]}); TE runs on 16-padded tokens")
+        theirs = _te_grouped(te, recipe, ws, bias, x, dy, counts, align=16)
+    te_dense = _te_dense_per_expert(te, recipe, ws, bias, x, dy, counts)
+    layer = Fp8GroupedLinear(len(counts), k, n, bias=True, device="cuda", dtype=torch.bfloat16, recipe=ours_recipe,
+                             backend=gpu_backend)  # fmt: skip
+    with torch.no_grad():
+        for i in range(len(counts)):
+            getattr(layer, f"weight{i}").copy_(ws[i])
+            getattr(layer, f"bias{i}").copy_(bias[i])
+    xi = x.clone().requires_grad_(True)
+    y = layer(xi, counts)
+    y.backward(dy)
+    ours = (y.detach(), xi.grad, torch.stack([w.grad for w in layer.weights]), torch.stack([b.grad for b in layer.biases]))
+    kinds = ("out", "dgrad", "wgrad", "bgrad")
+    report, bad = [], []
+    for kind, a, b, d in zip(kinds, ours, theirs, te_dense, strict=True):
+        per_expert_path = same(b, d)
+        exact, err = same(a, b), rel_frobenius(a, b)
+        report.append(f"{kind}: rel {err:.2e}, {'bits equal' if exact else 'bits differ'}, TE per-expert path "
+                      f"{'yes' if per_expert_path else 'no'}")  # fmt: skip
+        if per_expert_path and kind != "wgrad":
+            ok = exact
+        elif per_expert_path:
+            ok = err <= 1e-6
+        else:
+            ok = err <= 2e-3
+        if not ok:
+            bad.append(f"{kind} (ours vs TE's te.Linear per expert: rel {rel_frobenius(a, d):.2e})")
+    print(f"{gpu_backend} {name} {fmt}{' (TE on 16-padded tokens)' if align else ''}: " + "; ".join(report))
+    assert not bad, f"{gpu_backend} {name} {fmt}: {bad}; {report}"
