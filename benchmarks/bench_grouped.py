@@ -7,17 +7,24 @@
         [--routing balanced skewed] [--backends triton] [--sustained S] [--json out.json] [--plot out.png]
 
 Models (one row per expert linear, SwiGLU experts: fc1 is [hidden -> 2 x ffn], fc2 [ffn -> hidden]):
-``mixtral`` (8 experts, hidden 4096, ffn 14336), ``qwen3`` (Qwen3-30B-A3B-like: 128 experts, hidden 2048,
-ffn 768), ``dsv3`` (DeepSeek-V3's local experts at EP=8: 32 experts, hidden 7168, ffn 2048). ``--tokens`` are
-routed tokens (tokens x top-k) per step; ``balanced`` gives every expert the same count, ``skewed`` a Zipf
-(exponent 1.2) share, randomly permuted over the experts; counts are multiples of ``--align`` (16: what
-Megatron pads to for TE's FP8 grouped GEMM).
+``mixtral`` (Mixtral-8x7B-like: 8 experts, top-2, hidden 4096, ffn 14336), ``qwen3`` (Qwen3-30B-A3B-like: 128
+experts, top-8, hidden 2048, ffn 768), ``dsv3`` (DeepSeek-V3's local experts at EP=8: 32 experts, hidden 7168,
+ffn 2048). ``--tokens`` are routed tokens (tokens x top-k) per step; ``balanced`` gives every expert the same
+count, ``skewed`` a Zipf (exponent 1.2) share, randomly permuted over the experts; counts are multiples of
+``--align`` (16: what Megatron pads to for TE's FP8 grouped GEMM).
 
 Columns: ``step ms`` one forward+backward with a freshly quantized weight (ours ``is_first_microbatch=True``,
-TE ``is_first_microbatch=None``); ``4mb ms/mb`` four forward+backward passes sharing one weight quantization,
-per pass; ``TF`` 6 x tokens x N x K / step time; ``vs TE`` / ``vs bf16`` that contender's step time over this
-one's (above 1: faster). Timing: triton's do_bench (median, L2 flushed) or, with ``--sustained S``, each
-contender run back to back for S seconds (the power-limited clock of training; benchlib.Timing).
+TE ``is_first_microbatch=None``, the sequential path ``True`` on every expert); ``cached ms`` the same with the
+quantized weights reused (ours and the sequential path ``False`` after a ``True`` call, TE ``False`` after
+``True``); ``TF`` 6 x tokens x N x K / step time; ``vs TE`` / ``vs bf16`` that contender's time over this one's
+(above 1: faster), for the step and the cached step; ``peak MiB`` the most memory one fresh step allocates
+above what was allocated before it (``torch.cuda.max_memory_allocated``; activations, quantized copies, weight
+gradients and temporaries). Geometric means over the shapes end the table.
+
+Timing (default): each contender run back to back for ``--sustained`` seconds (0.75) after an untimed settle,
+the contenders' order reversed on every other shape (benchlib.Timing: the power-limited clock of training,
+docs/PERFORMANCE.md); ``--sustained 0`` uses triton's do_bench (median, L2 flushed) instead. The expected
+duration is printed first (the default run: about 5 minutes on one H200).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ for _d in (_HERE, _HERE.parent / "scripts", _HERE.parent):  # benchlib lives in 
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 
-from benchlib import Timing, environment, report, require_cuda, save_figure, try_import_te  # noqa: E402
+from benchlib import SETTLE_S, Timing, environment, report, require_cuda, save_figure, try_import_te  # noqa: E402
 
 from primus_fp8_plugin import Fp8BlockwiseLinear, Fp8GroupedLinear, backend_availability  # noqa: E402
 
@@ -135,19 +142,50 @@ def contenders(args, experts, k, n, counts, te):
 
 
 def step_fns(module, call, x, dy, te_style: bool):
+    """(a step with a fresh weight quantization, a step with the cached quantized weights, the warm-up that
+    fills the cache) for one contender."""
     params = list(module.parameters())
 
     def fwd_bwd(first):
         for p in params:
             p.grad = None
+        x.grad = None
         call(module, x, first).backward(dy)
 
-    def four():
-        for i in range(4):
-            fwd_bwd(i == 0)
+    # TE: a fresh step without weight caching (None); ours and the sequential path: a fresh quantization (True)
+    return (lambda: fwd_bwd(None if te_style else True)), (lambda: fwd_bwd(False)), (lambda: fwd_bwd(True))
 
-    # TE: one step without weight caching (None); ours and the sequential path: a fresh quantization (True)
-    return (lambda: fwd_bwd(None if te_style else True)), four
+
+def peak_mib(fn) -> float:
+    """MiB that one call of ``fn`` allocates at its peak above what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+SETUP_S = 2.0  # per shape: inputs, modules, first calls (kernels compiled once per shape)
+
+
+def expected_seconds(shapes: int, contenders: int, sustained: float) -> float:
+    """Rough duration of a run: per contender and shape two timings (fresh and cached), each an untimed settle
+    plus ``sustained`` seconds (``do_bench``: about 0.2 s), and a fixed setup per shape."""
+    per_timing = SETTLE_S + sustained + 0.1 if sustained > 0 else 0.25
+    return shapes * (contenders * 2 * per_timing + SETUP_S)
+
+
+def geomean_notes(rows: list[dict]) -> list[str]:
+    """One line per contender and ratio column: the geometric mean over the shapes, its minimum and count."""
+    notes = []
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        for key in ("vs TE", "vs bf16", "cached vs TE", "cached vs bf16"):
+            vals = [r[key] for r in rows if r["impl"] == impl and r.get(key)]
+            if vals:
+                geo = math.exp(sum(math.log(v) for v in vals) / len(vals))
+                notes.append(f"{impl}: {key} geomean {geo:.3f} (min {min(vals):.3f}, {len(vals)} shapes)")
+    return notes
 
 
 def parser() -> argparse.ArgumentParser:
@@ -163,8 +201,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sequential-backend", default="auto", help="backend of the SequentialMLP contender")
     ap.add_argument("--no-sequential", action="store_true", help="leave out the SequentialMLP path (slow at 128 experts)")
     ap.add_argument("--device-counts", action="store_true", help="pass ours the counts as a device tensor")
-    ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
-                    help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi)")  # fmt: skip
+    ap.add_argument("--sustained", type=float, default=0.75, metavar="S",
+                    help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi); "
+                         "0: triton do_bench instead (default 0.75)")  # fmt: skip
     return ap
 
 
@@ -174,22 +213,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     te, why = try_import_te()
     args.bf16_grouped = grouped_mm_trains()
+    shapes = len(args.models) * len(args.linears) * len(args.tokens) * len(args.routing)
+    n_contenders = (
+        1 + len([b for b in args.backends if backend_availability(b, "cuda")]) + (not args.no_sequential) + (te is not None)
+    )
+    print(f"bench_grouped: {shapes} shapes x {n_contenders} contenders, expected about "
+          f"{expected_seconds(shapes, n_contenders, args.sustained) / 60:.1f} min", flush=True)  # fmt: skip
     with Timing(args.sustained) as timing:
         rows = _run(args, te, timing)
     env = environment()
     env["timing"] = timing.describe()
     env["bf16"] = "torch._grouped_mm" if args.bf16_grouped else "loop of BF16 matmuls (no torch._grouped_mm backward here)"
     cols = [("model", ""), ("linear", ""), ("tokens", "d"), ("routing", ""), ("impl", ""), ("step ms", ".3f"), ("TF", ".0f"),
-            ("vs TE", ".2f"), ("vs bf16", ".2f"), ("4mb ms/mb", ".3f"), ("4mb vs TE", ".2f")]  # fmt: skip
+            ("vs TE", ".2f"), ("vs bf16", ".2f"), ("cached ms", ".3f"), ("cached vs TE", ".2f"), ("cached vs bf16", ".2f"),
+            ("peak MiB", ".0f")]  # fmt: skip
     if args.sustained > 0:
         cols += [("step MHz", ".0f"), ("step W", ".0f")]
-    notes = [] if te is not None else [f"(TE not installed: {why})"]
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        for key in ("vs TE", "vs bf16"):
-            vals = [r[key] for r in rows if r["impl"] == impl and r.get(key)]
-            if vals:
-                geo = math.exp(sum(math.log(v) for v in vals) / len(vals))
-                notes.append(f"{impl}: step {key} geomean {geo:.3f} (min {min(vals):.3f}, {len(vals)} shapes)")
+    notes = ([] if te is not None else [f"(TE not installed: {why})"]) + geomean_notes(rows)
     report("bench_grouped", env, rows, cols, args, plot, notes)
     return 0
 
@@ -211,19 +251,26 @@ def _run(args, te, timing) -> list[dict]:
                     impls = contenders(args, experts, k, n, counts, te)
                     shape_rows = {name: {"model": model, "linear": linear, "tokens": t, "routing": kind, "impl": name}
                                   for name in impls}  # fmt: skip
-                    times = {}
+                    times, peaks = {}, {}
                     for name in timing.order(impls, i_shape):
                         module, call = impls[name]
-                        single, four = step_fns(module, call, x, dy, te_style=name == "TE")
-                        times[name] = (timing.ms(single, shape_rows[name], "step"), timing.ms(four) / 4)
+                        fresh, cached, warm = step_fns(module, call, x, dy, te_style=name == "TE")
+                        t_fresh = timing.ms(fresh, shape_rows[name], "step")
+                        warm()  # quantize once, then time the steps that reuse it
+                        times[name] = (t_fresh, timing.ms(cached, shape_rows[name], "cached"))
+                        for p in module.parameters():  # the peak then includes the new weight gradients
+                            p.grad = None
+                        x.grad = None
+                        peaks[name] = peak_mib(fresh)
                     i_shape += 1
                     flops = 6 * t * n * k
                     bf16 = next(v for key, v in times.items() if key.startswith("bf16"))
                     for name, row in shape_rows.items():
-                        t1, t4 = times[name]
-                        row.update({"step ms": t1, "TF": flops / t1 / 1e9, "vs bf16": bf16[0] / t1, "4mb ms/mb": t4})
+                        t1, tc = times[name]
+                        row.update({"step ms": t1, "TF": flops / t1 / 1e9, "vs bf16": bf16[0] / t1, "cached ms": tc,
+                                    "cached vs bf16": bf16[1] / tc, "peak MiB": peaks[name]})  # fmt: skip
                         if "TE" in times and name != "TE":
-                            row.update({"vs TE": times["TE"][0] / t1, "4mb vs TE": times["TE"][1] / t4})
+                            row.update({"vs TE": times["TE"][0] / t1, "cached vs TE": times["TE"][1] / tc})
                         rows.append(row)
                     line = "  ".join(f"{nm} {v[0]:.3f}/{v[1]:.3f} ms" for nm, v in times.items())
                     print(f"{model} {linear} {t} {kind}: {line}", flush=True)

@@ -45,3 +45,30 @@ def test_models_are_the_issue_shapes(bench):
 def test_needs_a_gpu(bench, capsys):
     assert bench.main(["--models", "qwen3"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_default_run_is_sustained_and_fits_in_eight_minutes(bench):
+    args = bench.parser().parse_args([])
+    assert args.sustained > 0 and args.tokens == [8192, 32768] and args.routing == ["balanced", "skewed"]
+    assert set(args.models) == {"mixtral", "qwen3", "dsv3"} and args.linears == ["fc1", "fc2"] and not args.no_sequential
+    shapes = len(args.models) * len(args.linears) * len(args.tokens) * len(args.routing)
+    # ours, TE, the sequential path, BF16; each two sustained timings (fresh, cached) of settle + S seconds
+    seconds = bench.expected_seconds(shapes, 4, args.sustained)
+    assert seconds == pytest.approx(shapes * (4 * 2 * (bench.SETTLE_S + args.sustained + 0.1) + bench.SETUP_S))
+    assert 120 < seconds < 8 * 60, seconds
+
+
+def test_geomeans_are_over_the_shapes_of_each_contender(bench):
+    import statistics
+
+    rows = [
+        {"impl": "ours-triton", "vs TE": 1.5, "vs bf16": 2.0, "cached vs TE": 1.2, "cached vs bf16": 3.0},
+        {"impl": "ours-triton", "vs TE": 0.9, "vs bf16": 1.0, "cached vs TE": 1.6, "cached vs bf16": 1.5},
+        {"impl": "TE", "vs bf16": 1.3, "cached vs bf16": 1.1},
+        {"impl": "TE", "vs bf16": 1.7, "cached vs bf16": 1.4},
+    ]
+    notes = bench.geomean_notes(rows)
+    want = statistics.geometric_mean([1.5, 0.9])
+    assert f"ours-triton: vs TE geomean {want:.3f} (min 0.900, 2 shapes)" in notes
+    assert f"TE: cached vs bf16 geomean {statistics.geometric_mean([1.1, 1.4]):.3f} (min 1.100, 2 shapes)" in notes
+    assert not [n for n in notes if n.startswith("TE: vs TE")] and len(notes) == 6
