@@ -9,7 +9,8 @@
 Models (one row per expert linear, SwiGLU experts: fc1 is [hidden -> 2 x ffn], fc2 [ffn -> hidden]):
 ``mixtral`` (Mixtral-8x7B-like: 8 experts, top-2, hidden 4096, ffn 14336), ``qwen3`` (Qwen3-30B-A3B-like: 128
 experts, top-8, hidden 2048, ffn 768), ``dsv3`` (DeepSeek-V3's local experts at EP=8: 32 experts, hidden 7168,
-ffn 2048). ``--tokens`` are routed tokens (tokens x top-k) per step; ``balanced`` gives every expert the same
+ffn 2048); ``moe_proxy`` (16 experts, hidden 2048, ffn 1408: the Megatron-LM MoE proxy of docs/PERFORMANCE.md,
+only when asked for). ``--tokens`` are routed tokens (tokens x top-k) per step; ``balanced`` gives every expert the same
 count, ``skewed`` a Zipf (exponent 1.2) share, randomly permuted over the experts; counts are multiples of
 ``--align`` (16: what Megatron pads to for TE's FP8 grouped GEMM).
 
@@ -50,6 +51,7 @@ MODELS = {  # name: (experts, hidden, ffn)
     "qwen3": (128, 2048, 768),
     "dsv3": (32, 7168, 2048),
 }
+EXTRA_MODELS = {"moe_proxy": (16, 2048, 1408)}  # not in the default run: the Megatron-LM MoE proxy's experts
 
 
 def routing(kind: str, experts: int, tokens: int, align: int, seed: int = 0) -> list[int]:
@@ -192,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the rows and the environment as JSON")
     ap.add_argument("--plot", help="write a PNG")
-    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=[*MODELS, *EXTRA_MODELS])
     ap.add_argument("--linears", nargs="*", default=["fc1", "fc2"], choices=["fc1", "fc2"])
     ap.add_argument("--tokens", nargs="*", type=int, default=[8192, 32768], help="routed tokens per step")
     ap.add_argument("--routing", nargs="*", default=["balanced", "skewed"], choices=["balanced", "skewed"])
@@ -238,7 +240,7 @@ def _run(args, te, timing) -> list[dict]:
     rows = []
     i_shape = 0
     for model in args.models:
-        experts, hidden, ffn = MODELS[model]
+        experts, hidden, ffn = {**MODELS, **EXTRA_MODELS}[model]
         for linear in args.linears:
             k, n = (hidden, 2 * ffn) if linear == "fc1" else (ffn, hidden)
             for tokens in args.tokens:

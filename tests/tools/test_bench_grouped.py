@@ -37,6 +37,7 @@ def test_routings_are_aligned_and_add_up(bench, experts, tokens):
 
 def test_models_are_the_issue_shapes(bench):
     assert bench.MODELS == {"mixtral": (8, 4096, 14336), "qwen3": (128, 2048, 768), "dsv3": (32, 7168, 2048)}
+    assert bench.parser().parse_args(["--models", "moe_proxy"]).models == ["moe_proxy"]  # asked for, not default
     args = bench.parser().parse_args(["--models", "qwen3", "--tokens", "16384", "--sustained", "2"])
     assert args.models == ["qwen3"] and args.tokens == [16384] and args.sustained == 2.0 and args.backends == ["triton"]
 
