@@ -14,6 +14,7 @@ tokens with the same backend's kernels (the reference backend's grouped operatio
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import os
@@ -39,6 +40,7 @@ _ptr_of = operator.methodcaller("data_ptr")
 _stride_of = operator.methodcaller("stride")
 _shape_of = operator.attrgetter("shape")
 _dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
 
 
 class GroupedWeightCache:
@@ -103,6 +105,7 @@ class GroupedWeightCache:
         """All experts' quantized copies, re-made (in one launch) unless every weight is provably unchanged."""
         untracked = torch.is_inference_mode_enabled() and any(w.is_inference() for w in weights)
         if untracked or _capturing() or torch.compiler.is_compiling():
+            _check_weights(weights, weights[0].device)
             self.invalidate()  # an entry made here is never served by key (weight_cache.py)
             self.refreshes += 1
             self._value = self._quantize(weights, params, backend)
@@ -112,6 +115,7 @@ class GroupedWeightCache:
             if self.check:
                 self._check(weights, params, backend)
             return self._value
+        _check_weights(weights, weights[0].device)
         self.invalidate()  # release the old buffers before allocating the new ones
         self._value = self._quantize(weights, params, backend)
         self._refs = [weakref.ref(w) for w in weights]
@@ -155,19 +159,37 @@ class GroupedWeightCache:
         return 0 if self._value is None else self._value.nbytes
 
 
-def _check_inputs(x, weights, biases) -> None:
+def _check_weights(weights, device: torch.device) -> None:
+    """Every expert weight 2-D, of weight 0's shape, on ``device`` (one C-level pass per property; the loop over
+    the experts runs only to name the first wrong one)."""
+    w0 = weights[0]
+    if w0.dim() == 2 and set(map(_shape_of, weights)) == {w0.shape} and set(map(_device_of, weights)) == {device}:
+        return
+    n, k = w0.shape if w0.dim() == 2 else (w0.shape[0] if w0.dim() else None, None)
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or tuple(w.shape) != (n, k) or w.device != device:
+            raise ValueError(f"weight {i} is {tuple(w.shape)} on {w.device}: each expert needs a [{n}, {k}] weight on {device}")
+
+
+def _check_inputs(x, weights, biases, *, each_weight: bool = True) -> None:
+    """The input, the weights and the biases. ``each_weight=False`` checks only weight 0 against ``x``: for a call
+    with a ``GroupedWeightCache``, which checks every weight (``_check_weights``) whenever it re-quantizes and serves
+    its copies only while every weight's shape, dtype and storage (hence device) are the ones it checked."""
     if x.dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(f"input has dtype {x.dtype}; the FP8 grouped linear takes bfloat16, float16 or float32")
     if not weights:
         raise ValueError("a grouped linear needs at least one expert weight")
+    _check_weights(weights if each_weight else weights[:1], x.device)
     n, k = weights[0].shape
-    for i, w in enumerate(weights):
-        if w.dim() != 2 or tuple(w.shape) != (n, k) or w.device != x.device:
-            raise ValueError(f"weight {i} is {tuple(w.shape)} on {w.device}: each expert needs a [{n}, {k}] weight on {x.device}")
     if x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(f"input's last dim is {x.shape[-1] if x.dim() else None} but in_features is {k}")
     if biases is not None:
-        if len(biases) != len(weights) or any(b is None or tuple(b.shape) != (n,) or b.device != x.device for b in biases):
+        if (
+            len(biases) != len(weights)
+            or any(map(operator.is_, biases, itertools.repeat(None)))
+            or set(map(_shape_of, biases)) != {torch.Size((n,))}
+            or set(map(_device_of, biases)) != {x.device}
+        ):
             raise ValueError(f"biases must be one [{n}] tensor on {x.device} per expert ({len(weights)})")
 
 
@@ -309,7 +331,7 @@ def fp8_grouped_linear(
     """
     weights = list(weights)
     biases = None if biases is None else list(biases)
-    _check_inputs(x, weights, biases)
+    _check_inputs(x, weights, biases, each_weight=weight_cache is None)
     impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
     layout = _layout_of(m_splits, x.reshape(-1, x.shape[-1]), len(weights))
     params = weights + (biases or [])

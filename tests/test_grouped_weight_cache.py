@@ -210,3 +210,22 @@ def test_the_check_costs_a_few_c_level_passes_not_per_expert_python():
     print(f"served get at 128 experts: {grouped_us:.1f} us (a dense cache per expert: {dense_us:.1f} us)")
     assert cache.refreshes == 1 and all(c.refreshes == 1 for c in dense)
     assert grouped_us < 0.5 * dense_us, (grouped_us, dense_us)
+
+
+def test_a_weight_of_another_shape_is_refused_with_or_without_a_cache():
+    """With a cache the per-expert shape and device checks run when it re-quantizes (a served copy implies the
+    checked shapes, dtypes and storages); a weight reshaped through ``.data`` is a miss, so it is refused too."""
+    from primus_fp8_plugin.grouped_linear import fp8_grouped_linear
+
+    torch.manual_seed(7)
+    ws = [torch.randn(N, K, dtype=torch.bfloat16) for _ in range(E)]
+    x = make_input((sum(COUNTS), K), seed=8)
+    bad = [*ws[:2], torch.randn(N + 1, K, dtype=torch.bfloat16), ws[3]]
+    for cache in (None, GroupedWeightCache()):
+        with pytest.raises(ValueError, match=r"weight 2 is \(129, 128\) on cpu: each expert needs a \[128, 128\] weight"):
+            fp8_grouped_linear(x, COUNTS, bad, backend="reference", weight_cache=cache)
+    layer = make_layer()
+    run(layer, x)
+    layer.weight3.data = torch.randn(N, K + 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight 3 is \(128, 256\)"):
+        run(layer, x)
