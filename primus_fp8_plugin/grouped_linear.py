@@ -71,8 +71,8 @@ class GroupedWeightCache:
         self.checks = 0
 
     @staticmethod
-    def _key_of(weights: Sequence[torch.Tensor], params: QuantParams, backend: Backend) -> tuple:
-        # each part one C-level pass over the weights (versions first: the likeliest to change)
+    def _key_of(weights: Sequence[torch.Tensor], params: QuantParams, backend: Backend) -> tuple[tuple, list]:
+        """(the key, the weights' storages); each part of the key is one C-level pass over the weights."""
         storages = list(map(_storage_of, weights))
         try:
             versions = tuple(map(_version_of, weights))
