@@ -228,10 +228,11 @@ def validate(golden_dir: str | Path, backend: str = "auto", device: str | torch.
 def format_table(checks: list[Check]) -> str:
     w_case = max([len(c.case) for c in checks] + [4])
     w_item = max([len(c.item) for c in checks] + [4])
-    lines = [f"{'kind':6}  {'case':{w_case}}  {'item':{w_item}}  result  detail"]
+    w_kind = max([len(c.kind) for c in checks] + [6])
+    lines = [f"{'kind':{w_kind}}  {'case':{w_case}}  {'item':{w_item}}  result  detail"]
     lines.append("-" * len(lines[0]) + "-" * 40)
     for c in checks:
-        lines.append(f"{c.kind:6}  {c.case:{w_case}}  {c.item:{w_item}}  {'PASS' if c.passed else 'FAIL':6}  {c.detail}")
+        lines.append(f"{c.kind:{w_kind}}  {c.case:{w_case}}  {c.item:{w_item}}  {'PASS' if c.passed else 'FAIL':6}  {c.detail}")
     return "\n".join(lines)
 
 
