@@ -7,11 +7,13 @@
 * linear (through the plugin's autograd op, as ``Fp8BlockwiseLinear`` runs it): ``out``,
   ``dgrad``, ``wgrad``, ``bgrad`` within a relative Frobenius error of 2e-3 of
   TE's, and the SNR of ``out`` against an fp32 linear within 0.2 dB of TE's recorded SNR;
-* grouped linear, where the directory has ``grouped.safetensors`` (through ``fp8_grouped_linear``, as
-  ``Fp8GroupedLinear`` runs it, against ``te.GroupedLinear``): the same checks on all experts' ``out``,
-  ``dgrad``, ``wgrad`` (stacked ``[E, N, K]``) and ``bgrad``, and the worst expert's ``wgrad``; each row
-  also says how many values differ from TE's bits.
+* grouped linear (through ``fp8_grouped_linear``, as ``Fp8GroupedLinear`` runs it, against
+  ``te.GroupedLinear``): the same checks on all experts' ``out``, ``dgrad``, ``wgrad`` (stacked
+  ``[E, N, K]``) and ``bgrad``, and the worst expert's ``wgrad``; each row also says how many values
+  differ from TE's bits.
 
+A golden directory holds any of ``quant.safetensors``, ``linear.safetensors`` and
+``grouped.safetensors`` (each possibly ``.xz``); the checks of an absent file are skipped with a note.
 Prints a table; exits 0 only if every check passes and there is at least one, 1 otherwise (naming
 what failed), 2 for usage errors and golden files that cannot be read or break the format (naming
 the file).
@@ -45,6 +47,7 @@ from .quantize import quantize_activation, quantize_weight
 from .recipe import BlockwiseRecipe, QuantParams
 from .tensor import BlockwiseFp8Tensor
 
+GOLDEN_STEMS = ("quant", "linear", "grouped")  # a directory holds any of these (at least one)
 REL_FROB_TOL = 2e-3
 SNR_TOL_DB = 0.2
 
@@ -212,8 +215,12 @@ def validate(golden_dir: str | Path, backend: str = "auto", device: str | torch.
     """Run every check of a golden directory; returns one ``Check`` per row of the table."""
     dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend_name = get_backend(backend, dev).name  # fail early, with the reason, if unavailable
-    quant_cases, _ = load_quant_cases(golden_dir)
-    linear_cases, _ = load_linear_cases(golden_dir)
+    present = {stem: optional_golden_file(Path(golden_dir), stem) is not None for stem in GOLDEN_STEMS}
+    if not any(present.values()):
+        raise FileNotFoundError(f"{golden_dir} holds no golden file ({', '.join(s + '.safetensors' for s in GOLDEN_STEMS)}, "
+                                "each possibly .xz)")  # fmt: skip
+    quant_cases = load_quant_cases(golden_dir)[0] if present["quant"] else []
+    linear_cases = load_linear_cases(golden_dir)[0] if present["linear"] else []
     grouped_cases, _ = load_grouped_cases(golden_dir)
     checks = []
     for qc in quant_cases:
@@ -238,7 +245,7 @@ def format_table(checks: list[Check]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m primus_fp8_plugin.validate", description=__doc__.split("\n\n")[0])
-    files = "quant.safetensors, linear.safetensors and optionally grouped.safetensors (or .xz)"
+    files = "quant.safetensors, linear.safetensors and/or grouped.safetensors (or .xz)"
     ap.add_argument("--golden", required=True, help=f"directory with {files}")
     ap.add_argument("--backend", default="auto", help="backend name or 'auto' (default)")
     ap.add_argument("--device", default=None, help="device to run on (default: cuda if present, else cpu)")

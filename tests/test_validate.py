@@ -53,7 +53,7 @@ def test_wrong_linear_output_fails(golden_dir, tmp_path, capsys):
 def test_usage_errors(tmp_path, capsys):
     assert main(["--golden", str(tmp_path / "nope")]) == 2
     assert main(["--golden", str(tmp_path)]) == 2
-    assert "neither quant.safetensors nor quant.safetensors.xz" in capsys.readouterr().err
+    assert f"{tmp_path} holds no golden file (quant.safetensors, linear.safetensors" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unrecognised golden variant"):
         parse_variant("dim3_pow21")
 
@@ -300,6 +300,10 @@ def test_pack_keeps_the_chosen_grouped_cases(golden_dir, tmp_path, grouped_golde
     cases, packed_meta = load_grouped_cases(tmp_path / "dst")
     assert [c.name for c in cases] == ["grp_aligned16_e4_256_640"] and cases[0].counts == [0, 16, 144, 256]
     assert packed_meta["source"].startswith("primus_fp8_plugin reference backend")
+    assert (tmp_path / "dst" / "linear.safetensors.xz").exists()
+    pack_main(["--src", str(src), "--dst", str(tmp_path / "only"), "--only", "grouped"])
+    assert sorted(p.name for p in (tmp_path / "only").iterdir()) == ["grouped.safetensors.xz"]
+    assert [c.name for c in load_grouped_cases(tmp_path / "only")[0]] == sorted(_script().grouped_inputs())
 
 
 class _FakeTE:
@@ -348,3 +352,27 @@ def test_the_recorder_pads_per_expert_where_te_refuses_and_drops_the_padding(gro
         if key in res:
             want = tensors[f"cases/{case}/{key}"]
             assert torch.equal(res[key].to(want.dtype), want), key
+
+
+def test_a_directory_with_grouped_cases_only_runs_them(tmp_path, capsys, grouped_goldens):
+    _, (tensors, meta) = grouped_goldens
+    d = tmp_path / "only_grouped"
+    d.mkdir()
+    (d / "grouped.safetensors").write_bytes(save(tensors, metadata=meta))
+    assert main(["--golden", str(d), "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {d} has no quant.safetensors: no quant checks ran" in out
+    assert f"note: {d} has no linear.safetensors: no linear checks ran" in out and "checks passed" in out
+
+
+TE_GROUPED = ROOT / "tests" / "data" / "te_golden_grouped"
+
+
+@pytest.mark.skipif(not TE_GROUPED.is_dir(), reason="no TE grouped recording packed into tests/data/te_golden_grouped yet")
+def test_passes_on_te_grouped_goldens(capsys):
+    """TE's te.GroupedLinear recording (scripts/make_te_goldens.py, packed with ``--only grouped``)."""
+    cases, meta = load_grouped_cases(TE_GROUPED)
+    assert cases and "te_version" in meta
+    expected = sum(4 + ("bias" in c.tensors) + (c.snr_db is not None) for c in cases)
+    assert main(["--golden", str(TE_GROUPED), "--backend", "reference"]) == 0
+    assert f"all {expected} checks passed" in capsys.readouterr().out

@@ -4,7 +4,8 @@
     python -m tools.pack_test_goldens --src my_goldens --dst tests/data/te_golden \
         --linear-cases lin_272x384_640 lin_256x512_384_hybrid [--grouped-cases grp_edges_e8_256_384 ...]
 
-``grouped.safetensors`` is packed where the source has one (all its cases unless ``--grouped-cases``).
+``grouped.safetensors`` is packed where the source has one (all its cases unless ``--grouped-cases``);
+``--only grouped`` packs it alone (TE's grouped recording goes to ``tests/data/te_golden_grouped``).
 
 The test suite and ``python -m primus_fp8_plugin.validate`` read ``*.safetensors.xz`` directly.
 """
@@ -44,13 +45,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quant-cases", nargs="*", default=None, help="default: all")
     ap.add_argument("--linear-cases", nargs="*", default=None, help="default: all")
     ap.add_argument("--grouped-cases", nargs="*", default=None, help="default: all (where the source has grouped cases)")
+    ap.add_argument("--only", choices=["all", "grouped"], default="all", help="'grouped': pack grouped.safetensors alone")
     args = ap.parse_args(argv)
     args.dst.mkdir(parents=True, exist_ok=True)
-    total = pack(args.src, args.dst, "quant", args.quant_cases)
-    total += pack(args.src, args.dst, "linear", args.linear_cases)
+    total = 0
+    if args.only == "all":
+        total += pack(args.src, args.dst, "quant", args.quant_cases)
+        total += pack(args.src, args.dst, "linear", args.linear_cases)
     if (args.src / "grouped.safetensors").exists():
         total += pack(args.src, args.dst, "grouped", args.grouped_cases)
-    elif args.grouped_cases:
+    elif args.grouped_cases or args.only == "grouped":
         raise SystemExit(f"{args.src} has no grouped.safetensors")
     print(f"wrote {total / 2**20:.2f} MiB to {args.dst}")
 
