@@ -4,12 +4,13 @@ For Megatron-LM's ``--spec primus_fp8_plugin.megatron NAME``; Megatron >= 0.19 c
 ``ModuleSpec`` as ``NAME(config, vp_stage=vp_stage)`` (``config``: its ``TransformerConfig`` or the
 ``GPTModelConfig`` around one; only attributes are read):
 
-* ``fp8_gpt_fast_layer_spec``: no TE, no apex (``--transformer-impl local``). Core attention through PyTorch's
-  SDPA (``attention.SdpaAttention``), the norm fused with the FP8 quantization of ``linear_qkv`` / ``linear_fc1``'s
-  input (``Fp8FusedNormColumnParallelLinear``), SwiGLU fused with the quantization of fc2's input
-  (``Fp8FusedSwigluMLP``, dense layers with ``--swiglu``), the plugin's RoPE (``Fp8FastSelfAttention``).
-  Numerics: the unfused plugin spec with SDPA attention (``get_gpt_layer_spec(core_attention="sdpa")``)
-  bit for bit.
+* ``fp8_gpt_fast_layer_spec``: no TE, no apex (``--transformer-impl local``); returns this pipeline stage's
+  decoder block (``TransformerBlockSubmodules``) with the plugin's sequence-parallel capable final norm.
+  Core attention through PyTorch's SDPA (``attention.SdpaAttention``), the norm fused with the FP8
+  quantization of ``linear_qkv`` / ``linear_fc1``'s input (``Fp8FusedNormColumnParallelLinear``), SwiGLU
+  fused with the quantization of fc2's input (``Fp8FusedSwigluMLP``, dense layers with ``--swiglu``), the
+  plugin's RoPE (``Fp8FastSelfAttention``). Numerics: the unfused plugin spec with SDPA attention
+  (``get_gpt_layer_spec(core_attention="sdpa")``) bit for bit.
 * ``fp8_te_gpt_layer_spec``: Transformer Engine's own layer spec (its fused attention, RoPE and, for MoE,
   pre-MLP norm) with the plugin's FP8 linears, the norm+quantization and SwiGLU+quantization fusions as above
   (``--transformer-impl transformer_engine``). Needs TE when called; this module imports without it.
@@ -35,6 +36,7 @@ from functools import partial
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..recipe import BlockwiseRecipe
 from .fast_attention import Fp8FastSelfAttention
@@ -180,9 +182,23 @@ def spec_options(config) -> dict:
                 normalization=normalization, moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)))  # fmt: skip
 
 
-def fp8_gpt_fast_layer_spec(config, vp_stage: int | None = None) -> ModuleSpec:
-    """``--spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec``: the TE-free fast layer for ``config``."""
-    return get_gpt_fast_layer_spec(**spec_options(config))
+def fp8_gpt_fast_layer_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """``--spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec``: the TE-free fast layers for ``config``,
+    as the decoder block of this pipeline stage (``vp_stage``: its virtual stage) with the plugin's final norm
+    (``TorchNorm``: sequence parallelism works without apex, where Megatron's fallback norm refuses it)."""
+    layer = get_gpt_fast_layer_spec(**spec_options(config))
+    return TransformerBlockSubmodules(layer_specs=[layer] * _num_layers_to_build(config, vp_stage), layer_norm=TorchNorm)
+
+
+def _num_layers_to_build(config, vp_stage):
+    """This pipeline stage's layer count (Megatron's ``get_num_layers_to_build``; all layers before Megatron's
+    parallel state exists, as in ``check_spec``)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    if not parallel_state.model_parallel_is_initialized():
+        return config.num_layers
+    return get_num_layers_to_build(config, vp_stage=vp_stage)
 
 
 def fp8_te_gpt_layer_spec(config, vp_stage: int | None = None) -> ModuleSpec:
