@@ -203,7 +203,7 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
     if (spec_of(extra) or ("",))[0].startswith("primus_fp8_plugin"):
         env["PRIMUS_FP8_CHECK_MODEL"] = "1"  # the entry shim stops the run if the model holds no FP8 layer
     log = log_dir / f"megatron_lm_{name}.log"
-    print(f"[megatron_lm] {name}: {shlex.join(cmd[5:])}", flush=True)
+    print(f"[megatron_lm] {name}: {shlex.join(cmd[6:])}", flush=True)
     t0 = time.time()
     with log.open("w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
