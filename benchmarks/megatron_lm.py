@@ -14,6 +14,7 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 
 * ``plugin_fast`` the plugin's TE-free fast spec ``fp8_gpt_fast_layer_spec`` (``--transformer-impl local``;
   no TE, no apex): SDPA attention, fused norm+quantization, fused SwiGLU+quantization, the plugin's RoPE;
+  ``--no-create-attention-mask-in-dataloader``, so that SDPA runs its causal flash kernel;
 * ``plugin``      the plugin's unfused ``--spec`` object (``--transformer-impl local``; Megatron's attention);
 * ``local_bf16``  Megatron's local spec in BF16 (the same flags, no ``--spec``);
 * ``te_fp8``      TE's spec under ``--fp8-format e4m3 --fp8-recipe blockwise``;
@@ -51,6 +52,10 @@ ROOT = HERE.parent
 # flags a run without TE and apex needs (Megatron's fused kernels come from them)
 TE_FREE = ("--transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion "
            "--no-gradient-accumulation-fusion --no-rope-fusion")  # fmt: skip
+
+# the fast spec's SDPA runs its causal flash kernel when no mask is given (TE ignores the causal mask anyway);
+# with the dataloader's [b, 1, s, s] mask it takes the memory-efficient kernel and expands the KV heads
+NO_MASK = "--no-create-attention-mask-in-dataloader"
 
 # TE's arms: Megatron's output layer still wants apex's fused wgrad unless told otherwise
 TE_ARM = "--transformer-impl transformer_engine --no-gradient-accumulation-fusion"
@@ -148,7 +153,7 @@ def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
     grouped = " --moe-grouped-gemm" if model["moe"] else ""
     plugin_grouped = grouped if plugin_grouped else ""
     arms = {
-        "plugin_fast": f"{TE_FREE} --spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec" + plugin_grouped,
+        "plugin_fast": f"{TE_FREE} {NO_MASK} --spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec" + plugin_grouped,
         "plugin": f"{TE_FREE} {spec}" + plugin_grouped,
         "local_bf16": TE_FREE,
         "te_fp8": f"{TE_ARM} --fp8-format e4m3 --fp8-recipe blockwise" + grouped,

@@ -83,7 +83,8 @@ def test_arms_and_spec_check():
     fast = mlm.arm_args("plugin_fast", mlm.MODELS["llama8b_4l"], False)
     assert mlm.spec_of(fast) == ("primus_fp8_plugin.megatron", "fp8_gpt_fast_layer_spec")
     for flag in ("--transformer-impl local", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
-                 "--no-gradient-accumulation-fusion", "--no-rope-fusion"):  # fmt: skip
+                 "--no-gradient-accumulation-fusion", "--no-rope-fusion",
+                 "--no-create-attention-mask-in-dataloader"):  # fmt: skip
         assert flag in fast
     hybrid = mlm.arm_args("te_hybrid", mlm.MODELS["gpt125m"], False)
     assert "--transformer-impl transformer_engine" in hybrid and "--fp8-format" not in hybrid
