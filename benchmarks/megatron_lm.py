@@ -3,31 +3,39 @@
 Runs ``pretrain_gpt.py`` from a user's Megatron-LM checkout (``--megatron-lm PATH``; the
 megatron-core wheel ships ``megatron.training`` but not ``pretrain_gpt.py``, ``gpt_builders.py``,
 ``model_provider.py``) on mock data, once per arm, one GPU, and prints per arm the median
-ms/iteration after warm-up, tokens/s, Megatron's TFLOP/s/GPU, the first and last ``lm loss`` and the
-peak allocated memory, with ratios against a chosen arm (default ``te_fp8``)::
+ms/iteration after warm-up, tokens/s, Megatron's TFLOP/s/GPU, the first and last ``lm loss``, the
+peak allocated memory over the run and (plugin arms) how many of the plugin's FP8 layers the built model
+holds, with ratios against a chosen arm (default ``te_fp8``)::
 
     python benchmarks/megatron_lm.py --megatron-lm ~/Megatron-LM --model llama8b_4l \\
-        --arms plugin,local_bf16,te_fp8,te_bf16 --iters 20 --json out.json --plot out.png
+        --arms plugin_fast,plugin,local_bf16,te_fp8,te_bf16,te_hybrid --iters 20 --json out.json --plot out.png
 
 Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 
-* ``plugin``      the plugin's ``--spec`` (``--transformer-impl local``; no TE, no apex);
+* ``plugin_fast`` the plugin's TE-free fast spec ``fp8_gpt_fast_layer_spec`` (``--transformer-impl local``;
+  no TE, no apex): SDPA attention, fused norm+quantization, fused SwiGLU+quantization, the plugin's RoPE;
+  ``--no-create-attention-mask-in-dataloader``, so that SDPA runs its causal flash kernel;
+* ``plugin``      the plugin's unfused ``--spec`` object (``--transformer-impl local``; Megatron's attention);
 * ``local_bf16``  Megatron's local spec in BF16 (the same flags, no ``--spec``);
 * ``te_fp8``      TE's spec under ``--fp8-format e4m3 --fp8-recipe blockwise``;
-* ``te_bf16``     TE's spec in BF16.
+* ``te_bf16``     TE's spec in BF16;
+* ``te_hybrid``   ``fp8_te_gpt_layer_spec``: TE's spec (attention, RoPE) with the plugin's fused FP8 linears
+  (``--transformer-impl transformer_engine``, no ``--fp8-format``).
 
-For MoE models the TE arms add ``--moe-grouped-gemm``; the plugin arm adds it when
-``--plugin-grouped`` is given (the spec then must honour it).
+For MoE models the TE arms (``te_hybrid`` too) add ``--moe-grouped-gemm``; the plugin arms add it when
+``--plugin-grouped`` is given (the specs honour it).
 
 ``pretrain()`` runs ``make`` in ``megatron/core/datasets``, whose Makefile a wheel install lacks;
 when the compiled helper imports, the entry shim (``megatron_lm_entry.py``) skips that step and says
-so. A spec that does not import stops the run here, before Megatron can fall back to its default.
+so. Each ``--spec`` is checked before any arm runs (``python -m primus_fp8_plugin.megatron.check_spec``
+with the arm's flags: it imports and builds the spec, which must hold the plugin's FP8 layers), and the
+plugin arms run with ``PRIMUS_FP8_CHECK_MODEL=1``: the entry shim then stops the run if the built
+``GPTModel`` holds none of them (Megatron trains its default spec when a ``--spec`` import fails).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
@@ -44,6 +52,10 @@ ROOT = HERE.parent
 # flags a run without TE and apex needs (Megatron's fused kernels come from them)
 TE_FREE = ("--transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion "
            "--no-gradient-accumulation-fusion --no-rope-fusion")  # fmt: skip
+
+# the fast spec's SDPA runs its causal flash kernel when no mask is given (TE ignores the causal mask anyway);
+# with the dataloader's [b, 1, s, s] mask it takes the memory-efficient kernel and expands the KV heads
+NO_MASK = "--no-create-attention-mask-in-dataloader"
 
 # TE's arms: Megatron's output layer still wants apex's fused wgrad unless told otherwise
 TE_ARM = "--transformer-impl transformer_engine --no-gradient-accumulation-fusion"
@@ -80,7 +92,7 @@ COMMON = ("--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --bf16 
           "--lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0 "
           "--init-method-std 0.02 --attention-dropout 0.0 --hidden-dropout 0.0 --seed 1234 "
           "--log-interval 1 --log-throughput --eval-iters 0 --eval-interval 1000000 "
-          "--distributed-timeout-minutes 10")  # fmt: skip
+          "--distributed-timeout-minutes 10 --log-memory-interval 5")  # fmt: skip
 
 ITER_RE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|(.*)")
 FIELD_RE = {
@@ -89,6 +101,7 @@ FIELD_RE = {
     "loss": re.compile(r"lm loss: ([-\d.E+]+)"),
     "gbs": re.compile(r"global batch size:\s+(\d+)"),
 }
+FP8_RE = re.compile(r"\[primus_fp8_plugin\] GPTModel holds (\d+) FP8 layers")
 MEM_RE = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)")
 
 
@@ -107,7 +120,8 @@ def parse_log(text: str) -> dict:
         if "ms" in rec:
             iters.append(rec)
     peaks = [float(m.group(3)) for m in MEM_RE.finditer(text)]
-    return {"iterations": iters, "max_allocated_mb": max(peaks) if peaks else None}
+    fp8 = [int(m.group(1)) for m in FP8_RE.finditer(text)]
+    return {"iterations": iters, "max_allocated_mb": max(peaks) if peaks else None, "fp8_layers": sum(fp8) if fp8 else None}
 
 
 def summarize(parsed: dict, seq_length: int, warmup: int) -> dict:
@@ -129,6 +143,7 @@ def summarize(parsed: dict, seq_length: int, warmup: int) -> dict:
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "max_allocated_mb": parsed["max_allocated_mb"],
+        "fp8_layers": parsed.get("fp8_layers"),
         "timed_iterations": len(timed),
     }
 
@@ -136,42 +151,64 @@ def summarize(parsed: dict, seq_length: int, warmup: int) -> dict:
 def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
     spec = f"--spec primus_fp8_plugin.megatron {model['spec']}"
     grouped = " --moe-grouped-gemm" if model["moe"] else ""
+    plugin_grouped = grouped if plugin_grouped else ""
     arms = {
-        "plugin": f"{TE_FREE} {spec}" + (grouped if plugin_grouped else ""),
+        "plugin_fast": f"{TE_FREE} {NO_MASK} --spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec" + plugin_grouped,
+        "plugin": f"{TE_FREE} {spec}" + plugin_grouped,
         "local_bf16": TE_FREE,
         "te_fp8": f"{TE_ARM} --fp8-format e4m3 --fp8-recipe blockwise" + grouped,
         "te_bf16": TE_ARM + grouped,
+        "te_hybrid": f"{TE_ARM} --spec primus_fp8_plugin.megatron fp8_te_gpt_layer_spec" + grouped,
     }
     if arm not in arms:
         raise SystemExit(f"unknown arm {arm!r}: choose from {sorted(arms)} or give --extra-arm {arm}='ARGS'")
     return arms[arm]
 
 
-def check_spec(args_str: str) -> None:
-    """Import a ``--spec MODULE NAME`` here first: Megatron would log one line and train its default."""
+def spec_of(args_str: str) -> tuple[str, str] | None:
+    """``(MODULE, NAME)`` of a ``--spec MODULE NAME`` in a flag string, else None."""
     toks = shlex.split(args_str)
     if "--spec" not in toks:
-        return
+        return None
     i = toks.index("--spec")
-    module, name = toks[i + 1], toks[i + 2]
-    try:
-        mod = importlib.import_module(module)
-    except Exception as err:  # noqa: BLE001 - report any import failure with its cause
-        raise SystemExit(f"--spec {module} {name}: importing {module} failed ({type(err).__name__}: {err}); "
-                         "put this repository on PYTHONPATH and install its Megatron extras") from err  # fmt: skip
-    if not hasattr(mod, name):
-        raise SystemExit(f"--spec {module} {name}: {module} has no attribute {name!r}")
+    if len(toks) < i + 3:
+        raise SystemExit(f"--spec takes MODULE NAME, got {shlex.join(toks[i:])!r}")
+    return toks[i + 1], toks[i + 2]
+
+
+def arm_env() -> dict:
+    """The environment the arms (and the spec check) run in: this repository first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def check_spec(args_str: str, model_args: str = "") -> str | None:
+    """Import and build an arm's ``--spec MODULE NAME`` for its flags first, in a fresh interpreter with the
+    arms' environment (``python -m primus_fp8_plugin.megatron.check_spec``): Megatron would log one line and
+    train its default spec. Returns the check's summary line (None without ``--spec``); exits on failure."""
+    spec = spec_of(args_str)
+    if spec is None:
+        return None
+    cmd = [sys.executable, "-W", "ignore", "-m", "primus_fp8_plugin.megatron.check_spec", *spec,
+           *shlex.split(model_args), *shlex.split(args_str)]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, env=arm_env())
+    if res.returncode != 0:
+        why = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"--spec {' '.join(spec)}: the spec check failed (rc={res.returncode}): {why}")
+    return res.stdout.strip().splitlines()[-1]
 
 
 def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(HERE / "megatron_lm_entry.py"), str(args.megatron_lm), *shlex.split(COMMON),
            *shlex.split(model["args"]), "--train-iters", str(args.iters), *shlex.split(extra)]  # fmt: skip
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = arm_env()
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if (spec_of(extra) or ("",))[0].startswith("primus_fp8_plugin"):
+        env["PRIMUS_FP8_CHECK_MODEL"] = "1"  # the entry shim stops the run if the model holds no FP8 layer
     log = log_dir / f"megatron_lm_{name}.log"
-    print(f"[megatron_lm] {name}: {shlex.join(cmd[5:])}", flush=True)
+    print(f"[megatron_lm] {name}: {shlex.join(cmd[6:])}", flush=True)
     t0 = time.time()
     with log.open("w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
@@ -188,7 +225,7 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
 
 def print_table(rows: list[dict], ref: str) -> None:
     base = next((r for r in rows if r["arm"] == ref and "ms_per_iter" in r), None)
-    cols = ["arm", "ms/iter", f"vs {ref}", "tokens/s", "TFLOP/s", "first loss", "last loss", "max alloc MB"]
+    cols = ["arm", "ms/iter", f"vs {ref}", "tokens/s", "TFLOP/s", "first loss", "last loss", "max alloc MB", "FP8 layers"]
     print(" | ".join(cols))
     print(" | ".join("---" for _ in cols))
     for r in rows:
@@ -202,7 +239,7 @@ def print_table(rows: list[dict], ref: str) -> None:
 
         print(" | ".join([r["arm"], f"{r['ms_per_iter']:.1f}", ratio, fmt(r["tokens_per_s"], ".0f"),
                           fmt(r["tflops_per_gpu"], ".1f"), fmt(r["first_loss"], ".6f"), fmt(r["last_loss"], ".6f"),
-                          fmt(r["max_allocated_mb"], ".0f")]))  # fmt: skip
+                          fmt(r["max_allocated_mb"], ".0f"), fmt(r.get("fp8_layers"), "d")]))  # fmt: skip
     print(f"(ratio = {ref}'s ms/iter over the arm's: above 1 is faster than {ref})")
 
 
@@ -256,10 +293,10 @@ def main(argv=None) -> int:
         extra[name] = flags
     names = [a for a in args.arms.split(",") if a] + [n for n in extra if n not in args.arms.split(",")]
     plans = [(n, extra[n] if n in extra else arm_args(n, model, args.plugin_grouped)) for n in names]
-    if str(ROOT) not in sys.path:  # the arms run with this repository on PYTHONPATH: check the same way
-        sys.path.insert(0, str(ROOT))
-    for _, flags in plans:
-        check_spec(flags)
+    for name, flags in plans:
+        summary = check_spec(flags, model["args"])
+        if summary:
+            print(f"[megatron_lm] {name}: {summary}", flush=True)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     rows = [run_arm(n, flags, args, model, args.log_dir) for n, flags in plans]
     print(f"\nMegatron-LM pretrain_gpt.py, model {args.model}, {args.iters} iterations (median after {args.warmup}):")

@@ -4,10 +4,15 @@
 before training. A megatron-core wheel ships the compiled helper but no Makefile, so that ``make``
 fails; when the helper already imports, this shim skips the step (and says so) instead. Everything
 else is Megatron-LM's own code, run unchanged with the checkout first on ``sys.path``.
+
+With ``PRIMUS_FP8_CHECK_MODEL=1`` every ``GPTModel`` built prints how many of primus_fp8_plugin's FP8 layers
+it holds and the run stops if it holds none (``check_spec.install_model_check``): Megatron trains its
+default spec when the ``--spec`` import fails.
 """
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -37,6 +42,10 @@ def main() -> None:
     checkout = Path(sys.argv[1]).resolve()
     sys.path.insert(0, str(checkout))
     _skip_compile_if_built()
+    if os.environ.get("PRIMUS_FP8_CHECK_MODEL") == "1":
+        from primus_fp8_plugin.megatron.check_spec import install_model_check
+
+        install_model_check()
     sys.argv = [str(checkout / "pretrain_gpt.py"), *sys.argv[2:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

@@ -4,7 +4,9 @@
 #   scripts/launch_pretrain.sh [--gpus N] [HYDRA_OVERRIDES...]          one node, N processes (default: all GPUs)
 #   sbatch -N 4 --gpus-per-node 8 scripts/launch_pretrain.sh [...]       inside a Slurm allocation: srun across nodes
 #
-# Environment: PYTHON (default: python3), MASTER_PORT (default 29500).
+# Environment: PYTHON (default: python3), MASTER_PORT (default 29500), CHECK_SPEC (default 1: before
+# launching, `python -m primus_fp8_plugin.megatron.check_spec` imports and builds the plugin's Megatron
+# spec once, so a missing megatron-core or a broken install fails here with one clear line, not in N ranks).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -15,6 +17,10 @@ if [ -z "$GPUS" ]; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1   # Megatron's TP/SP communication overlap assumes it
+if [ "${CHECK_SPEC:-1}" = "1" ]; then
+  "$PYTHON" -W ignore -m primus_fp8_plugin.megatron.check_spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec \
+    || { echo "[launch] the plugin's Megatron spec does not build here (see above); CHECK_SPEC=0 skips this check" >&2; exit 2; }
+fi
 
 if [ -n "${SLURM_JOB_ID:-}" ] && [ "${SLURM_NNODES:-1}" -gt 1 ]; then
   MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"

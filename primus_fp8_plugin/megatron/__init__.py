@@ -1,5 +1,15 @@
 """Megatron-core integration: FP8 blockwise layer classes and layer specs (needs ``megatron-core``)."""
 
+from .fast_attention import Fp8FastSelfAttention
+from .fast_specs import (
+    fp8_gpt_fast_dense_spec,
+    fp8_gpt_fast_layer_spec,
+    fp8_gpt_fast_moe_spec,
+    fp8_te_gpt_layer_spec,
+    get_gpt_fast_layer_spec,
+    get_te_gpt_layer_spec,
+)
+from .fused_layers import Fp8FusedNormColumnParallelLinear, Fp8FusedSwigluMLP, Fp8SwigluRowParallelLinear
 from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8RowParallelGroupedLinear
 from .layers import (
     Fp8ColumnParallelLinear,
@@ -21,6 +31,16 @@ from .specs import (
 )
 
 __all__ = [
+    "Fp8FastSelfAttention",
+    "Fp8FusedNormColumnParallelLinear",
+    "Fp8FusedSwigluMLP",
+    "Fp8SwigluRowParallelLinear",
+    "fp8_gpt_fast_dense_spec",
+    "fp8_gpt_fast_layer_spec",
+    "fp8_gpt_fast_moe_spec",
+    "fp8_te_gpt_layer_spec",
+    "get_gpt_fast_layer_spec",
+    "get_te_gpt_layer_spec",
     "Fp8ColumnParallelGroupedLinear",
     "Fp8ColumnParallelLinear",
     "Fp8Experts",

@@ -9,17 +9,17 @@ the tensor-parallel group, which is all sequence parallelism asks of a norm.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from ..normalization import norm
 
 
 def apply_norm(x, normalization: str, weight, bias, eps: float, zero_centered_gamma: bool = False):
-    """``LayerNorm`` or ``RMSNorm`` over the last dim (``zero_centered_gamma``: scale by 1 + weight)."""
-    gamma = weight + 1 if zero_centered_gamma else weight
-    if normalization == "LayerNorm":
-        return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
-    if normalization == "RMSNorm":
-        return F.rms_norm(x, (x.shape[-1],), gamma, eps)
-    raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+    """``LayerNorm`` or ``RMSNorm`` over the last dim (``zero_centered_gamma``: scale by 1 + weight): the
+    plugin's ``normalization.norm``, whose bits the fused norm + FP8 linear kernels reproduce, so unfused
+    and fused layers agree bit for bit."""
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+    return norm(x, normalization, weight, bias, eps, zero_centered_gamma)
 
 
 def make_norm_params(module: torch.nn.Module, config, size: int, prefix: str = "") -> None:

@@ -75,16 +75,72 @@ def test_summarize_refuses_a_log_without_timed_iterations():
 def test_arms_and_spec_check():
     model = mlm.MODELS["moe_proxy"]
     assert "--moe-grouped-gemm" in mlm.arm_args("te_fp8", model, plugin_grouped=False)
-    assert "--moe-grouped-gemm" not in mlm.arm_args("plugin", model, plugin_grouped=False)
-    assert "--moe-grouped-gemm" in mlm.arm_args("plugin", model, plugin_grouped=True)
+    assert "--moe-grouped-gemm" in mlm.arm_args("te_hybrid", model, plugin_grouped=False)
+    for arm in ("plugin", "plugin_fast"):
+        assert "--moe-grouped-gemm" not in mlm.arm_args(arm, model, plugin_grouped=False)
+        assert "--moe-grouped-gemm" in mlm.arm_args(arm, model, plugin_grouped=True)
     assert "--fp8-recipe blockwise" in mlm.arm_args("te_fp8", mlm.MODELS["gpt125m"], False)
+    fast = mlm.arm_args("plugin_fast", mlm.MODELS["llama8b_4l"], False)
+    assert mlm.spec_of(fast) == ("primus_fp8_plugin.megatron", "fp8_gpt_fast_layer_spec")
+    for flag in ("--transformer-impl local", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
+                 "--no-gradient-accumulation-fusion", "--no-rope-fusion",
+                 "--no-create-attention-mask-in-dataloader"):  # fmt: skip
+        assert flag in fast
+    hybrid = mlm.arm_args("te_hybrid", mlm.MODELS["gpt125m"], False)
+    assert "--transformer-impl transformer_engine" in hybrid and "--fp8-format" not in hybrid
+    assert mlm.spec_of(hybrid) == ("primus_fp8_plugin.megatron", "fp8_te_gpt_layer_spec")
     with pytest.raises(SystemExit, match="unknown arm"):
         mlm.arm_args("nope", model, False)
+
+
+def test_spec_check_builds_each_plugin_arm_and_refuses_bad_specs():
+    pytest.importorskip("megatron.core")
+    want = {  # (model, arm): what the spec check must report
+        ("gpt125m", "plugin"): ["Fp8LayerNormColumnParallelLinear", "DotProductAttention", "LayerNorm"],
+        ("llama8b_4l", "plugin_fast"): ["Fp8FusedNormColumnParallelLinear", "Fp8SwigluRowParallelLinear",
+                                        "Fp8FastSelfAttention/SdpaAttention", "RMSNorm"],
+        ("moe_proxy", "plugin_fast"): ["Fp8ColumnParallelGroupedLinear", "SdpaAttention"],  # config-reading: grouped
+        ("moe_proxy", "plugin"): ["Fp8Experts"],  # the object spec decides when the layer is built
+    }  # fmt: skip
+    for (name, arm), parts in want.items():
+        model = mlm.MODELS[name]
+        summary = mlm.check_spec(mlm.arm_args(arm, model, plugin_grouped=True), model["args"])
+        assert summary.startswith("check_spec: OK") and all(p in summary for p in parts), summary
+    assert mlm.check_spec(mlm.arm_args("te_bf16", mlm.MODELS["gpt125m"], False)) is None  # no --spec: nothing to check
     with pytest.raises(SystemExit, match="importing no_such_module_xyz failed"):
         mlm.check_spec("--spec no_such_module_xyz fn")
-    with pytest.raises(SystemExit, match="has no attribute"):
-        mlm.check_spec("--spec json no_such_name")
-    mlm.check_spec("--spec json dumps")  # importable: passes
+    with pytest.raises(SystemExit, match="has no attribute 'no_such_name'"):
+        mlm.check_spec("--spec primus_fp8_plugin.megatron no_such_name")
+    with pytest.raises(SystemExit, match="none of primus_fp8_plugin's FP8 layers"):
+        mlm.check_spec("--spec megatron.core.models.gpt.gpt_layer_specs get_gpt_layer_local_spec")
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:  # without TE the hybrid arm is refused before anything runs, naming TE
+        with pytest.raises(SystemExit, match="needs NVIDIA Transformer Engine"):
+            mlm.check_spec(mlm.arm_args("te_hybrid", mlm.MODELS["gpt125m"], False))
+
+
+def test_table_prints_every_figure_of_each_arm(capsys):
+    rows = [
+        {"arm": "te_fp8", "ms_per_iter": 400.0, "tokens_per_s": 81920.0, "tflops_per_gpu": 300.5, "first_loss": 10.5,
+         "last_loss": 7.25, "max_allocated_mb": 51234.0, "fp8_layers": None},
+        {"arm": "plugin_fast", "ms_per_iter": 380.0, "tokens_per_s": 86231.6, "tflops_per_gpu": 316.3,
+         "first_loss": 10.5, "last_loss": 7.5, "max_allocated_mb": 49876.0, "fp8_layers": 16},
+        {"arm": "te_hybrid", "rc": 1, "log": "x.log"},
+    ]  # fmt: skip
+    mlm.print_table(rows, "te_fp8")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split(" | ") == ["arm", "ms/iter", "vs te_fp8", "tokens/s", "TFLOP/s", "first loss", "last loss",
+                                   "max alloc MB", "FP8 layers"]  # fmt: skip
+    assert out[3].split(" | ") == ["plugin_fast", "380.0", f"{400 / 380:.3f}x", "86232", "316.3", "10.500000", "7.500000",
+                                   "49876", "16"]  # fmt: skip
+    assert out[2].split(" | ")[-1] == "-" and "failed (rc=1" in out[4]
+
+
+def test_model_layer_count_is_parsed():
+    log = "[primus_fp8_plugin] GPTModel holds 16 FP8 layers: {'Fp8FusedNormColumnParallelLinear': 8}\n"
+    assert mlm.parse_log(log)["fp8_layers"] == 16
+    assert mlm.parse_log("nothing")["fp8_layers"] is None
 
 
 def test_cli_refuses_a_directory_without_pretrain_gpt(tmp_path, capsys):
