@@ -1,0 +1,313 @@
+"""Blockwise FP8 GEMMs for AMD gfx950 in FlyDSL with A staged through LDS: ``C [M, N] = A [M, K] @ B [N, K]^T``
+with fp32 promotion of every 128-wide K block, on the FP8 MFMA (``v_mfma_*_16x16x128_f8f6f4``).
+
+Operands and scales (TE layouts, ``tensor.py``):
+
+* A: FP8 ``[M, K]`` K-major, 1x128-scaled (scale entry ``[kb, m]``, row stride ``pad4(M)``).
+* B, ``b_layout="preshuffle16"`` (fprop: W, dgrad: W^T from the weight cache): FP8 ``[N, K]`` in
+  FlyDSL's (16, 16) preshuffled byte order (``preshuffle.py``), 128x128-scaled (entry ``[n // 128, kb]``).
+  Each lane reads its 16 K-bytes of a 16x16 tile with one 128-bit load, straight into registers.
+* B, ``b_layout="k_major"`` (wgrad: X^T): FP8 ``[N, K]`` K-major, 1x128-scaled (entry ``[kb, n]``),
+  staged through LDS like A.
+
+Tiling: a workgroup of ``waves`` waves (64 lanes each) computes a ``bm x bn`` tile; the waves split
+N (wave ``w`` owns the 16-column strips ``w, w + waves, ...``), so every wave reads all ``bm`` rows of
+A from LDS and its own columns of B. Per 128-K step and per 16-row strip ``rm``: a fresh
+``16 x bn/waves`` partial product on the MFMA, then ``acc += partial * (sa * sb)`` in fp32 (packed
+FMAs). A (and a K-major B) goes global -> registers -> LDS (XOR-swizzled 16-byte chunks, 2 stages):
+the loads of step ``k + 1`` are issued before the MFMAs of step ``k`` and written to the other LDS
+stage after them, one barrier per step; a preshuffled B is double-buffered in registers.
+
+Tile order: the 1-D grid is walked in L2 groups of ``group_m`` M-tiles (all N-tiles of a group of M
+tiles before the next group), as Triton's grouped ordering.
+
+Shapes: N (the output columns) a multiple of ``bn``; K a multiple of 128 (fprop/dgrad: static; wgrad:
+the token count, dynamic, a multiple of 256). M is dynamic (fprop/dgrad: any M >= 1, one binary per
+(N, K, tile)): the rows past M of the last M-tile read zeros and their stores are dropped by the buffer
+descriptors' bounds (``make_buffer_tensor`` with the tensor's real extent). wgrad's M (the weight's N)
+is static, a multiple of ``bm``.
+
+Compile-only here (docs/AMD.md): never run on an MI355X; its index arithmetic is emulated on the CPU
+(tests/backends/test_flydsl_lds_emulation.py). Not a translation of Primus-Turbo's kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BK = 128
+SCALE_BLOCK = 128
+WAVE = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel variant: tile ``bm x bn`` (x 128 K), ``waves`` waves, B's layout and scaling."""
+
+    bm: int
+    bn: int
+    waves: int
+    b_layout: str  # "preshuffle16" (B 128x128-scaled) or "k_major" (B 1x128-scaled, wgrad)
+    waves_m: int = 2  # waves along M (the rest along N)
+    group_m: int = 8
+    b_stages: int = 2  # preshuffled B: register stages (2: step k+1's B loads are issued during step k)
+
+    @property
+    def waves_n(self) -> int:
+        return self.waves // self.waves_m
+
+    @property
+    def threads(self) -> int:
+        return WAVE * self.waves
+
+    @property
+    def rm(self) -> int:  # 16-row strips per wave
+        return self.bm // (16 * self.waves_m)
+
+    @property
+    def rn(self) -> int:  # 16-column strips per wave
+        return self.bn // (16 * self.waves_n)
+
+    @property
+    def lds_bytes(self) -> int:
+        b = self.bn * BK * 2 if self.b_layout == "k_major" else 0
+        return self.bm * BK * 2 + b
+
+    def check(self) -> None:
+        if self.b_layout not in ("preshuffle16", "k_major"):
+            raise ValueError(f"b_layout must be 'preshuffle16' or 'k_major', got {self.b_layout!r}")
+        if self.waves % self.waves_m or self.bm % (16 * self.waves_m) or self.bn % (16 * self.waves_n) or self.rn < 1:
+            raise ValueError(f"tile {self.bm}x{self.bn} does not split into 16x16 strips over {self.waves} waves")
+        step = 16 * self.waves_n
+        if self.b_layout == "preshuffle16" and step % SCALE_BLOCK and SCALE_BLOCK % step:
+            raise ValueError("a wave's columns must stay inside one 128-column scale block per strip")
+        if (self.bm * BK) % (16 * self.threads) or (self.bn * BK) % (16 * self.threads):
+            raise ValueError(f"the {self.bm}x{BK} A tile must split into 16-byte chunks over {self.threads} threads")
+
+
+FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=2)
+FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=2, b_stages=1)
+WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4)
+
+
+def strip_scale_block(cfg: TileConfig, rn: int) -> int:
+    """Which 128-column scale block of the tile a wave's ``rn``-th strip falls in (any wave)."""
+    return (rn * 16 * cfg.waves_n) // SCALE_BLOCK
+
+
+def tile_of(pid: int, num_pid_m: int, num_pid_n: int, group_m: int) -> tuple[int, int]:
+    """The (M-tile, N-tile) workgroup ``pid`` computes: L2-grouped order (the kernel's arithmetic)."""
+    per_group = group_m * num_pid_n
+    group = pid // per_group
+    first_m = group * group_m
+    size_m = min(num_pid_m - first_m, group_m)
+    in_group = pid % per_group
+    return first_m + in_group % size_m, in_group // size_m
+
+
+def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None, out_bf16: bool):
+    """A FlyDSL launcher ``launch(A, B, C, SA, SB)`` for one shape class.
+
+    fprop/dgrad (``cfg.b_layout == "preshuffle16"``): ``n``, ``k`` static, M dynamic (pass A, C and SA
+    marked dynamic: ``dynamic_args``). wgrad (``"k_major"``): ``m`` and ``n`` static, K dynamic."""
+    import flydsl.compiler as flyc
+    import flydsl.expr as fx
+
+    cfg.check()
+    pre = cfg.b_layout == "preshuffle16"
+    if n % cfg.bn:
+        raise ValueError(f"N = {n} must be a multiple of the tile's {cfg.bn} columns")
+    if pre and (k is None or k % BK):
+        raise ValueError(f"K = {k} must be a static multiple of {BK} for the preshuffled-B kernel")
+    if not pre and (m is None or m % cfg.bm):
+        raise ValueError(f"wgrad's M = {m} must be a static multiple of {cfg.bm}")
+    bm, bn, threads, rm_n, rn_n, wm, wn = cfg.bm, cfg.bn, cfg.threads, cfg.rm, cfg.rn, cfg.waves_m, cfg.waves_n
+    f8 = fx.Float8E4M3FN
+    out_ty = fx.BFloat16 if out_bf16 else fx.Float32
+    num_pid_n = n // bn
+    group_m = cfg.group_m
+    sb_blocks = [strip_scale_block(cfg, rn) for rn in range(rn_n)]
+    b_lds_offset = bm * BK * 2
+
+    @flyc.kernel
+    def fp8_blockwise_gemm_lds_kernel(
+        A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, SA: fx.Tensor, SB: fx.Tensor, mma: fx.TiledMma, g2s: fx.TiledCopy,
+    ):  # fmt: skip
+        tid = fx.thread_idx.x
+        pid, _, _ = fx.block_idx
+        A = fx.rocdl.make_buffer_tensor(A)
+        B = fx.rocdl.make_buffer_tensor(B)
+        C = fx.rocdl.make_buffer_tensor(C)
+        SA = fx.rocdl.make_buffer_tensor(SA)
+        SB = fx.rocdl.make_buffer_tensor(SB)
+        m_rows = fx.get_scalar(A.shape[0])
+        kt_n = fx.get_scalar(A.shape[1]) // BK
+        # L2-grouped tile order (tile_of)
+        num_pid_m = (m_rows + (bm - 1)) // bm
+        per_group = group_m * num_pid_n
+        first_m = (pid // per_group) * group_m
+        size_m = fx.min(num_pid_m - first_m, group_m)
+        in_group = pid % per_group
+        pid_m = first_m + in_group % size_m
+        pid_n = in_group // size_m
+
+        gA = fx.flat_divide(A, (bm, BK))[None, None, pid_m, None]  # (bm, BK, K/BK)
+        gB = fx.flat_divide(B, (bn, BK))[None, None, pid_n, None]  # (bn, BK, K/BK)
+        gC = fx.flat_divide(C, (bm, bn))[None, None, pid_m, pid_n]
+        thr = mma.thr_slice(tid)
+        ld128 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), f8)
+        lds128 = fx.make_copy_atom(fx.UniversalCopy128b(), f8)
+        ld_s128 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), fx.Float32)
+        ld_s32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), fx.Float32)
+        swz = fx.static(fx.SwizzleType.get(3, 4, 3))  # XOR the 16-byte chunk index with the row
+        sA = fx.make_view(fx.get_dyn_shared(f8), fx.make_composed_layout(swz, fx.make_ordered_layout((bm, BK, 2), (1, 0, 2))))
+        tg = g2s.get_slice(tid)
+        ga_src = tg.partition_S(gA)
+        sa_dst = tg.partition_D(sA)
+        stage_a = fx.make_fragment_like(sa_dst[None, None, None, 0])
+        s2r_a = fx.make_tiled_copy_A(lds128, mma).get_slice(tid)
+        sA_src = s2r_a.partition_S(sA)
+        frag_a = thr.make_fragment_A(sA[None, None, 0])
+        a_r = s2r_a.retile(frag_a)
+        if fx.const_expr(pre):
+            g2r_b = fx.make_tiled_copy_B(ld128, mma).get_slice(tid)
+            gb_src = g2r_b.partition_S(gB)
+            frag_b = thr.make_fragment_B(gB, stages=cfg.b_stages)
+            b_r = g2r_b.retile(frag_b)
+        else:
+            sB = fx.make_view(fx.get_dyn_shared(f8) + b_lds_offset,
+                              fx.make_composed_layout(swz, fx.make_ordered_layout((bn, BK, 2), (1, 0, 2))))  # fmt: skip
+            gb_src = tg.partition_S(gB)
+            sb_dst = tg.partition_D(sB)
+            stage_b = fx.make_fragment_like(sb_dst[None, None, None, 0])
+            s2r_b = fx.make_tiled_copy_B(lds128, mma).get_slice(tid)
+            sB_src = s2r_b.partition_S(sB)
+            frag_b = thr.make_fragment_B(sB[None, None, 0])
+            b_r = s2r_b.retile(frag_b)
+        acc = thr.make_fragment_C(gC)
+        part = thr.make_fragment_C(gC)
+        zero = thr.make_fragment_C(gC)
+
+        # A's scale [kb, m] as a C-shaped (bm, bn, KB) view with N-stride 0; one N strip of it holds a
+        # lane's rows (4 consecutive rows per 16-row strip: one 128-bit load each)
+        cpy_s128 = fx.make_tiled_copy_C(ld_s128, mma).get_slice(tid)
+        sa_view = fx.make_view(fx.get_iter(SA) + pid_m * bm, fx.make_layout((bm, bn, kt_n), (1, 0, fx.get_scalar(SA.stride[0]))))
+        src_sa = cpy_s128.partition_S(sa_view)
+        frag_sa = fx.make_fragment_like(src_sa[None, None, 0, 0])
+        if fx.const_expr(not pre):  # B's 1x128 scale [kb, n]: one value per lane and strip, M-stride 0
+            cpy_s32 = fx.make_tiled_copy_C(ld_s32, mma).get_slice(tid)
+            sbv = fx.make_view(fx.get_iter(SB) + pid_n * bn, fx.make_layout((bm, bn, kt_n), (0, 1, fx.get_scalar(SB.stride[0]))))
+            src_sb = cpy_s32.partition_S(sbv)
+            frag_sb = fx.make_fragment_like(src_sb[None, 0, None, 0])  # (4, RN): a strip's column, 4 times
+        atom = fx.make_mma_atom(fx.rocdl.cdna4.MFMA_Scale(16, 16, 128, f8))
+
+        def flat(t, size):  # a contiguous register slice as a rank-1 fragment (one MFMA operand)
+            return fx.make_view(fx.get_iter(t), fx.make_layout(size, 1))
+
+        zero.fill(0)
+        acc.fill(0)
+        nb0 = (pid_n * bn) // SCALE_BLOCK
+        sb_stride = fx.get_scalar(SB.stride[0])
+
+        def prefetch(kn, s_next):
+            fx.copy(ld128, ga_src[None, None, None, kn], stage_a)
+            if fx.const_expr(pre):
+                if fx.const_expr(cfg.b_stages == 2):
+                    fx.copy(ld128, gb_src[None, None, None, kn], b_r[None, None, None, s_next])
+            else:
+                fx.copy(ld128, gb_src[None, None, None, kn], stage_b)
+
+        def commit(s_next):
+            fx.copy(lds128, stage_a, sa_dst[None, None, None, s_next])
+            if fx.const_expr(not pre):
+                fx.copy(lds128, stage_b, sb_dst[None, None, None, s_next])
+
+        def step(kt, s, last):
+            if fx.const_expr(not last):
+                prefetch(fx.Int32(fx.min(kt + 1, kt_n - 1)), 1 - s)
+            fx.copy(ld_s128, src_sa[None, None, 0, kt], frag_sa)
+            if fx.const_expr(pre):
+                sbs = [fx.rocdl.s_buffer_load(fx.get_iter(SB), (nb0 + blk) * sb_stride + kt).bitcast(fx.Float32)
+                       for blk in sorted(set(sb_blocks))]  # fmt: skip
+                if fx.const_expr(cfg.b_stages == 1):  # this step's B, issued before the A reads from LDS
+                    fx.copy(ld128, gb_src[None, None, None, kt], b_r[None, None, None, 0])
+                bs = s if cfg.b_stages == 2 else 0
+                fb = lambda rn: frag_b[None, rn, 0, bs]  # noqa: E731
+            else:
+                fx.copy(ld_s32, src_sb[None, 0, None, kt], frag_sb)
+                fx.copy(lds128, sB_src[None, None, None, s], b_r)
+                fb = lambda rn: frag_b[None, rn, 0]  # noqa: E731
+            for rm in fx.range_constexpr(rm_n):
+                fx.copy(lds128, sA_src[None, rm, None, s], a_r[None, rm, None])
+                sa = fx.memref_load_vec(flat(frag_sa[None, rm], 4))  # the lane's 4 rows of this strip
+                for rn in fx.range_constexpr(rn_n):
+                    fx.gemm(atom, flat(part[None, rm, rn], 4), flat(frag_a[None, rm, 0], 32), flat(fb(rn), 32),
+                            flat(zero[None, rm, rn], 4))  # fmt: skip
+                    if fx.const_expr(pre):
+                        sc = sa * sbs[sb_blocks[rn] - min(sb_blocks)]
+                    else:
+                        sbl = fx.memref_load_vec(flat(frag_sb[None, rn], 4))
+                        sc = sa * sbl
+                    a_s, p_s = acc[None, rm, rn], part[None, rm, rn]
+                    fx.memref_store_vec(fx.fma(fx.memref_load_vec(p_s), sc, fx.memref_load_vec(a_s)), a_s)
+            if fx.const_expr(not last):
+                commit(1 - s)
+                fx.gpu.barrier()
+
+        prefetch(0, 0)  # (with b_stages == 1 this loads A only)
+        commit(0)
+        fx.gpu.barrier()
+        if fx.const_expr(pre):
+            kt_static = k // BK
+            for i in range(kt_static // 2):
+                step(2 * i, 0, False)
+                step(2 * i + 1, 1, False)
+            if fx.const_expr(kt_static % 2):
+                step(kt_static - 1, 0, True)
+        else:  # K (tokens) dynamic, a multiple of 2 * 128
+            for i in range(kt_n // 2):
+                step(2 * i, 0, False)
+                step(2 * i + 1, 1, False)
+
+        store = fx.make_copy_atom(fx.rocdl.BufferCopy16b() if out_bf16 else fx.rocdl.BufferCopy32b(), out_ty)
+        copy_out = fx.make_tiled_copy_C(store, mma).get_slice(tid)
+        if fx.const_expr(out_bf16):
+            out = fx.make_fragment_like(acc, fx.BFloat16)
+            out.store(acc.load().to(fx.BFloat16))
+            fx.copy(store, copy_out.retile(out), copy_out.partition_S(gC))
+        else:
+            fx.copy(store, copy_out.retile(acc), copy_out.partition_S(gC))
+
+    @flyc.jit
+    def launch(A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, SA: fx.Tensor, SB: fx.Tensor, stream: fx.Stream = fx.Stream(None)):  # noqa: B008
+        if fx.const_expr(pre):  # (n, k) -> byte ((n//16)*(K/16) + k//16)*256 + (n%16)*16 + k%16
+            B = fx.Tensor(fx.make_view(fx.get_iter(B), fx.make_layout(((16, n // 16), (16, k // 16)), ((16, 16 * k), (1, 256)))))
+        mma_atom = fx.make_mma_atom(fx.rocdl.cdna4.MFMA_Scale(16, 16, 128, f8))
+        mma = fx.make_tiled_mma(mma_atom, fx.make_layout((wm, wn, 1), (1, wm, 0)))
+        cols = BK // 16  # 16-byte chunks per row
+        rows = threads // cols
+        g2s = fx.make_tiled_copy(
+            fx.make_copy_atom(fx.UniversalCopy128b(), f8),
+            fx.make_layout(((cols, rows), (1, 16)), ((rows * 16, 1), (1, rows))),
+            fx.make_tile(rows, BK),
+        )
+        m_rows = fx.get_scalar(A.shape[0])
+        grid = ((m_rows + (bm - 1)) // bm) * num_pid_n
+        fp8_blockwise_gemm_lds_kernel(A, B, C, SA, SB, mma, g2s).launch(
+            grid=(grid, 1, 1), block=(threads, 1, 1), smem=cfg.lds_bytes, stream=stream
+        )
+
+    return launch
+
+
+def dynamic_args(cfg: TileConfig, a, b, c, sa, sb):
+    """FlyDSL arguments for ``launch`` (torch tensors in): the dims a shape class leaves open marked dynamic."""
+    import flydsl.compiler as flyc
+
+    t = flyc.from_torch_tensor
+    if cfg.b_layout == "preshuffle16":  # M dynamic
+        return (t(a).mark_shape_dynamic(0), t(b), t(c).mark_shape_dynamic(0),
+                t(sa).mark_layout_dynamic(leading_dim=1, divisibility=4), t(sb))  # fmt: skip
+    # wgrad: K (tokens) dynamic in A, B; scales [KB, pad4(.)] with KB dynamic
+    return (t(a).mark_layout_dynamic(leading_dim=1, divisibility=16), t(b).mark_layout_dynamic(leading_dim=1, divisibility=16),
+            t(c), t(sa).mark_shape_dynamic(0), t(sb).mark_shape_dynamic(0))  # fmt: skip
