@@ -135,11 +135,12 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
     ):  # fmt: skip
         tid = fx.thread_idx.x
         pid, _, _ = fx.block_idx
-        A = fx.rocdl.make_buffer_tensor(A)
-        B = fx.rocdl.make_buffer_tensor(B)
-        C = fx.rocdl.make_buffer_tensor(C)
-        SA = fx.rocdl.make_buffer_tensor(SA)
-        SB = fx.rocdl.make_buffer_tensor(SB)
+        # bounds-checked descriptors (the tensors' real extents): past-the-end loads read 0, stores drop
+        A = fx.rocdl.make_buffer_tensor(A, max_size=False)
+        B = fx.rocdl.make_buffer_tensor(B, max_size=False)
+        C = fx.rocdl.make_buffer_tensor(C, max_size=False)
+        SA = fx.rocdl.make_buffer_tensor(SA, max_size=False)
+        SB = fx.rocdl.make_buffer_tensor(SB, max_size=False)
         m_rows = fx.get_scalar(A.shape[0])
         kt_n = fx.get_scalar(A.shape[1]) // BK
         # L2-grouped tile order (tile_of)
@@ -311,3 +312,61 @@ def dynamic_args(cfg: TileConfig, a, b, c, sa, sb):
     # wgrad: K (tokens) dynamic in A, B; scales [KB, pad4(.)] with KB dynamic
     return (t(a).mark_layout_dynamic(leading_dim=1, divisibility=16), t(b).mark_layout_dynamic(leading_dim=1, divisibility=16),
             t(c), t(sa).mark_shape_dynamic(0), t(sb).mark_shape_dynamic(0))  # fmt: skip
+
+
+def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
+    """The kernel's arithmetic in torch, walking its schedule: ``C [M, n_out]`` fp32 from FP8 ``a`` [M, K],
+    ``b`` (``cfg.b_layout``: preshuffled bytes [n_out, K] or K-major) and TE-layout scales.
+
+    Mirrors the index math, not the lanes: the L2-grouped tile walk (``tile_of``), each wave's 16x16
+    strips (wave ``(i, j)`` of ``waves_m x waves_n`` owns rows ``16 (i + waves_m r)`` and columns
+    ``16 (j + waves_n c)`` of its tile), B gathered from the preshuffled bytes at the kernel's
+    addresses, the scale block each strip uses (``strip_scale_block``), and the buffer bounds (reads
+    past an operand's end give 0, rows past M are not stored). Per 128-K step: fp32 partial, then
+    ``acc = fma(partial, sa * sb, acc)`` (the fma in float64, rounded once)."""
+    import torch
+
+    from ...preshuffle import preshuffle_offset
+
+    m, k = a.shape
+    a_flat, b_flat = a.float().flatten(), b.float().flatten()
+    sa_flat, sb_flat = sa.flatten(), sb.flatten()
+
+    def gather(flat, idx):  # a bounds-checked buffer load
+        ok = idx < flat.numel()
+        return torch.where(ok, flat[idx.clamp(max=flat.numel() - 1)], torch.zeros((), dtype=flat.dtype))
+
+    out = torch.full((m, n_out), float("nan"))
+    num_pid_m, num_pid_n = -(-m // cfg.bm), n_out // cfg.bn
+    seen = set()
+    kk = torch.arange(BK)
+    for pid in range(num_pid_m * num_pid_n):
+        pm, pn = tile_of(pid, num_pid_m, num_pid_n, cfg.group_m)
+        assert (pm, pn) not in seen and 0 <= pm < num_pid_m and 0 <= pn < num_pid_n, (pid, pm, pn)
+        seen.add((pm, pn))
+        for wi in range(cfg.waves_m):
+            for wj in range(cfg.waves_n):
+                for r in range(cfg.rm):
+                    rows = pm * cfg.bm + 16 * (wi + cfg.waves_m * r) + torch.arange(16)
+                    for c in range(cfg.rn):
+                        cols = pn * cfg.bn + 16 * (wj + cfg.waves_n * c) + torch.arange(16)
+                        acc = torch.zeros(16, 16, dtype=torch.float32)
+                        for kt in range(k // BK):
+                            kg = kt * BK + kk
+                            av = gather(a_flat, rows[:, None] * k + kg[None, :])
+                            if cfg.b_layout == "preshuffle16":
+                                bv = gather(b_flat, preshuffle_offset(cols[:, None], kg[None, :], k))
+                                blk = (pn * cfg.bn) // SCALE_BLOCK + strip_scale_block(cfg, c)
+                                assert torch.all(cols // SCALE_BLOCK == blk), "strip straddles a scale block"
+                                s_b = gather(sb_flat, torch.tensor([blk * sb.stride(0) + kt])).expand(16)
+                            else:
+                                bv = gather(b_flat, cols[:, None] * k + kg[None, :])
+                                s_b = gather(sb_flat, kt * sb.stride(0) + cols)
+                            s_a = gather(sa_flat, kt * sa.stride(0) + rows)
+                            part = (av.double() @ bv.double().t()).float()  # exact for E4M3, as the reference
+                            scale = s_a[:, None] * s_b[None, :]
+                            acc = (part.double() * scale.double() + acc.double()).float()
+                        keep = rows < m
+                        out[rows[keep][:, None], cols[None, :]] = acc[keep]
+    assert len(seen) == num_pid_m * num_pid_n
+    return out
