@@ -370,3 +370,49 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
                         out[rows[keep][:, None], cols[None, :]] = acc[keep]
     assert len(seen) == num_pid_m * num_pid_n
     return out
+
+
+def fwd_config(n_out: int) -> TileConfig:
+    """fprop/dgrad tile for an output of ``n_out`` columns: 128x256 (8 waves) where it divides, else 128x128."""
+    return FWD_128x256 if n_out % FWD_128x256.bn == 0 else FWD_128x128
+
+
+def weight_fits(n: int, k: int) -> bool:
+    """Whether a weight [N, K] is served by these kernels (fprop's and dgrad's outputs whole 128-column
+    tiles, both contractions whole 128-K blocks); the weight cache then holds it preshuffled."""
+    return n > 0 and k > 0 and n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
+
+
+def wgrad_fits(n: int, k: int, tokens: int) -> bool:
+    """Whether wgrad dW [N, K] over ``tokens`` runs the 256x128 LDS kernel (tokens a multiple of 256)."""
+    return n % WGRAD_256x128.bm == 0 and k % WGRAD_256x128.bn == 0 and tokens > 0 and tokens % (2 * BK) == 0
+
+
+_launchers: dict = {}
+
+
+def _launcher(cfg: TileConfig, n: int, k: int | None, m: int | None, out_bf16: bool):
+    key = (cfg, n, k, m, out_bf16)
+    if key not in _launchers:
+        _launchers[key] = build_kernel(cfg, n, k, m=m, out_bf16=out_bf16)
+    return _launchers[key]
+
+
+def blockwise_gemm_lds(a, a_scale_inv, b, b_scale_inv, *, cfg: TileConfig, out_dtype, bias=None, accumulate_into=None):
+    """``C = A @ B^T`` on the LDS kernel ``cfg`` (contract of the Triton ``blockwise_gemm``; B preshuffled
+    for ``cfg.b_layout == "preshuffle16"``). One binary per (tile, N, K) for fprop/dgrad (any M) and
+    per (M, N) for wgrad (tokens a multiple of 256)."""
+    import torch
+
+    m, k = a.shape
+    n = b.shape[0]
+    direct = bias is None and accumulate_into is None and out_dtype in (torch.bfloat16, torch.float32)
+    c = torch.empty(m, n, dtype=out_dtype if direct else torch.float32, device=a.device)
+    bf16 = c.dtype == torch.bfloat16
+    launch = _launcher(cfg, n, k, None, bf16) if cfg.b_layout == "preshuffle16" else _launcher(cfg, n, None, m, bf16)
+    launch(*dynamic_args(cfg, a, b, c, a_scale_inv, b_scale_inv))
+    if direct:
+        return c
+    if accumulate_into is not None:
+        return accumulate_into.add_(c)
+    return c.add_(bias.float()).to(out_dtype) if bias is not None else c.to(out_dtype)
