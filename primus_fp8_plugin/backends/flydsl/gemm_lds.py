@@ -51,6 +51,7 @@ class TileConfig:
     waves_m: int = 2  # waves along M (the rest along N)
     group_m: int = 8
     b_stages: int = 2  # preshuffled B: register stages (2: step k+1's B loads are issued during step k)
+    unroll: int = 2  # preshuffled-B kernels: 128-K steps per trip of the K loop (even)
 
     @property
     def waves_n(self) -> int:
@@ -85,8 +86,8 @@ class TileConfig:
             raise ValueError(f"the {self.bm}x{BK} A tile must split into 16-byte chunks over {self.threads} threads")
 
 
-FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=2)
-FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=2, b_stages=1)
+FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=2, unroll=4)
+FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=2, unroll=4)
 WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4)
 
 
@@ -241,16 +242,21 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
             for rm in fx.range_constexpr(rm_n):
                 fx.copy(lds128, sA_src[None, rm, None, s], a_r[None, rm, None])
                 sa = fx.memref_load_vec(flat(frag_sa[None, rm], 4))  # the lane's 4 rows of this strip
+                if fx.const_expr(pre):
+                    sc_blocks = [sa * sb for sb in sbs]  # once per strip and scale block, shared by its N strips
                 for rn in fx.range_constexpr(rn_n):
                     fx.gemm(atom, flat(part[None, rm, rn], 4), flat(frag_a[None, rm, 0], 32), flat(fb(rn), 32),
                             flat(zero[None, rm, rn], 4))  # fmt: skip
                     if fx.const_expr(pre):
-                        sc = sa * sbs[sb_blocks[rn] - min(sb_blocks)]
+                        sc = sc_blocks[sb_blocks[rn] - min(sb_blocks)]
                     else:
                         sbl = fx.memref_load_vec(flat(frag_sb[None, rn], 4))
                         sc = sa * sbl
                     a_s, p_s = acc[None, rm, rn], part[None, rm, rn]
-                    fx.memref_store_vec(fx.fma(fx.memref_load_vec(p_s), sc, fx.memref_load_vec(a_s)), a_s)
+                    pv, av = fx.memref_load_vec(flat(p_s, 4)), fx.memref_load_vec(flat(a_s, 4))
+                    lo = fx.fma(pv.shuffle(pv, [0, 1]), sc.shuffle(sc, [0, 1]), av.shuffle(av, [0, 1]))
+                    hi = fx.fma(pv.shuffle(pv, [2, 3]), sc.shuffle(sc, [2, 3]), av.shuffle(av, [2, 3]))
+                    fx.memref_store_vec(lo.shuffle(hi, [0, 1, 2, 3]), flat(a_s, 4))
             if fx.const_expr(not last):
                 commit(1 - s)
                 fx.gpu.barrier()
@@ -258,13 +264,14 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         prefetch(0, 0)  # (with b_stages == 1 this loads A only)
         commit(0)
         fx.gpu.barrier()
-        if fx.const_expr(pre):
+        if fx.const_expr(pre):  # K static: the loop runs `unroll` steps per trip, the rest after it
             kt_static = k // BK
-            for i in range(kt_static // 2):
-                step(2 * i, 0, False)
-                step(2 * i + 1, 1, False)
-            if fx.const_expr(kt_static % 2):
-                step(kt_static - 1, 0, True)
+            u = cfg.unroll
+            for i in range(kt_static // u):
+                for j in fx.range_constexpr(u):
+                    step(u * i + j, j % 2, False)
+            for j in fx.range_constexpr(kt_static % u):
+                step((kt_static // u) * u + j, j % 2, j == kt_static % u - 1)
         else:  # K (tokens) dynamic, a multiple of 2 * 128
             for i in range(kt_n // 2):
                 step(2 * i, 0, False)
