@@ -11,7 +11,7 @@ Occupancy (waves per SIMD) on CDNA3/CDNA4 (gfx942/gfx950), as this module comput
 
 (SGPRs, 800 per SIMD on gfx9, never bind for these kernels and are not counted.)
 
-The K loop is the loop (a backward ``s_cbranch`` to a label above it) holding the most MFMAs; its body
+The K loop is the loop (a backward ``s_cbranch_*`` or ``s_branch`` to a label above it) holding the most MFMAs; its body
 is counted once per trip: ``mfma`` (``v_mfma*``), ``valu`` (other ``v_*``, including
 ``v_accvgpr_*`` moves), ``vmem`` (``buffer_*``, ``global_*``, ``flat_*``), ``lds`` (``ds_*``),
 ``salu``/``smem`` (``s_*``).
@@ -55,7 +55,7 @@ def loops(text: str) -> list[dict]:
             labels[m.group(1)] = i
     out = []
     for i, line in enumerate(lines):
-        m = re.match(r"^\s+s_cbranch_\w+\s+(\.LBB\w+)", line)
+        m = re.match(r"^\s+s_(?:cbranch_\w+|branch)\s+(\.LBB\w+)", line)
         if not m or m.group(1) not in labels or labels[m.group(1)] >= i:
             continue
         body = []
@@ -120,10 +120,11 @@ def row(name: str, r: dict) -> str:
     kl = r["k_loop"]
     spills = r["vgpr_spills"] + r["scratch_bytes"]
     return (f"{name:34} {r.get('b_layout', '?'):12} {r['threads']:4} {r['vgpr']:4} {r['agpr']:4} {r['lds_bytes']:7} "
-            f"{spills:6} {r['mfma_total']:5} {kl['mfma']:5} {kl['valu']:5} {kl['vmem']:5} {kl['lds']:5} "
-            f"{r['valu_per_mfma']!s:>6} {r['occupancy']:3}")  # fmt: skip
+            f"{spills:6} {r['mfma_total']:5} {kl['mfma']:9} {kl['valu']:5} {kl['vmem']:5} {kl['lds']:5} "
+            f"{r['valu_per_mfma']!s:>9} {r['occupancy']:3}")  # fmt: skip
 
 
 def header() -> str:
+    """Column names of ``row`` (``loop:*``: one trip of the K loop)."""
     return (f"{'kernel':34} {'b_layout':12} {'thr':>4} {'vgpr':>4} {'agpr':>4} {'lds':>7} {'spill':>6} {'mfma':>5} "
-            f"{'K-loop: mfma':>5} {'valu':>5} {'vmem':>5} {'lds':>5} {'valu/mfma':>6} {'occ':>3}")  # fmt: skip
+            f"{'loop:mfma':>9} {'valu':>5} {'vmem':>5} {'lds':>5} {'valu/mfma':>9} {'occ':>3}")  # fmt: skip
