@@ -10,13 +10,15 @@ Operands and scales (TE layouts, ``tensor.py``):
 * B, ``b_layout="k_major"`` (wgrad: X^T): FP8 ``[N, K]`` K-major, 1x128-scaled (entry ``[kb, n]``),
   staged through LDS like A.
 
-Tiling: a workgroup of ``waves`` waves (64 lanes each) computes a ``bm x bn`` tile; the waves split
-N (wave ``w`` owns the 16-column strips ``w, w + waves, ...``), so every wave reads all ``bm`` rows of
-A from LDS and its own columns of B. Per 128-K step and per 16-row strip ``rm``: a fresh
-``16 x bn/waves`` partial product on the MFMA, then ``acc += partial * (sa * sb)`` in fp32 (packed
-FMAs). A (and a K-major B) goes global -> registers -> LDS (XOR-swizzled 16-byte chunks, 2 stages):
-the loads of step ``k + 1`` are issued before the MFMAs of step ``k`` and written to the other LDS
-stage after them, one barrier per step; a preshuffled B is double-buffered in registers.
+Tiling: a workgroup of ``waves`` waves (64 lanes each) computes a ``bm x bn`` tile; the waves form a
+``waves_m x waves_n`` grid, wave ``(i, j)`` owning the 16x16 strips at rows ``16 (i + waves_m r)`` and
+columns ``16 (j + waves_n c)``. Per 128-K step and per 16-row strip: fresh ``16 x 16`` partial
+products on the MFMA, then ``acc += partial * (sa * sb)`` in fp32 (2-wide FMAs; ``sa * sb`` once per
+strip and scale block). A (and a K-major B) goes global -> registers -> LDS (XOR-swizzled 16-byte
+chunks, 2 stages): the loads of step ``k + 1`` are issued before the MFMAs of step ``k`` and written
+to the other LDS stage after them, one barrier per step. A preshuffled B goes straight into
+registers (``b_stages`` 2: double-buffered one step ahead; 1: loaded at the start of its step). The
+fprop/dgrad K loop runs ``unroll`` steps per trip.
 
 Tile order: the 1-D grid is walked in L2 groups of ``group_m`` M-tiles (all N-tiles of a group of M
 tiles before the next group), as Triton's grouped ordering.
@@ -86,8 +88,9 @@ class TileConfig:
             raise ValueError(f"the {self.bm}x{BK} A tile must split into 16-byte chunks over {self.threads} threads")
 
 
-FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=2, unroll=4)
-FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=2, unroll=4)
+# fprop/dgrad: 4 waves along M (x 1 or 2 along N), each owning 32 rows x 128 columns of 16-wide strips
+FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=4, b_stages=1, unroll=4)
+FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=4, b_stages=1, unroll=4)
 WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4)
 
 
