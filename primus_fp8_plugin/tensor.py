@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .preshuffle import K_MAJOR, LAYOUTS, PRESHUFFLE16, check_preshuffle_shape, unshuffle
 from .recipe import BLOCK
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -101,6 +102,11 @@ class BlockwiseFp8Tensor:
         columnwise_data: ``[C, R]`` FP8 (x^T), contiguous, or None.
         columnwise_scale_inv: fp32, ``scale_inv_shape(C, R, block_dim)``, or None.
 
+        layout: ``"k_major"`` (the default: the copies as above) or ``"preshuffle16"``: both data
+            copies hold the same values in FlyDSL's (16, 16) preshuffled byte order
+            (``preshuffle.py``; 2D scaling only, each copy's rows % 16 and columns % 32). Shapes and
+            scales are unchanged; ``dequantize`` and ``to_te`` undo the shuffle.
+
     The inverse scale of a tile is NaN when the tile held NaN or +-Inf (its data is then NaN).
     """
 
@@ -112,6 +118,7 @@ class BlockwiseFp8Tensor:
     rowwise_scale_inv: torch.Tensor | None = None
     columnwise_data: torch.Tensor | None = None
     columnwise_scale_inv: torch.Tensor | None = None
+    layout: str = K_MAJOR
 
     def __post_init__(self) -> None:
         self.shape = (int(self.shape[0]), int(self.shape[1]))
@@ -125,6 +132,10 @@ class BlockwiseFp8Tensor:
             raise ValueError(f"block_dim must be 1 or 2, got {self.block_dim}")
         if self.fp8_dtype not in FP8_DTYPES:
             raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {self.fp8_dtype}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.layout == PRESHUFFLE16 and self.block_dim != 2:
+            raise ValueError("the preshuffled layout holds 2D-scaled (128x128) weights only")
         if self.rowwise_data is None and self.columnwise_data is None:
             raise ValueError("a BlockwiseFp8Tensor needs a rowwise or a columnwise copy (or both)")
         copies = (
@@ -143,6 +154,8 @@ class BlockwiseFp8Tensor:
                 raise ValueError(f"{name}_data has shape {tuple(data.shape)}, expected {(r, c)}")
             if not data.is_contiguous():
                 raise ValueError(f"{name}_data must be contiguous")
+            if self.layout == PRESHUFFLE16:
+                check_preshuffle_shape(r, c, f"{name}_data")
             want = scale_inv_shape(r, c, self.block_dim)
             if scale.dtype != torch.float32 or tuple(scale.shape) != want:
                 raise ValueError(
@@ -175,6 +188,17 @@ class BlockwiseFp8Tensor:
         parts = (self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
+    def k_major(self) -> BlockwiseFp8Tensor:
+        """This tensor with K-major copies (itself when it is K-major; otherwise unshuffled copies)."""
+        if self.layout == K_MAJOR:
+            return self
+        row = None if self.rowwise_data is None else unshuffle(self.rowwise_data)
+        col = None if self.columnwise_data is None else unshuffle(self.columnwise_data)
+        return BlockwiseFp8Tensor(
+            self.shape, self.block_dim, self.fp8_dtype, self.orig_dtype, rowwise_data=row,
+            rowwise_scale_inv=self.rowwise_scale_inv, columnwise_data=col, columnwise_scale_inv=self.columnwise_scale_inv,
+        )  # fmt: skip
+
     def _copy(self, which: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         if which == "rowwise":
             data, scale, (r, c) = self.rowwise_data, self.rowwise_scale_inv, self.shape
@@ -196,6 +220,8 @@ class BlockwiseFp8Tensor:
 
     def dequantize(self, dtype: torch.dtype | None = None, copy: str | None = None) -> torch.Tensor:
         """High-precision ``[R, C]`` tensor from one copy (rowwise if present, else columnwise)."""
+        if self.layout != K_MAJOR:
+            return self.k_major().dequantize(dtype, copy)
         which = copy or ("rowwise" if self.has_rowwise else "columnwise")
         data, _, r, c = self._copy(which)
         s = self.scales(which)
@@ -210,7 +236,10 @@ class BlockwiseFp8Tensor:
 
     # ---- TE interop --------------------------------------------------------------------------
     def to_te(self) -> dict[str, torch.Tensor | None]:
-        """The stored copies under TE's names, data as uint8 (as TE's ``Float8BlockwiseQTensor`` holds it)."""
+        """The stored copies under TE's names, data as uint8 (as TE's ``Float8BlockwiseQTensor`` holds it);
+        K-major (a preshuffled tensor's copies are unshuffled)."""
+        if self.layout != K_MAJOR:
+            return self.k_major().to_te()
         u8 = lambda t: None if t is None else t.view(torch.uint8)  # noqa: E731
         return {
             "rowwise_data": u8(self.rowwise_data),

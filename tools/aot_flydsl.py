@@ -1,54 +1,41 @@
-"""Compile the FlyDSL GEMMs for gfx950 without a GPU and check the ISA.
+"""Compile the FlyDSL GEMMs for gfx950 without a GPU and report their ISA.
 
     python -m tools.aot_flydsl [--json FILE]
 
-For fprop/dgrad (B 128x128-scaled) and wgrad (B 1x128-scaled), bf16 and fp32 outputs: the target is
-gfx950, the FP8 MFMA is there, nothing spills, registers and LDS fit gfx950 (512 VGPRs incl.
-AGPRs per wave, 160 KiB LDS per workgroup). Needs ``apt-get install lld-19 rocm-device-libs``.
+Variants (M, N, K = 256, 512, 1024 unless stated): the direct-load kernel (``flydsl/gemm.py``:
+K-major B, 64x64 tiles, fprop/dgrad bf16 and fp32 out, wgrad) and the LDS-staged kernels
+(``flydsl/gemm_lds.py``): fprop/dgrad reading the preshuffled weight (128x128 / 4 waves, 128x256 /
+8 waves), wgrad 256x128 / 8 waves with K-major B. Per variant: ``b_layout``, registers, LDS (static
++ dynamic), spills, MFMA count, the K loop's MFMA / VALU / vector-memory / LDS instructions per trip
+and the occupancy the resources allow (``tools/flydsl_isa.py`` states the formula). Checks: target
+gfx950, the FP8 MFMA present, no spills or scratch, registers and LDS within gfx950's limits, and for
+the LDS kernels LDS in use. Needs ``apt-get install lld-19 rocm-device-libs``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 from primus_fp8_plugin.backends.flydsl.toolchain import setup_compile_only
+from tools.flydsl_isa import header, isa_report, row
 
-VARIANTS = {  # name -> (M, N, K, b_block_dim, out_bf16)
+SHAPE = (256, 512, 1024)  # M, N, K
+DIRECT = {  # name -> (M, N, K, b_block_dim, out_bf16)
     "fwd/dgrad bf16 out": (256, 256, 1024, 2, True),
     "fwd/dgrad fp32 out": (256, 384, 640, 2, False),
     "wgrad fp32 out": (256, 256, 1024, 1, False),
 }
+LDS = {  # name -> (config name in gemm_lds, out_bf16)
+    "lds fwd/dgrad 128x128 w4": ("FWD_128x128", True),
+    "lds fwd/dgrad 128x256 w8": ("FWD_128x256", True),
+    "lds wgrad 256x128 w8": ("WGRAD_256x128", False),
+}
 
 
-def isa_report(path: Path) -> dict:
-    text = path.read_text()
-
-    def meta(key: str) -> int:
-        m = re.search(rf"^\s*-?\s*\.{key}:\s+(\d+)", text, re.M)
-        return int(m.group(1)) if m else 0
-
-    target = re.search(r'\.amdgcn_target\s+"([^"]+)"', text)
-    mfma = {}
-    for mnemonic in re.findall(r"^\s*(v_mfma\w*)", text, re.M):
-        mfma[mnemonic] = mfma.get(mnemonic, 0) + 1
-    return {
-        "target": target.group(1) if target else "",
-        "vgpr": meta("vgpr_count"),
-        "agpr": meta("agpr_count"),
-        "sgpr": meta("sgpr_count"),
-        "vgpr_spills": meta("vgpr_spill_count"),
-        "sgpr_spills": meta("sgpr_spill_count"),
-        "lds_bytes": meta("group_segment_fixed_size"),
-        "scratch_bytes": meta("private_segment_fixed_size"),
-        "mfma": mfma,
-    }
-
-
-def check(report: dict) -> list[str]:
+def check(report: dict, *, lds_kernel: bool) -> list[str]:
     problems = []
     if not report["target"].endswith("gfx950"):
         problems.append(f"target is {report['target']!r}, not gfx950")
@@ -58,7 +45,14 @@ def check(report: dict) -> list[str]:
         problems.append(f"spills: {report['vgpr_spills']} VGPRs, {report['scratch_bytes']} scratch bytes")
     if report["vgpr"] + report["agpr"] > 512 or report["lds_bytes"] > 160 * 1024:
         problems.append("registers or LDS exceed gfx950's limits")
+    if lds_kernel and (report["lds_bytes"] == 0 or report["k_loop"]["lds"] == 0):
+        problems.append("the LDS-staged kernel uses no LDS in its K loop")
     return problems
+
+
+def _latest(dump: Path, kernel: str) -> str:
+    isa = sorted(Path(dump).glob(f"{kernel}*/*final_isa.s"), key=lambda p: p.stat().st_mtime)[-1]
+    return isa.read_text()
 
 
 def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
@@ -66,22 +60,41 @@ def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
     import flydsl.compiler as flyc
     import torch
 
-    from primus_fp8_plugin.backends.flydsl.gemm import build_kernel
+    from primus_fp8_plugin.backends.flydsl import gemm_lds
+    from primus_fp8_plugin.backends.flydsl.gemm import THREADS, build_kernel
 
+    f8 = torch.float8_e4m3fn
     reports = {}
-    for name, (m, n, k, b_dim, bf16) in VARIANTS.items():
+    for name, (m, n, k, b_dim, bf16) in DIRECT.items():
         kb = k // 128
-        a = torch.zeros(m, k, dtype=torch.float8_e4m3fn)
-        b = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+        a, b = torch.zeros(m, k, dtype=f8), torch.zeros(n, k, dtype=f8)
         c = torch.zeros(m, n, dtype=torch.bfloat16 if bf16 else torch.float32)
         sa = torch.ones(kb, -(-m // 4) * 4)  # TE 1D layout [KB, pad4(M)]
         sb = torch.ones(kb, -(-n // 4) * 4) if b_dim == 1 else torch.ones(n // 128, -(-kb // 4) * 4)  # TE 2D: [NB, pad4(KB)]
         launch = build_kernel(m, n, k, b_block_dim=b_dim, a_scale_stride=sa.stride(0), b_scale_stride=sb.stride(0), out_bf16=bf16)
         t = flyc.from_torch_tensor
         flyc.compile(launch, t(a), t(b), t(c), t(sa), t(sb))
-        isa = sorted(Path(dump).glob("fp8_blockwise_gemm_kernel*/*final_isa.s"), key=lambda p: p.stat().st_mtime)[-1]
-        reports[name] = isa_report(isa) | {"shape": [m, n, k], "b_block_dim": b_dim}
-        reports[name]["problems"] = check(reports[name])
+        r = isa_report(_latest(dump, "fp8_blockwise_gemm_kernel"), waves_per_workgroup=THREADS // 64)
+        reports[name] = r | {"shape": [m, n, k], "b_block_dim": b_dim, "b_layout": "k_major", "family": "direct"}
+        reports[name]["problems"] = check(r, lds_kernel=False)
+    m, n, k = SHAPE
+    for name, (cfg_name, bf16) in LDS.items():
+        cfg = getattr(gemm_lds, cfg_name)
+        c = torch.zeros(m, n, dtype=torch.bfloat16 if bf16 else torch.float32)
+        if cfg.b_layout == "preshuffle16":  # fprop/dgrad: M dynamic (compiled once per N, K)
+            launch = gemm_lds.build_kernel(cfg, n, k, out_bf16=bf16)
+            a, b = torch.zeros(m, k, dtype=f8), torch.zeros(n, k, dtype=f8)
+            sa, sb = torch.ones(k // 128, m), torch.ones(n // 128, k // 128)
+        else:  # wgrad: the contraction (tokens) dynamic
+            launch = gemm_lds.build_kernel(cfg, n, None, m=m, out_bf16=bf16)
+            a, b = torch.zeros(m, k, dtype=f8), torch.zeros(n, k, dtype=f8)
+            sa, sb = torch.ones(k // 128, m), torch.ones(k // 128, n)
+        flyc.compile(launch, *gemm_lds.dynamic_args(cfg, a, b, c, sa, sb))
+        r = isa_report(_latest(dump, "fp8_blockwise_gemm_lds_kernel"), waves_per_workgroup=cfg.waves,
+                       dynamic_lds_bytes=cfg.lds_bytes)  # fmt: skip
+        reports[name] = r | {"shape": [m, n, k], "b_block_dim": 2 if cfg.b_layout == "preshuffle16" else 1,
+                             "b_layout": cfg.b_layout, "family": "lds", "tile": [cfg.bm, cfg.bn, 128]}  # fmt: skip
+        reports[name]["problems"] = check(r, lds_kernel=True)
     return reports
 
 
@@ -90,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     reports = run_all()
+    print(header())
     for name, r in reports.items():
         status = "ok" if not r["problems"] else "FAIL: " + "; ".join(r["problems"])
-        print(f"{name:20} {r['target']:36} VGPR {r['vgpr']:3} AGPR {r['agpr']:3} SGPR {r['sgpr']:3} "
-              f"LDS {r['lds_bytes']:6} scratch {r['scratch_bytes']} mfma {r['mfma']}  {status}")  # fmt: skip
+        print(row(name, r), status)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=1))
     return 1 if any(r["problems"] for r in reports.values()) else 0

@@ -30,7 +30,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from primus_fp8_plugin.backends.triton import aot_fused, gemm, quantize_act, quantize_weight
+from primus_fp8_plugin.backends.triton import aot_fused, gemm, quantize_act, quantize_weight, quantize_weight_preshuffle
 from primus_fp8_plugin.backends.triton.aot_specs_grouped import grouped_kernel_specs
 from primus_fp8_plugin.backends.triton.fused_math import OP_SWIGLU
 
@@ -118,6 +118,24 @@ def _quant_weight_spec() -> KernelSpec:
     )
 
 
+def _quant_weight_preshuffle_spec() -> KernelSpec:
+    sig = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
+           "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
+           "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    return KernelSpec(
+        "quantize_128x128_preshuffle16[bf16->fp8e4nv]",
+        quantize_weight_preshuffle._quantize_128x128_preshuffle_kernel,
+        sig,
+        {"POW2": True, "BLOCK": 128},
+        quantize_weight_preshuffle.NUM_WARPS,
+        quantize_weight_preshuffle.NUM_STAGES,
+        {
+            "sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"max\.NaN\.f32"],
+            "gfx950": ["v_cvt_scalef32_pk_fp8_f32", r"v_maximum3?_f32"],
+        },
+    )
+
+
 def _gemm_spec(direction: str) -> KernelSpec:
     b_2d = direction != "wgrad"
     out_ty = "fp32" if direction == "wgrad" else "bf16"
@@ -151,6 +169,7 @@ def kernel_specs() -> list[KernelSpec]:
         _quant_act_spec("bf16", "fp8e4nv", True, True, ragged=True),  # M, K not multiples of 16
         _quant_act_spec("fp32", "fp8e4nv", True, True, ragged=True),
         _quant_weight_spec(),
+        _quant_weight_preshuffle_spec(),
         _gemm_spec("fwd"),
         _gemm_spec("wgrad"),
         *(KernelSpec(**spec) for spec in aot_fused.kernel_specs()),  # norm, SwiGLU, RoPE

@@ -1,14 +1,25 @@
 """The FlyDSL backend for AMD MI355X (gfx950): FlyDSL blockwise GEMMs on the FP8 MFMA, with the
 Triton quantization kernels (also compiled for gfx950). Verified by compilation only (docs/AMD.md).
+
+Weights: an E4M3 weight [N, K] with N, K multiples of 128 is quantized straight into FlyDSL's (16, 16)
+preshuffled layout (W and W^T, one pass: ``triton/quantize_weight_preshuffle.py``); fprop and dgrad
+read it with the LDS-staged kernels (``gemm_lds.py``). Other weights stay K-major and use the
+direct-load kernel (``gemm.py``) or the Triton GEMM. A preshuffled weight meeting an E5M2 gradient
+(HYBRID dgrad) is unshuffled for the Triton GEMM (correct, not fast).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...preshuffle import PRESHUFFLE16
 from ..base import Availability, Backend, fused_ops_from_triton
 from ..triton import TritonBackend, device_availability
+from ..triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
+from . import gemm_lds
 from .gemm import blockwise_gemm
+
+E4M3 = torch.float8_e4m3fn
 
 
 @fused_ops_from_triton
@@ -40,13 +51,31 @@ class FlydslBackend(Backend):
         return self.triton.quantize_act(x, params, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_weight(self, w, params):
+        if params.fp8_dtype == E4M3 and gemm_lds.weight_fits(*w.shape):
+            return quantize_128x128_preshuffled(w, params)
         return self.triton.quantize_weight(w, params)
 
     def gemm_fwd(self, x, w, bias, out_dtype):
-        return self.triton.gemm_fwd(x, w, bias, out_dtype)
+        if w.layout != PRESHUFFLE16:
+            return self.triton.gemm_fwd(x, w, bias, out_dtype)
+        if x.fp8_dtype != E4M3:
+            return self.triton.gemm_fwd(x, w.k_major(), bias, out_dtype)
+        return gemm_lds.blockwise_gemm_lds(x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv,
+                                           cfg=gemm_lds.fwd_config(w.shape[0]), out_dtype=out_dtype, bias=bias)  # fmt: skip
 
     def gemm_dgrad(self, dy, w, out_dtype):
-        return self.triton.gemm_dgrad(dy, w, out_dtype)
+        if w.layout != PRESHUFFLE16:
+            return self.triton.gemm_dgrad(dy, w, out_dtype)
+        if dy.fp8_dtype != E4M3:
+            return self.triton.gemm_dgrad(dy, w.k_major(), out_dtype)
+        return gemm_lds.blockwise_gemm_lds(dy.rowwise_data, dy.rowwise_scale_inv, w.columnwise_data,
+                                           w.columnwise_scale_inv, cfg=gemm_lds.fwd_config(w.shape[1]),
+                                           out_dtype=out_dtype)  # fmt: skip
 
     def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
+        n, k, tokens = dy.shape[1], x.shape[1], dy.shape[0]
+        if dy.fp8_dtype == E4M3 and x.fp8_dtype == E4M3 and gemm_lds.wgrad_fits(n, k, tokens):
+            return gemm_lds.blockwise_gemm_lds(dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+                                               x.columnwise_scale_inv, cfg=gemm_lds.WGRAD_256x128, out_dtype=out_dtype,
+                                               accumulate_into=accumulate_into)  # fmt: skip
         return self.triton.gemm_wgrad(dy, x, out_dtype, accumulate_into)

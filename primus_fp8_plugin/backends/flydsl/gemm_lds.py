@@ -1,0 +1,428 @@
+"""Blockwise FP8 GEMMs for AMD gfx950 in FlyDSL with A staged through LDS: ``C [M, N] = A [M, K] @ B [N, K]^T``
+with fp32 promotion of every 128-wide K block, on the FP8 MFMA (``v_mfma_*_16x16x128_f8f6f4``).
+
+Operands and scales (TE layouts, ``tensor.py``):
+
+* A: FP8 ``[M, K]`` K-major, 1x128-scaled (scale entry ``[kb, m]``, row stride ``pad4(M)``).
+* B, ``b_layout="preshuffle16"`` (fprop: W, dgrad: W^T from the weight cache): FP8 ``[N, K]`` in
+  FlyDSL's (16, 16) preshuffled byte order (``preshuffle.py``), 128x128-scaled (entry ``[n // 128, kb]``).
+  Each lane reads its 16 K-bytes of a 16x16 tile with one 128-bit load, straight into registers.
+* B, ``b_layout="k_major"`` (wgrad: X^T): FP8 ``[N, K]`` K-major, 1x128-scaled (entry ``[kb, n]``),
+  staged through LDS like A.
+
+Tiling: a workgroup of ``waves`` waves (64 lanes each) computes a ``bm x bn`` tile; the waves form a
+``waves_m x waves_n`` grid, wave ``(i, j)`` owning the 16x16 strips at rows ``16 (i + waves_m r)`` and
+columns ``16 (j + waves_n c)``. Per 128-K step and per 16-row strip: fresh ``16 x 16`` partial
+products on the MFMA, then ``acc += partial * (sa * sb)`` in fp32 (2-wide FMAs; ``sa * sb`` once per
+strip and scale block). A (and a K-major B) goes global -> registers -> LDS (XOR-swizzled 16-byte
+chunks, 2 stages): the loads of step ``k + 1`` are issued before the MFMAs of step ``k`` and written
+to the other LDS stage after them, one barrier per step. A preshuffled B goes straight into
+registers (``b_stages`` 2: double-buffered one step ahead; 1: loaded at the start of its step). The
+fprop/dgrad K loop runs ``unroll`` steps per trip.
+
+Tile order: the 1-D grid is walked in L2 groups of ``group_m`` M-tiles (all N-tiles of a group of M
+tiles before the next group), as Triton's grouped ordering.
+
+Shapes: N (the output columns) a multiple of ``bn``; K a multiple of 128 (fprop/dgrad: static; wgrad:
+the token count, dynamic, a multiple of 256). M is dynamic (fprop/dgrad: any M >= 1, one binary per
+(N, K, tile)): the rows past M of the last M-tile read zeros and their stores are dropped by the buffer
+descriptors' bounds (``make_buffer_tensor`` with the tensor's real extent). wgrad's M (the weight's N)
+is static, a multiple of ``bm``.
+
+Compile-only here (docs/AMD.md): never run on an MI355X; its index arithmetic is emulated on the CPU
+(tests/backends/test_flydsl_lds_emulation.py). Not a translation of Primus-Turbo's kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BK = 128
+SCALE_BLOCK = 128
+WAVE = 64
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel variant: tile ``bm x bn`` (x 128 K), ``waves`` waves, B's layout and scaling."""
+
+    bm: int
+    bn: int
+    waves: int
+    b_layout: str  # "preshuffle16" (B 128x128-scaled) or "k_major" (B 1x128-scaled, wgrad)
+    waves_m: int = 2  # waves along M (the rest along N)
+    group_m: int = 8
+    b_stages: int = 2  # preshuffled B: register stages (2: step k+1's B loads are issued during step k)
+    unroll: int = 2  # preshuffled-B kernels: 128-K steps per trip of the K loop (even)
+
+    @property
+    def waves_n(self) -> int:
+        return self.waves // self.waves_m
+
+    @property
+    def threads(self) -> int:
+        return WAVE * self.waves
+
+    @property
+    def rm(self) -> int:  # 16-row strips per wave
+        return self.bm // (16 * self.waves_m)
+
+    @property
+    def rn(self) -> int:  # 16-column strips per wave
+        return self.bn // (16 * self.waves_n)
+
+    @property
+    def lds_bytes(self) -> int:
+        b = self.bn * BK * 2 if self.b_layout == "k_major" else 0
+        return self.bm * BK * 2 + b
+
+    def check(self) -> None:
+        if self.b_layout not in ("preshuffle16", "k_major"):
+            raise ValueError(f"b_layout must be 'preshuffle16' or 'k_major', got {self.b_layout!r}")
+        if self.waves % self.waves_m or self.bm % (16 * self.waves_m) or self.bn % (16 * self.waves_n) or self.rn < 1:
+            raise ValueError(f"tile {self.bm}x{self.bn} does not split into 16x16 strips over {self.waves} waves")
+        step = 16 * self.waves_n
+        if self.b_layout == "preshuffle16" and step % SCALE_BLOCK and SCALE_BLOCK % step:
+            raise ValueError("a wave's columns must stay inside one 128-column scale block per strip")
+        if (self.bm * BK) % (16 * self.threads) or (self.bn * BK) % (16 * self.threads):
+            raise ValueError(f"the {self.bm}x{BK} A tile must split into 16-byte chunks over {self.threads} threads")
+
+
+# fprop/dgrad: 4 waves along M (x 1 or 2 along N), each owning 32 rows x 128 columns of 16-wide strips
+FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=4, b_stages=1, unroll=4)
+FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=4, b_stages=1, unroll=4)
+WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4)
+
+
+def strip_scale_block(cfg: TileConfig, rn: int) -> int:
+    """Which 128-column scale block of the tile a wave's ``rn``-th strip falls in (any wave)."""
+    return (rn * 16 * cfg.waves_n) // SCALE_BLOCK
+
+
+def tile_of(pid: int, num_pid_m: int, num_pid_n: int, group_m: int) -> tuple[int, int]:
+    """The (M-tile, N-tile) workgroup ``pid`` computes: L2-grouped order (the kernel's arithmetic)."""
+    per_group = group_m * num_pid_n
+    group = pid // per_group
+    first_m = group * group_m
+    size_m = min(num_pid_m - first_m, group_m)
+    in_group = pid % per_group
+    return first_m + in_group % size_m, in_group // size_m
+
+
+def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None, out_bf16: bool):
+    """A FlyDSL launcher ``launch(A, B, C, SA, SB)`` for one shape class.
+
+    fprop/dgrad (``cfg.b_layout == "preshuffle16"``): ``n``, ``k`` static, M dynamic (pass A, C and SA
+    marked dynamic: ``dynamic_args``). wgrad (``"k_major"``): ``m`` and ``n`` static, K dynamic."""
+    import flydsl.compiler as flyc
+    import flydsl.expr as fx
+
+    cfg.check()
+    pre = cfg.b_layout == "preshuffle16"
+    if n % cfg.bn:
+        raise ValueError(f"N = {n} must be a multiple of the tile's {cfg.bn} columns")
+    if pre and (k is None or k % BK):
+        raise ValueError(f"K = {k} must be a static multiple of {BK} for the preshuffled-B kernel")
+    if not pre and (m is None or m % cfg.bm):
+        raise ValueError(f"wgrad's M = {m} must be a static multiple of {cfg.bm}")
+    bm, bn, threads, rm_n, rn_n, wm, wn = cfg.bm, cfg.bn, cfg.threads, cfg.rm, cfg.rn, cfg.waves_m, cfg.waves_n
+    f8 = fx.Float8E4M3FN
+    out_ty = fx.BFloat16 if out_bf16 else fx.Float32
+    num_pid_n = n // bn
+    group_m = cfg.group_m
+    sb_blocks = [strip_scale_block(cfg, rn) for rn in range(rn_n)]
+    b_lds_offset = bm * BK * 2
+
+    @flyc.kernel
+    def fp8_blockwise_gemm_lds_kernel(
+        A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, SA: fx.Tensor, SB: fx.Tensor, mma: fx.TiledMma, g2s: fx.TiledCopy,
+    ):  # fmt: skip
+        tid = fx.thread_idx.x
+        pid, _, _ = fx.block_idx
+        # bounds-checked descriptors (the tensors' real extents): past-the-end loads read 0, stores drop
+        A = fx.rocdl.make_buffer_tensor(A, max_size=False)
+        B = fx.rocdl.make_buffer_tensor(B, max_size=False)
+        C = fx.rocdl.make_buffer_tensor(C, max_size=False)
+        SA = fx.rocdl.make_buffer_tensor(SA, max_size=False)
+        SB = fx.rocdl.make_buffer_tensor(SB, max_size=False)
+        m_rows = fx.get_scalar(A.shape[0])
+        kt_n = fx.get_scalar(A.shape[1]) // BK
+        # L2-grouped tile order (tile_of)
+        num_pid_m = (m_rows + (bm - 1)) // bm
+        per_group = group_m * num_pid_n
+        first_m = (pid // per_group) * group_m
+        size_m = fx.min(num_pid_m - first_m, group_m)
+        in_group = pid % per_group
+        pid_m = first_m + in_group % size_m
+        pid_n = in_group // size_m
+
+        gA = fx.flat_divide(A, (bm, BK))[None, None, pid_m, None]  # (bm, BK, K/BK)
+        gB = fx.flat_divide(B, (bn, BK))[None, None, pid_n, None]  # (bn, BK, K/BK)
+        gC = fx.flat_divide(C, (bm, bn))[None, None, pid_m, pid_n]
+        thr = mma.thr_slice(tid)
+        ld128 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), f8)
+        lds128 = fx.make_copy_atom(fx.UniversalCopy128b(), f8)
+        ld_s128 = fx.make_copy_atom(fx.rocdl.BufferCopy128b(), fx.Float32)
+        ld_s32 = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), fx.Float32)
+        swz = fx.static(fx.SwizzleType.get(3, 4, 3))  # XOR the 16-byte chunk index with the row
+        sA = fx.make_view(fx.get_dyn_shared(f8), fx.make_composed_layout(swz, fx.make_ordered_layout((bm, BK, 2), (1, 0, 2))))
+        tg = g2s.get_slice(tid)
+        ga_src = tg.partition_S(gA)
+        sa_dst = tg.partition_D(sA)
+        stage_a = fx.make_fragment_like(sa_dst[None, None, None, 0])
+        s2r_a = fx.make_tiled_copy_A(lds128, mma).get_slice(tid)
+        sA_src = s2r_a.partition_S(sA)
+        frag_a = thr.make_fragment_A(sA[None, None, 0])
+        a_r = s2r_a.retile(frag_a)
+        if fx.const_expr(pre):
+            g2r_b = fx.make_tiled_copy_B(ld128, mma).get_slice(tid)
+            gb_src = g2r_b.partition_S(gB)
+            frag_b = thr.make_fragment_B(gB, stages=cfg.b_stages)
+            b_r = g2r_b.retile(frag_b)
+        else:
+            sB = fx.make_view(fx.get_dyn_shared(f8) + b_lds_offset,
+                              fx.make_composed_layout(swz, fx.make_ordered_layout((bn, BK, 2), (1, 0, 2))))  # fmt: skip
+            gb_src = tg.partition_S(gB)
+            sb_dst = tg.partition_D(sB)
+            stage_b = fx.make_fragment_like(sb_dst[None, None, None, 0])
+            s2r_b = fx.make_tiled_copy_B(lds128, mma).get_slice(tid)
+            sB_src = s2r_b.partition_S(sB)
+            frag_b = thr.make_fragment_B(sB[None, None, 0])
+            b_r = s2r_b.retile(frag_b)
+        acc = thr.make_fragment_C(gC)
+        part = thr.make_fragment_C(gC)
+        zero = thr.make_fragment_C(gC)
+
+        # A's scale [kb, m] as a C-shaped (bm, bn, KB) view with N-stride 0; one N strip of it holds a
+        # lane's rows (4 consecutive rows per 16-row strip: one 128-bit load each)
+        cpy_s128 = fx.make_tiled_copy_C(ld_s128, mma).get_slice(tid)
+        sa_view = fx.make_view(fx.get_iter(SA) + pid_m * bm, fx.make_layout((bm, bn, kt_n), (1, 0, fx.get_scalar(SA.stride[0]))))
+        src_sa = cpy_s128.partition_S(sa_view)
+        frag_sa = fx.make_fragment_like(src_sa[None, None, 0, 0])
+        if fx.const_expr(not pre):  # B's 1x128 scale [kb, n]: one value per lane and strip, M-stride 0
+            cpy_s32 = fx.make_tiled_copy_C(ld_s32, mma).get_slice(tid)
+            sbv = fx.make_view(fx.get_iter(SB) + pid_n * bn, fx.make_layout((bm, bn, kt_n), (0, 1, fx.get_scalar(SB.stride[0]))))
+            src_sb = cpy_s32.partition_S(sbv)
+            frag_sb = fx.make_fragment_like(src_sb[None, 0, None, 0])  # (4, RN): a strip's column, 4 times
+        atom = fx.make_mma_atom(fx.rocdl.cdna4.MFMA_Scale(16, 16, 128, f8))
+
+        def flat(t, size):  # a contiguous register slice as a rank-1 fragment (one MFMA operand)
+            return fx.make_view(fx.get_iter(t), fx.make_layout(size, 1))
+
+        zero.fill(0)
+        acc.fill(0)
+        nb0 = (pid_n * bn) // SCALE_BLOCK
+        sb_stride = fx.get_scalar(SB.stride[0])
+
+        def prefetch(kn, s_next):
+            fx.copy(ld128, ga_src[None, None, None, kn], stage_a)
+            if fx.const_expr(pre):
+                if fx.const_expr(cfg.b_stages == 2):
+                    fx.copy(ld128, gb_src[None, None, None, kn], b_r[None, None, None, s_next])
+            else:
+                fx.copy(ld128, gb_src[None, None, None, kn], stage_b)
+
+        def commit(s_next):
+            fx.copy(lds128, stage_a, sa_dst[None, None, None, s_next])
+            if fx.const_expr(not pre):
+                fx.copy(lds128, stage_b, sb_dst[None, None, None, s_next])
+
+        def step(kt, s, last):
+            if fx.const_expr(not last):
+                prefetch(fx.Int32(fx.min(kt + 1, kt_n - 1)), 1 - s)
+            fx.copy(ld_s128, src_sa[None, None, 0, kt], frag_sa)
+            if fx.const_expr(pre):
+                sbs = [fx.rocdl.s_buffer_load(fx.get_iter(SB), (nb0 + blk) * sb_stride + kt).bitcast(fx.Float32)
+                       for blk in sorted(set(sb_blocks))]  # fmt: skip
+                if fx.const_expr(cfg.b_stages == 1):  # this step's B, issued before the A reads from LDS
+                    fx.copy(ld128, gb_src[None, None, None, kt], b_r[None, None, None, 0])
+                bs = s if cfg.b_stages == 2 else 0
+                fb = lambda rn: frag_b[None, rn, 0, bs]  # noqa: E731
+            else:
+                fx.copy(ld_s32, src_sb[None, 0, None, kt], frag_sb)
+                fx.copy(lds128, sB_src[None, None, None, s], b_r)
+                fb = lambda rn: frag_b[None, rn, 0]  # noqa: E731
+            for rm in fx.range_constexpr(rm_n):
+                fx.copy(lds128, sA_src[None, rm, None, s], a_r[None, rm, None])
+                sa = fx.memref_load_vec(flat(frag_sa[None, rm], 4))  # the lane's 4 rows of this strip
+                if fx.const_expr(pre):
+                    sc_blocks = [sa * sb for sb in sbs]  # once per strip and scale block, shared by its N strips
+                for rn in fx.range_constexpr(rn_n):
+                    fx.gemm(atom, flat(part[None, rm, rn], 4), flat(frag_a[None, rm, 0], 32), flat(fb(rn), 32),
+                            flat(zero[None, rm, rn], 4))  # fmt: skip
+                    if fx.const_expr(pre):
+                        sc = sc_blocks[sb_blocks[rn] - min(sb_blocks)]
+                    else:
+                        sbl = fx.memref_load_vec(flat(frag_sb[None, rn], 4))
+                        sc = sa * sbl
+                    a_s, p_s = acc[None, rm, rn], part[None, rm, rn]
+                    pv, av = fx.memref_load_vec(flat(p_s, 4)), fx.memref_load_vec(flat(a_s, 4))
+                    lo = fx.fma(pv.shuffle(pv, [0, 1]), sc.shuffle(sc, [0, 1]), av.shuffle(av, [0, 1]))
+                    hi = fx.fma(pv.shuffle(pv, [2, 3]), sc.shuffle(sc, [2, 3]), av.shuffle(av, [2, 3]))
+                    fx.memref_store_vec(lo.shuffle(hi, [0, 1, 2, 3]), flat(a_s, 4))
+            if fx.const_expr(not last):
+                commit(1 - s)
+                fx.gpu.barrier()
+
+        prefetch(0, 0)  # (with b_stages == 1 this loads A only)
+        commit(0)
+        fx.gpu.barrier()
+        if fx.const_expr(pre):  # K static: the loop runs `unroll` steps per trip, the rest after it
+            kt_static = k // BK
+            u = cfg.unroll
+            for i in range(kt_static // u):
+                for j in fx.range_constexpr(u):
+                    step(u * i + j, j % 2, False)
+            for j in fx.range_constexpr(kt_static % u):
+                step((kt_static // u) * u + j, j % 2, j == kt_static % u - 1)
+        else:  # K (tokens) dynamic, a multiple of 2 * 128
+            for i in range(kt_n // 2):
+                step(2 * i, 0, False)
+                step(2 * i + 1, 1, False)
+
+        store = fx.make_copy_atom(fx.rocdl.BufferCopy16b() if out_bf16 else fx.rocdl.BufferCopy32b(), out_ty)
+        copy_out = fx.make_tiled_copy_C(store, mma).get_slice(tid)
+        if fx.const_expr(out_bf16):
+            out = fx.make_fragment_like(acc, fx.BFloat16)
+            out.store(acc.load().to(fx.BFloat16))
+            fx.copy(store, copy_out.retile(out), copy_out.partition_S(gC))
+        else:
+            fx.copy(store, copy_out.retile(acc), copy_out.partition_S(gC))
+
+    @flyc.jit
+    def launch(A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, SA: fx.Tensor, SB: fx.Tensor, stream: fx.Stream = fx.Stream(None)):  # noqa: B008
+        if fx.const_expr(pre):  # (n, k) -> byte ((n//16)*(K/16) + k//16)*256 + (n%16)*16 + k%16
+            B = fx.Tensor(fx.make_view(fx.get_iter(B), fx.make_layout(((16, n // 16), (16, k // 16)), ((16, 16 * k), (1, 256)))))
+        mma_atom = fx.make_mma_atom(fx.rocdl.cdna4.MFMA_Scale(16, 16, 128, f8))
+        mma = fx.make_tiled_mma(mma_atom, fx.make_layout((wm, wn, 1), (1, wm, 0)))
+        cols = BK // 16  # 16-byte chunks per row
+        rows = threads // cols
+        g2s = fx.make_tiled_copy(
+            fx.make_copy_atom(fx.UniversalCopy128b(), f8),
+            fx.make_layout(((cols, rows), (1, 16)), ((rows * 16, 1), (1, rows))),
+            fx.make_tile(rows, BK),
+        )
+        m_rows = fx.get_scalar(A.shape[0])
+        grid = ((m_rows + (bm - 1)) // bm) * num_pid_n
+        fp8_blockwise_gemm_lds_kernel(A, B, C, SA, SB, mma, g2s).launch(
+            grid=(grid, 1, 1), block=(threads, 1, 1), smem=cfg.lds_bytes, stream=stream
+        )
+
+    return launch
+
+
+def dynamic_args(cfg: TileConfig, a, b, c, sa, sb):
+    """FlyDSL arguments for ``launch`` (torch tensors in): the dims a shape class leaves open marked dynamic."""
+    import flydsl.compiler as flyc
+
+    t = flyc.from_torch_tensor
+    if cfg.b_layout == "preshuffle16":  # M dynamic
+        return (t(a).mark_shape_dynamic(0), t(b), t(c).mark_shape_dynamic(0),
+                t(sa).mark_layout_dynamic(leading_dim=1, divisibility=4), t(sb))  # fmt: skip
+    # wgrad: K (tokens) dynamic in A, B; scales [KB, pad4(.)] with KB dynamic
+    return (t(a).mark_layout_dynamic(leading_dim=1, divisibility=16), t(b).mark_layout_dynamic(leading_dim=1, divisibility=16),
+            t(c), t(sa).mark_shape_dynamic(0), t(sb).mark_shape_dynamic(0))  # fmt: skip
+
+
+def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
+    """The kernel's arithmetic in torch, walking its schedule: ``C [M, n_out]`` fp32 from FP8 ``a`` [M, K],
+    ``b`` (``cfg.b_layout``: preshuffled bytes [n_out, K] or K-major) and TE-layout scales.
+
+    Mirrors the index math, not the lanes: the L2-grouped tile walk (``tile_of``), each wave's 16x16
+    strips (wave ``(i, j)`` of ``waves_m x waves_n`` owns rows ``16 (i + waves_m r)`` and columns
+    ``16 (j + waves_n c)`` of its tile), B gathered from the preshuffled bytes at the kernel's
+    addresses, the scale block each strip uses (``strip_scale_block``), and the buffer bounds (reads
+    past an operand's end give 0, rows past M are not stored). Per 128-K step: fp32 partial, then
+    ``acc = fma(partial, sa * sb, acc)`` (the fma in float64, rounded once)."""
+    import torch
+
+    from ...preshuffle import preshuffle_offset
+
+    m, k = a.shape
+    a_flat, b_flat = a.float().flatten(), b.float().flatten()
+    sa_flat, sb_flat = sa.flatten(), sb.flatten()
+
+    def gather(flat, idx):  # a bounds-checked buffer load
+        ok = idx < flat.numel()
+        return torch.where(ok, flat[idx.clamp(max=flat.numel() - 1)], torch.zeros((), dtype=flat.dtype))
+
+    out = torch.full((m, n_out), float("nan"))
+    num_pid_m, num_pid_n = -(-m // cfg.bm), n_out // cfg.bn
+    seen = set()
+    kk = torch.arange(BK)
+    for pid in range(num_pid_m * num_pid_n):
+        pm, pn = tile_of(pid, num_pid_m, num_pid_n, cfg.group_m)
+        assert (pm, pn) not in seen and 0 <= pm < num_pid_m and 0 <= pn < num_pid_n, (pid, pm, pn)
+        seen.add((pm, pn))
+        for wi in range(cfg.waves_m):
+            for wj in range(cfg.waves_n):
+                for r in range(cfg.rm):
+                    rows = pm * cfg.bm + 16 * (wi + cfg.waves_m * r) + torch.arange(16)
+                    for c in range(cfg.rn):
+                        cols = pn * cfg.bn + 16 * (wj + cfg.waves_n * c) + torch.arange(16)
+                        acc = torch.zeros(16, 16, dtype=torch.float32)
+                        for kt in range(k // BK):
+                            kg = kt * BK + kk
+                            av = gather(a_flat, rows[:, None] * k + kg[None, :])
+                            if cfg.b_layout == "preshuffle16":
+                                bv = gather(b_flat, preshuffle_offset(cols[:, None], kg[None, :], k))
+                                blk = (pn * cfg.bn) // SCALE_BLOCK + strip_scale_block(cfg, c)
+                                assert torch.all(cols // SCALE_BLOCK == blk), "strip straddles a scale block"
+                                s_b = gather(sb_flat, torch.tensor([blk * sb.stride(0) + kt])).expand(16)
+                            else:
+                                bv = gather(b_flat, cols[:, None] * k + kg[None, :])
+                                s_b = gather(sb_flat, kt * sb.stride(0) + cols)
+                            s_a = gather(sa_flat, kt * sa.stride(0) + rows)
+                            part = (av.double() @ bv.double().t()).float()  # exact for E4M3, as the reference
+                            scale = s_a[:, None] * s_b[None, :]
+                            acc = (part.double() * scale.double() + acc.double()).float()
+                        keep = rows < m
+                        out[rows[keep][:, None], cols[None, :]] = acc[keep]
+    assert len(seen) == num_pid_m * num_pid_n
+    return out
+
+
+def fwd_config(n_out: int) -> TileConfig:
+    """fprop/dgrad tile for an output of ``n_out`` columns: 128x256 (8 waves) where it divides, else 128x128."""
+    return FWD_128x256 if n_out % FWD_128x256.bn == 0 else FWD_128x128
+
+
+def weight_fits(n: int, k: int) -> bool:
+    """Whether a weight [N, K] is served by these kernels (fprop's and dgrad's outputs whole 128-column
+    tiles, both contractions whole 128-K blocks); the weight cache then holds it preshuffled."""
+    return n > 0 and k > 0 and n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
+
+
+def wgrad_fits(n: int, k: int, tokens: int) -> bool:
+    """Whether wgrad dW [N, K] over ``tokens`` runs the 256x128 LDS kernel (tokens a multiple of 256)."""
+    return n % WGRAD_256x128.bm == 0 and k % WGRAD_256x128.bn == 0 and tokens > 0 and tokens % (2 * BK) == 0
+
+
+_launchers: dict = {}
+
+
+def _launcher(cfg: TileConfig, n: int, k: int | None, m: int | None, out_bf16: bool):
+    key = (cfg, n, k, m, out_bf16)
+    if key not in _launchers:
+        _launchers[key] = build_kernel(cfg, n, k, m=m, out_bf16=out_bf16)
+    return _launchers[key]
+
+
+def blockwise_gemm_lds(a, a_scale_inv, b, b_scale_inv, *, cfg: TileConfig, out_dtype, bias=None, accumulate_into=None):
+    """``C = A @ B^T`` on the LDS kernel ``cfg`` (contract of the Triton ``blockwise_gemm``; B preshuffled
+    for ``cfg.b_layout == "preshuffle16"``). One binary per (tile, N, K) for fprop/dgrad (any M) and
+    per (M, N) for wgrad (tokens a multiple of 256)."""
+    import torch
+
+    m, k = a.shape
+    n = b.shape[0]
+    direct = bias is None and accumulate_into is None and out_dtype in (torch.bfloat16, torch.float32)
+    c = torch.empty(m, n, dtype=out_dtype if direct else torch.float32, device=a.device)
+    bf16 = c.dtype == torch.bfloat16
+    launch = _launcher(cfg, n, k, None, bf16) if cfg.b_layout == "preshuffle16" else _launcher(cfg, n, None, m, bf16)
+    launch(*dynamic_args(cfg, a, b, c, a_scale_inv, b_scale_inv))
+    if direct:
+        return c
+    if accumulate_into is not None:
+        return accumulate_into.add_(c)
+    return c.add_(bias.float()).to(out_dtype) if bias is not None else c.to(out_dtype)

@@ -1,0 +1,102 @@
+"""128x128 weight quantization into FlyDSL's (16, 16) preshuffled layout (``preshuffle.py``): one
+HBM read of W [N, K] writes W (fprop) and W^T (dgrad), both preshuffled, with TE-layout scales.
+
+A program owns one 128x128 block: it loads the block once, takes its amax, quantizes it and stores
+each FP8 byte twice, at its preshuffled offset in W and in W^T
+(no register transpose: W^T's offsets are computed from the same (n, k) coordinates). The scales
+are those of ``quantize_weight.py`` (TE's 2D layouts, W^T's the transpose), the FP8 values bit for
+bit those of the K-major kernel and of the reference backend.
+
+Shapes: ``N % 32 == 0`` and ``K % 32 == 0`` (both copies must fit the layout; blocks at the edge of a
+dim that is not a multiple of 128 are masked). Others raise ValueError: use the K-major quantizer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...preshuffle import PRESHUFFLE16, check_preshuffle_shape
+from ...recipe import BLOCK, QuantParams
+from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
+from .launch import FastLauncher
+from .quantize_act import MAX_GRID_Y
+from .quantize_weight import MAX_DIM
+from .scales import max_nan, scale_and_inverse
+
+NUM_WARPS = 8
+NUM_STAGES = 3  # passed explicitly so that the AOT check (tools/aot_triton.py) compiles the binary that runs
+
+
+@triton.jit
+def _quantize_128x128_preshuffle_kernel(
+    w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max,
+    POW2: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n0 = pid_n * BLOCK
+    k0 = pid_k * BLOCK
+    r = tl.arange(0, BLOCK)  # n within the block
+    c = tl.arange(0, BLOCK)  # k within the block
+    full = (n0 + BLOCK <= N) & (k0 + BLOCK <= K)
+    mask = (n0 + r < N)[:, None] & (k0 + c < K)[None, :]
+    w_blk = w_ptr + n0.to(tl.int64) * stride_wn + k0
+    # preshuffled byte of (n, k) in W [N, K]:   ((n//16)*(K/16) + k//16)*256 + (n%16)*16 + k%16
+    # and in W^T [K, N]:                         ((k//16)*(N/16) + n//16)*256 + (k%16)*16 + n%16
+    # n0, k0 are multiples of 128, so each splits into a 64-bit block base and a 32-bit in-block part
+    q_blk = q_ptr + n0.to(tl.int64) * K + k0.to(tl.int64) * 16
+    qt_blk = qt_ptr + k0.to(tl.int64) * N + n0.to(tl.int64) * 16
+    off_q = (r // 16)[:, None] * (16 * K) + (c // 16)[None, :] * 256 + (r % 16)[:, None] * 16 + (c % 16)[None, :]
+    off_qt = (c // 16)[None, :] * (16 * N) + (r // 16)[:, None] * 256 + (c % 16)[None, :] * 16 + (r % 16)[:, None]
+    if full:
+        x = tl.load(w_blk + r[:, None] * stride_wn + c[None, :])
+    else:
+        x = tl.load(w_blk + r[:, None] * stride_wn + c[None, :], mask=mask, other=0.0)
+    amax = tl.reduce(tl.reduce(tl.abs(x.to(tl.float32)), 1, max_nan), 0, max_nan)  # NaN-propagating
+    scale, s_inv = scale_and_inverse(amax, fp8_max, amax_eps, in_max, POW2)
+    q = (scale * x.to(tl.float32)).to(q_ptr.dtype.element_ty)
+    if full:
+        tl.store(q_blk + off_q, q)
+        tl.store(qt_blk + off_qt, q)
+    else:
+        tl.store(q_blk + off_q, q, mask=mask)
+        tl.store(qt_blk + off_qt, q, mask=mask)
+    tl.store(s_ptr + pid_n * stride_s + pid_k, s_inv)
+    tl.store(st_ptr + pid_k * stride_st + pid_n, s_inv)
+
+
+_launch = FastLauncher(_quantize_128x128_preshuffle_kernel)
+
+
+def quantize_128x128_preshuffled(w: torch.Tensor, params: QuantParams, *, num_warps: int = NUM_WARPS) -> BlockwiseFp8Tensor:
+    """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, preshuffled, in one pass.
+
+    Returns a ``BlockwiseFp8Tensor`` with ``layout="preshuffle16"``: ``rowwise_data`` [N, K] and
+    ``columnwise_data`` [K, N] in the (16, 16) byte order, scales in TE's layouts."""
+    assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
+    n, k = w.shape
+    check_preshuffle_shape(n, k, "weight W")
+    check_preshuffle_shape(k, n, "weight W^T")
+    if max(n, k) >= MAX_DIM:
+        raise ValueError(f"weight is [{n}, {k}]: in-block offsets are 32-bit, so N and K must stay below {MAX_DIM}")
+    if k > MAX_GRID_Y:
+        raise ValueError(f"weight is [{n}, {k}]: K's {ceil_div(k, BLOCK)} blocks exceed the 65535 programs of a "
+                         f"grid's second axis (K <= {MAX_GRID_Y})")  # fmt: skip
+    dev, f8 = w.device, params.fp8_dtype
+    q = torch.empty(n, k, dtype=f8, device=dev)
+    qt = torch.empty(k, n, dtype=f8, device=dev)
+    s = torch.ones(scale_inv_shape(n, k, 2), dtype=torch.float32, device=dev)
+    st = torch.ones(scale_inv_shape(k, n, 2), dtype=torch.float32, device=dev)
+    grid = (ceil_div(n, BLOCK), ceil_div(k, BLOCK))
+    _launch(
+        grid, w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
+        params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
+        params.pow2_scales, BLOCK,  # POW2, BLOCK
+        num_warps=num_warps, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return BlockwiseFp8Tensor(
+        (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st,
+        layout=PRESHUFFLE16,
+    )  # fmt: skip

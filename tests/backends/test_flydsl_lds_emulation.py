@@ -1,0 +1,81 @@
+"""The LDS-staged FlyDSL GEMMs' index arithmetic, executed on the CPU: ``gemm_lds.emulate`` walks the
+kernel's L2-grouped tile schedule and its waves' 16x16 strips, gathers B at the kernel's preshuffled
+addresses, picks each strip's 128x128 scale block as the kernel does and applies the buffer bounds
+(ragged M); its result must match the reference backend's blockwise GEMM. The FlyDSL kernels
+themselves cannot run here (no AMD GPU): tests/tools/test_flydsl_aot.py compiles them for gfx950."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_fp8_plugin import QuantParams
+from primus_fp8_plugin.backends.flydsl import gemm_lds as G
+from primus_fp8_plugin.backends.reference import ReferenceBackend
+from primus_fp8_plugin.preshuffle import preshuffle
+
+from ..conftest import make_input
+
+REF = ReferenceBackend()
+E4M3 = torch.float8_e4m3fn
+
+
+def _close(ours, ref):
+    assert not torch.isnan(ours).any(), "a tile was never written"
+    torch.testing.assert_close(ours, ref, rtol=2e-6, atol=1e-6 * ref.abs().max().item())
+
+
+SHAPES = [("FWD_128x128", 200, 256, 384), ("FWD_128x256", 77, 256, 256), ("FWD_128x128", 900, 128, 128)]
+
+
+@pytest.mark.parametrize("cfg_name,m,n,k", SHAPES)
+def test_fprop_schedule_preshuffle_addressing_and_ragged_m(cfg_name, m, n, k):
+    cfg = getattr(G, cfg_name)
+    if m > 800:  # 8 M tiles: L2 groups of 3, 3, 2
+        cfg = G.TileConfig(cfg.bm, cfg.bn, cfg.waves, cfg.b_layout, waves_m=cfg.waves_m, group_m=3)
+    x = REF.quantize_act(make_input((m, k), seed=m), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
+    w = REF.quantize_weight(make_input((n, k), seed=n + 1), QuantParams(E4M3, 2))
+    ours = G.emulate(cfg, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data), w.rowwise_scale_inv, n_out=n)
+    _close(ours, REF.gemm_fwd(x, w, None, torch.float32))
+
+
+def test_dgrad_reads_the_preshuffled_transpose():
+    m, n, k = 130, 384, 256  # W [n, k]; dgrad's B is W^T [k, n], its output has k columns
+    dy = REF.quantize_act(make_input((m, n), seed=5), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
+    w = REF.quantize_weight(make_input((n, k), seed=6), QuantParams(E4M3, 2))
+    ours = G.emulate(G.FWD_128x256, dy.rowwise_data, dy.rowwise_scale_inv, preshuffle(w.columnwise_data),
+                     w.columnwise_scale_inv, n_out=k)  # fmt: skip
+    _close(ours, REF.gemm_dgrad(dy, w, torch.float32))
+
+
+def test_wgrad_k_major_column_scales():
+    t, n, k = 512, 256, 128  # tokens, W [n, k]
+    p = QuantParams(E4M3, 1)
+    dy = REF.quantize_act(make_input((t, n), seed=7), p, rowwise=False, columnwise=True)
+    x = REF.quantize_act(make_input((t, k), seed=8), p, rowwise=False, columnwise=True)
+    ours = G.emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+                     x.columnwise_scale_inv, n_out=k)  # fmt: skip
+    _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
+
+
+def test_emulation_catches_a_wrong_address():
+    """The check can fail: K-major bytes read as if preshuffled give a different product."""
+    m, n, k = 64, 128, 128
+    x = REF.quantize_act(make_input((m, k), seed=9), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
+    w = REF.quantize_weight(make_input((n, k), seed=10), QuantParams(E4M3, 2))
+    wrong = G.emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv, n_out=n)
+    assert not torch.allclose(wrong, REF.gemm_fwd(x, w, None, torch.float32), rtol=1e-3)
+
+
+def test_tile_order_covers_every_tile_once_in_groups():
+    for num_m, num_n, g in [(7, 3, 4), (1, 5, 8), (16, 2, 8), (9, 1, 2)]:
+        tiles = [G.tile_of(p, num_m, num_n, g) for p in range(num_m * num_n)]
+        assert sorted(tiles) == [(i, j) for i in range(num_m) for j in range(num_n)]
+        assert all(tiles[p][0] // g == p // (g * num_n) for p in range(num_m * num_n))  # a group's M tiles come first
+
+
+def test_configs_reject_tiles_that_do_not_split():
+    with pytest.raises(ValueError, match="does not split"):
+        G.TileConfig(128, 80, 4, "preshuffle16").check()
+    with pytest.raises(ValueError, match="b_layout"):
+        G.TileConfig(128, 128, 4, "nk").check()

@@ -1,0 +1,35 @@
+"""The preshuffled weight quantizer (Triton) compiled for this GPU, bit for bit against a torch
+permutation of the reference backend's copies (runs on any CUDA/ROCm GPU, not only MI355X)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_fp8_plugin import QuantParams
+from primus_fp8_plugin.backends.reference import ReferenceBackend
+from primus_fp8_plugin.preshuffle import preshuffle
+
+from ..conftest import make_input
+
+pytestmark = pytest.mark.gpu
+REF = ReferenceBackend()
+
+
+@pytest.mark.parametrize("n,k", [(256, 384), (160, 96), (4096, 1024), (1056, 4128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_preshuffled_copies_bit_exact(n, k, dtype, fp8):
+    from primus_fp8_plugin.backends.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
+
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    w = make_input((n, k), dtype=dtype, seed=n * k)
+    w[5, 7] = float("nan")
+    p = QuantParams(fp8, 2)
+    ours, ref = quantize_128x128_preshuffled(w.cuda(), p), REF.quantize_weight(w, p)
+    u8 = lambda t: t.cpu().view(torch.uint8)  # noqa: E731
+    assert torch.equal(u8(ours.rowwise_data), preshuffle(ref.rowwise_data).view(torch.uint8))
+    assert torch.equal(u8(ours.columnwise_data), preshuffle(ref.columnwise_data).view(torch.uint8))
+    assert torch.equal(ours.rowwise_scale_inv.cpu().view(torch.int32), ref.rowwise_scale_inv.view(torch.int32))
+    assert torch.equal(ours.columnwise_scale_inv.cpu().view(torch.int32), ref.columnwise_scale_inv.view(torch.int32))
