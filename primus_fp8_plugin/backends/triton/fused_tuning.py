@@ -69,8 +69,7 @@ BWD = {
     "base": BwdConfig(unroll=1, width=128, sub=16, reverse=False, warps=4, colsum_cols=32),
     "base_u4": BwdConfig(unroll=4, width=128, sub=16, reverse=True, warps=4, colsum_cols=16),
     "wide": BwdConfig(unroll=1, width=1024, sub=4, reverse=False, warps=4, colsum_cols=16, stages=1),
-    "wide_loop": BwdConfig(unroll=1, width=1024, sub=4, reverse=True, warps=4, colsum_cols=16, pair_loop=True,
-                           stages=1),
+    "wide_loop": BwdConfig(unroll=1, width=1024, sub=4, reverse=True, warps=4, colsum_cols=16, pair_loop=True, stages=1),
 }
 GLUON = {
     "base": GluonConfig(parts=1),

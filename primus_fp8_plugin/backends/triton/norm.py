@@ -4,8 +4,9 @@ to FP8 directly) and backward, bit for bit ``reference_fused.py``.
 Forward, two kernels:
 
 1. ``_stats_kernel``: a program per few rows walks the row in 128-column chunks (several loaded per
-   loop step: ``fused_tuning.StatsConfig``), one lane per column of a chunk (LayerNorm: a Welford update per lane; RMSNorm: a running sum of
-   squares), then merges the 128 lanes pairwise: mean (LayerNorm) and rstd, fp32 [M]. One read of x.
+   loop step: ``fused_tuning.StatsConfig``), one lane per column of a chunk (LayerNorm: a Welford
+   update per lane; RMSNorm: a running sum of squares), then merges the 128 lanes pairwise: mean
+   (LayerNorm) and rstd, fp32 [M]. One read of x.
 2. ``fused_act``'s kernels, tile-parallel over 128x128 tiles: the output ``xhat * gamma (+ beta)``
    rounded to x's dtype, then either written (``norm_fwd``) or quantized to the rowwise 1x128 and
    columnwise 128x1 FP8 copies with their scales (``quantize_norm_act``): a second read of x and the
