@@ -87,12 +87,11 @@ def _norm_specs() -> list[dict]:
                                [r"sqrt\.rn\.f32", r"div\.rn\.f32"], [r"v_sqrt_f32|v_div_scale_f32"]))  # fmt: skip
         sig = ("dy_ptr:*bf16 x_ptr:*bf16 mean_ptr:*fp32 rstd_ptr:*fp32 gamma_ptr:*bf16 dx_ptr:*bf16 pg_ptr:*fp32 "
                "pb_ptr:*fp32 c_ptr:*fp32 M:i32 H:i32 stride_dy:i32 stride_x:i32 RMS:constexpr DGAMMA:constexpr "
-               "DBETA:constexpr G:constexpr U:constexpr W:constexpr SUB:constexpr REVERSE:constexpr "
-               "PAIR_LOOP:constexpr")  # fmt: skip
+               "DBETA:constexpr G:constexpr U:constexpr W:constexpr SUB:constexpr REVERSE:constexpr")  # fmt: skip
         g = norm.NORM_BWD_ROWS
         for vname, cfg in fused_tuning.BWD.items():
             cons = {"RMS": rms, "DGAMMA": True, "DBETA": not rms, "G": g, "U": cfg.unroll, "W": cfg.width,
-                    "SUB": cfg.sub, "REVERSE": cfg.reverse, "PAIR_LOOP": cfg.pair_loop}  # fmt: skip
+                    "SUB": cfg.sub, "REVERSE": cfg.reverse}  # fmt: skip
             specs.append(_spec(f"norm_bwd[{kind},bf16,{vname}]", norm._bwd_kernel, sig, cons, cfg.warps, cfg.stages,
                                [r"div\.rn\.f32", _CVT["bf16"]], [r"v_div_scale_f32"]))  # fmt: skip
     sig = "p_ptr:*fp32 out_ptr:*bf16 NG:i32 H:i32 N:constexpr"

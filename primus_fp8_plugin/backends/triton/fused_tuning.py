@@ -34,11 +34,10 @@ class BwdConfig:
     of the second pass (dx and the group's column sums), taken ``sub`` rows at a time (4, 8 or 16);
     a width of 256 * warps puts all ``sub`` rows of 8 columns in one thread, so the column sums need
     no exchange between threads (at most ``width`` = the row length rounded up to a power of 2 is
-    used); ``reverse``: the
-    second pass walks the row backwards, starting with the columns the first pass read last (still in
-    L2); ``warps``; ``colsum_cols``: columns per program of the kernel that sums the groups;
-    ``pair_loop``: the ``sub``-row blocks two at a time in a loop (fewer live registers); ``stages``:
-    Triton's ``num_stages`` (software pipelining of the loops' loads, which costs registers)."""
+    used); ``reverse``: the second pass walks the row backwards, starting with the columns the first
+    pass read last (still in L2); ``warps``; ``colsum_cols``: columns per program of the kernel that
+    sums the groups; ``stages``: Triton's ``num_stages`` (software pipelining of the loops' loads,
+    which costs registers)."""
 
     unroll: int
     width: int
@@ -46,18 +45,25 @@ class BwdConfig:
     reverse: bool
     warps: int
     colsum_cols: int
-    pair_loop: bool = False
     stages: int = 3
 
 
 @dataclass(frozen=True)
 class GluonConfig:
     """``fused_act_gluon``'s kernel: ``parts`` = 1 produces the 128x128 tile at once, 2 in two 128x64
-    column halves (half the live registers while the producer runs: SwiGLU's needs ~190 at once, one
-    program per SM); ``maxnreg``: the register cap passed to the compiler (None: its choice)."""
+    column halves (fewer live registers while the producer runs: SwiGLU's needs ~190 at once, one
+    program per SM). ``swiglu_maxnreg`` / ``norm_maxnreg``: the register cap passed to the compiler
+    for 2-byte inputs writing both FP8 copies (the training case; checked spill-free ahead of time by
+    ``tools.aot_triton --gluon fused_act``); None, and every other case: the compiler's choice."""
 
     parts: int
-    maxnreg: int | None = None
+    swiglu_maxnreg: int | None = None
+    norm_maxnreg: int | None = None
+
+    def maxnreg(self, swiglu: bool, element_size: int, rowwise: bool, columnwise: bool) -> int | None:
+        if element_size != 2 or not (rowwise and columnwise):
+            return None
+        return self.swiglu_maxnreg if swiglu else self.norm_maxnreg
 
 
 STATS = {
@@ -69,16 +75,14 @@ BWD = {
     "base": BwdConfig(unroll=1, width=128, sub=16, reverse=False, warps=4, colsum_cols=32),
     "base_u4": BwdConfig(unroll=4, width=128, sub=16, reverse=True, warps=4, colsum_cols=16),
     "wide": BwdConfig(unroll=1, width=1024, sub=4, reverse=False, warps=4, colsum_cols=16, stages=1),
-    "wide_loop": BwdConfig(unroll=1, width=1024, sub=4, reverse=True, warps=4, colsum_cols=16, pair_loop=True, stages=1),
 }
 GLUON = {
     "base": GluonConfig(parts=1),
-    "halves": GluonConfig(parts=2),
-    "halves_r128": GluonConfig(parts=2, maxnreg=128),
+    "halves": GluonConfig(parts=2, swiglu_maxnreg=128),
 }
 TABLES = {"stats": STATS, "bwd": BWD, "gluon": GLUON}
 
-ACTIVE = {"stats": "u4", "bwd": "wide_loop", "gluon": "halves"}
+ACTIVE = {"stats": "u4", "bwd": "wide", "gluon": "halves"}
 """The variant each kernel launches (names in ``TABLES``)."""
 
 

@@ -114,14 +114,12 @@ def _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, rows, col
 @triton.jit
 def _bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, gamma_ptr, dx_ptr, pg_ptr, pb_ptr, c_ptr, M, H, stride_dy, stride_x,
                 RMS: tl.constexpr, DGAMMA: tl.constexpr, DBETA: tl.constexpr, G: tl.constexpr,
-                U: tl.constexpr, W: tl.constexpr, SUB: tl.constexpr, REVERSE: tl.constexpr,
-                PAIR_LOOP: tl.constexpr):  # fmt: skip
+                U: tl.constexpr, W: tl.constexpr, SUB: tl.constexpr, REVERSE: tl.constexpr):  # fmt: skip
     """G rows (a column-sum group). Pass 1: U chunks of 128 columns per step, the row sums in the
     spec's per-lane order, c2 and c1 stored to ``c_ptr`` ([2, M] fp32) for pass 2. Pass 2: W columns
     per step (backwards if REVERSE), the group in G / SUB blocks of SUB rows (SUB a power of 2 of
     at least G / 4): dx, and the pairwise tree over the group's rows per column as the trees over
-    the blocks combined pairwise (the top levels of the same tree; PAIR_LOOP: two blocks at a time
-    in a loop, for fewer live registers)."""
+    the blocks combined pairwise (the top levels of the same tree)."""
     pid = tl.program_id(0)
     rows = pid * G + tl.arange(0, G)
     lanes = tl.arange(0, LANES)
@@ -161,31 +159,21 @@ def _bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, gamma_ptr, dx_ptr, pg_ptr, pb
     sub = pid * G + tl.arange(0, SUB)
     cw = tl.arange(0, W)
     steps = tl.cdiv(H, W)
+    last = (steps - 1) * W
     for i in tl.range(0, steps):
         if REVERSE:
-            k0 = (steps - 1 - i) * W
+            k0 = last - i * W
         else:
             k0 = i * W
         cols = k0 + cw
         gamma = tl.load(gamma_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-        if PAIR_LOOP:  # the blocks' trees combined pairwise in a loop: ((t0 + t1) + (t2 + t3)), 2 blocks live
-            pg = tl.zeros([W], dtype=tl.float32)
-            pb = tl.zeros([W], dtype=tl.float32)
-            for j in tl.range(0, NB // 2):
-                pg0, pb0 = _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, sub + 2 * j * SUB, cols,
-                                     M, H, stride_dy, stride_x, RMS, SUB, LEVELS)  # fmt: skip
-                pg1, pb1 = _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, sub + (2 * j + 1) * SUB,
-                                     cols, M, H, stride_dy, stride_x, RMS, SUB, LEVELS)  # fmt: skip
-                pg = tl.where(j == 0, pg0 + pg1, pg + (pg0 + pg1))
-                pb = tl.where(j == 0, pb0 + pb1, pb + (pb0 + pb1))
-        else:
-            pg, pb = _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, sub, cols, M, H, stride_dy,
-                               stride_x, RMS, SUB, LEVELS)  # fmt: skip
-        if NB >= 2 and not PAIR_LOOP:
+        pg, pb = _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, sub, cols, M, H, stride_dy,
+                           stride_x, RMS, SUB, LEVELS)  # fmt: skip
+        if NB >= 2:
             pg1, pb1 = _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, sub + SUB, cols, M, H,
                                  stride_dy, stride_x, RMS, SUB, LEVELS)  # fmt: skip
             pg, pb = pg + pg1, pb + pb1
-        if NB == 4 and not PAIR_LOOP:
+        if NB == 4:
             pg2, pb2 = _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, sub + 2 * SUB, cols, M, H,
                                  stride_dy, stride_x, RMS, SUB, LEVELS)  # fmt: skip
             pg3, pb3 = _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, sub + 3 * SUB, cols, M, H,
@@ -269,7 +257,7 @@ def norm_bwd(dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta):
         width = max(LANES, min(cfg.width, triton.next_power_of_2(h)))
         _launch_bwd((groups,), dy, x, rstd if rms else mean, rstd, gamma, dx, pg if pg is not None else rstd,
                     pb if pb is not None else rstd, c, m, h, dy.stride(0), x.stride(0), rms, bool(need_dgamma),
-                    bool(need_dbeta), NORM_BWD_ROWS, cfg.unroll, width, cfg.sub, cfg.reverse, cfg.pair_loop,
+                    bool(need_dbeta), NORM_BWD_ROWS, cfg.unroll, width, cfg.sub, cfg.reverse,
                     num_warps=cfg.warps, num_stages=cfg.stages, **FP_OPTIONS)  # fmt: skip
     out = []
     for p in (pg, pb):
