@@ -3,7 +3,7 @@
 plus the norm, SwiGLU and RoPE backward passes, with the bytes each contender moves.
 
     python benchmarks/bench_fused.py [--ops norm,swiglu,bwd,rope] [--shapes 8192x4096 ...] [--sustained S]
-                                     [--json out.json]
+                                     [--variants] [--json out.json]
 
 Contenders (triton backend; on Hopper its unfused quantizer is the Gluon kernel):
 
@@ -15,6 +15,12 @@ Contenders (triton backend; on Hopper its unfused quantizer is the Gluon kernel)
 * ``unfused (torch)``: torch's ``F.layer_norm`` / ``F.rms_norm`` / ``F.silu(a) * b`` then the quantizer
   (what a Megatron layer without the fused spec runs);
 * ``copy``: a device-to-device copy of the input (the bandwidth ceiling).
+
+``--variants`` adds every launch variant of the fused kernels (``fused_tuning.py``; all give the same
+bits): ``fused [stats=..,gluon=..]`` for the norms, ``fused [gluon=..]`` for SwiGLU, ``ours [bwd=..]``
+for the norm backward, and the norm's two kernels timed apart, ``stats [..]`` (read x, write the
+statistics) and ``quantize [gluon=..]`` (read x, write both FP8 copies); the plain ``fused`` /
+``ours`` rows run the default variants (``fused_tuning.ACTIVE``).
 
 Columns: ``us`` time per call (``benchlib.Timing``: do_bench median with L2 flushed, or ``--sustained``);
 ``MB``: for the forward rows the bytes the contender's own kernels read and write (each kernel reading
@@ -38,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 from benchmarks.benchlib import Timing, bench_parser, environment, report, require_cuda, shapes_or  # noqa: E402
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.reference_fused import rope_cos_sin  # noqa: E402
+from primus_fp8_plugin.backends.triton import fused_tuning  # noqa: E402
 from primus_fp8_plugin.backends.triton import norm as triton_norm  # noqa: E402
-from primus_fp8_plugin.backends.triton.fused_act import quantize_fused_triton  # noqa: E402
+from primus_fp8_plugin.backends.triton.fused_act import quantize_fused, quantize_fused_triton  # noqa: E402
 from primus_fp8_plugin.backends.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU  # noqa: E402
 from primus_fp8_plugin.backends.triton.sm90 import runs_on  # noqa: E402
 from primus_fp8_plugin.tensor import ceil_div, pad4  # noqa: E402
@@ -55,9 +62,14 @@ def fp8_copies_bytes(m: int, k: int) -> int:
 
 
 def bytes_norm(m: int, h: int, elem: int, how: str) -> int:
-    """HBM bytes of norm + quantization of x [m, h] (elem bytes per element); how: fused / unfused."""
+    """HBM bytes of norm + quantization of x [m, h] (elem bytes per element); how: fused / unfused, or
+    one of the fused path's two kernels: stats / quantize."""
     stats = 8 * m  # mean and rstd, written once and read once (fp32), or rstd only: within 0.1%
     params = 2 * h * elem
+    if how == "stats":  # the statistics kernel alone: read x, write mean and rstd
+        return m * h * elem + stats // 2
+    if how == "quantize":  # the fused quantizer alone: read x, the statistics and gamma/beta, write both FP8 copies
+        return m * h * elem + fp8_copies_bytes(m, h) + stats // 2 + params
     if how == "fused":  # statistics: read x; fused kernel: read x, write both FP8 copies
         return 2 * m * h * elem + fp8_copies_bytes(m, h) + stats + params
     # norm: read x, write y; quantizer: read y, write both FP8 copies
@@ -85,7 +97,26 @@ def bytes_swiglu_bwd(m: int, f: int, elem: int) -> int:
     return 5 * m * f * elem
 
 
-def _norm_rows(timing, be, p, shapes, rows):
+def _in_variant(fn, **names):
+    """``fn`` run with the fused kernels' launch variants ``names`` (kind=name), the defaults restored after."""
+
+    def call():
+        before = dict(fused_tuning.ACTIVE)
+        for kind, name in names.items():
+            fused_tuning.use(kind, name)
+        try:
+            return fn()
+        finally:
+            fused_tuning.ACTIVE.update(before)
+
+    return call
+
+
+def _variant_label(**names) -> str:
+    return ",".join(f"{k}={v}" for k, v in names.items())
+
+
+def _norm_rows(timing, be, p, shapes, rows, variants=False):
     for m, h in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(m, h, device="cuda", generator=g).bfloat16()
@@ -113,10 +144,27 @@ def _norm_rows(timing, be, p, shapes, rows):
             }  # fmt: skip
             if runs_on(x.device):
                 contenders["fused (Triton kernel)"] = (triton_kernel, "fused")
+            fused = contenders["fused"][0]
+            mean, rstd = triton_norm.norm_stats(x, 1e-5, kind)
+            if variants:
+                for sv in fused_tuning.STATS:
+                    for gv in fused_tuning.GLUON:
+                        contenders[f"fused [{_variant_label(stats=sv, gluon=gv)}]"] = (
+                            _in_variant(fused, stats=sv, gluon=gv), "fused")  # fmt: skip
+                for sv in fused_tuning.STATS:
+                    contenders[f"stats [{sv}]"] = (_in_variant(lambda: triton_norm.norm_stats(x, 1e-5, kind), stats=sv),
+                                                   "stats")  # fmt: skip
+
+                def quantize():
+                    return quantize_fused(x, code, p, k=h, mean=mean, rstd=rstd, gamma=w, beta=beta, rowwise=True,
+                                          columnwise=True)  # fmt: skip
+
+                for gv in fused_tuning.GLUON:
+                    contenders[f"quantize [gluon={gv}]"] = (_in_variant(quantize, gluon=gv), "quantize")
             _add(rows, timing, f"{kind}+quant", f"{m}x{h}", contenders, lambda how: bytes_norm(m, h, 2, how), copy_bw)
 
 
-def _swiglu_rows(timing, be, p, shapes, rows):
+def _swiglu_rows(timing, be, p, shapes, rows, variants=False):
     for m, f in shapes:
         hh = torch.randn(m, 2 * f, device="cuda").bfloat16()
         a, b = hh.chunk(2, -1)
@@ -133,10 +181,13 @@ def _swiglu_rows(timing, be, p, shapes, rows):
                 lambda: quantize_fused_triton(hh, OP_SWIGLU, p, k=f, up_offset=f, rowwise=True, columnwise=True),
                 "fused",
             )
+        if variants:
+            for gv in fused_tuning.GLUON:
+                contenders[f"fused [gluon={gv}]"] = (_in_variant(contenders["fused"][0], gluon=gv), "fused")
         _add(rows, timing, "SwiGLU+quant", f"{m}x{f}", contenders, lambda how: bytes_swiglu(m, f, 2, how), copy_bw)
 
 
-def _bwd_rows(timing, be, norm_shapes, swiglu_shapes, rows):
+def _bwd_rows(timing, be, norm_shapes, swiglu_shapes, rows, variants=False):
     for m, h in norm_shapes:
         x = torch.randn(m, h, device="cuda").bfloat16()
         dy = torch.randn_like(x)
@@ -152,6 +203,9 @@ def _bwd_rows(timing, be, norm_shapes, swiglu_shapes, rows):
                 "ours": (lambda: be.norm_bwd(dy, x, w, mean, rstd, need_dgamma=True, need_dbeta=beta is not None), None),
                 "torch autograd": (lambda: torch.autograd.grad(y, params, dy, retain_graph=True), None),
             }
+            if variants:
+                for bv in fused_tuning.BWD:
+                    contenders[f"ours [bwd={bv}]"] = (_in_variant(contenders["ours"][0], bwd=bv), None)
             nbytes = bytes_norm_bwd(m, h, 2)
             _add(rows, timing, f"{kind} bwd", f"{m}x{h}", contenders, lambda how: nbytes, None, base="torch autograd")
     for m, f in swiglu_shapes:
@@ -213,6 +267,9 @@ def main() -> int:
     ap = bench_parser(__doc__, "MxH (norms), MxF (SwiGLU) or SxBxHxD (RoPE), for the ops asked")
     ap.add_argument("--ops", default="norm,swiglu,bwd,rope", help="comma-separated: norm, swiglu, bwd, rope")
     ap.add_argument("--backend", default="triton", help="the backend whose fused ops are timed (default triton)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time every launch variant of the fused kernels (fused_tuning.py), and the norm's "
+                         "two kernels apart")  # fmt: skip
     ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
                     help="time each contender back to back for S seconds (benchlib.Timing) instead of do_bench")  # fmt: skip
     args = ap.parse_args()
@@ -227,17 +284,18 @@ def main() -> int:
     rows: list[dict] = []
     with Timing(args.sustained) as timing:
         if "norm" in ops:
-            _norm_rows(timing, be, p, [s for s in given if len(s) == 2] or NORM_SHAPES, rows)
+            _norm_rows(timing, be, p, [s for s in given if len(s) == 2] or NORM_SHAPES, rows, args.variants)
         if "swiglu" in ops:
-            _swiglu_rows(timing, be, p, [s for s in given if len(s) == 2] or SWIGLU_SHAPES, rows)
+            _swiglu_rows(timing, be, p, [s for s in given if len(s) == 2] or SWIGLU_SHAPES, rows, args.variants)
         if "bwd" in ops:
             _bwd_rows(timing, be, [s for s in given if len(s) == 2] or NORM_SHAPES[:2],
-                      [s for s in given if len(s) == 2] or SWIGLU_SHAPES[:2], rows)  # fmt: skip
+                      [s for s in given if len(s) == 2] or SWIGLU_SHAPES[:2], rows, args.variants)  # fmt: skip
         if "rope" in ops:
             _rope_rows(timing, be, [s for s in given if len(s) == 4] or ROPE_SHAPES, rows)
     env = environment()
     env["timing"] = timing.describe()
     env["backend"] = args.backend
+    env["fused variants (default)"] = _variant_label(**fused_tuning.ACTIVE)
     cols = [("op", ""), ("shape", ""), ("impl", ""), ("us", ".1f"), ("MB", ".1f"), ("TB/s", ".2f"), ("% copy", ".0f"),
             ("vs plugin", ".2f"), ("vs torch", ".2f"), ("vs base", ".2f")]  # fmt: skip
     report("bench_fused", env, rows, cols, args)

@@ -604,19 +604,24 @@ def fused_act_variants() -> list[tuple]:
     return out
 
 
-def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise):
-    """Compile one variant for sm_90 without a GPU, as a launch with M, K, the stride multiples of 16 compiles."""
+def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise, tuning=None):
+    """Compile one variant for sm_90 without a GPU, as a launch with M, K, the stride multiples of 16 compiles;
+    ``tuning``: a ``fused_tuning.GluonConfig`` (default: the active one)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from primus_fp8_plugin.backends.triton.fused_act_gluon import NUM_WARPS, _layouts, _quantize_fused_gluon_kernel
+    from primus_fp8_plugin.backends.triton.fused_act_gluon import NUM_WARPS, _layouts, _quantize_fused_gluon_kernel, half_layouts
     from primus_fp8_plugin.backends.triton.fused_math import FP_OPTIONS
+    from primus_fp8_plugin.backends.triton.fused_tuning import gluon_config
+
+    tuning = tuning or gluon_config()
 
     t, f8 = sig_type(in_dtype), sig_type(fp8_dtype)
     sig = {"src_ptr": f"*{t}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}", "col_s_ptr": "*fp32",
            "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "gamma_ptr": f"*{t}", "beta_ptr": f"*{t}", "M": "i32", "K": "i32",
            "M_PAD": "i32", "K_PAD": "i32", "stride_sm": "i32", "up_offset": "i32", "fp8_max": "fp32", "amax_eps": "fp32",
            "in_max": "fp32", "OP": "constexpr", "HAS_BETA": "constexpr", "ROWWISE": "constexpr", "COLWISE": "constexpr",
-           "POW2": "constexpr", "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr"}  # fmt: skip
+           "POW2": "constexpr", "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr",
+           "PARTS": "constexpr", "L2": "constexpr", "LN2": "constexpr"}  # fmt: skip
     lay, lay_n, lt_raw, t_raw = _layouts(torch.finfo(in_dtype).bits // 8)
     names = list(sig)
     divisible_by_16 = ("src_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "mean_ptr", "rstd_ptr", "gamma_ptr",
@@ -624,30 +629,37 @@ def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
     code, has_beta = _FUSED_OPS[op]
     cons = {"OP": code, "HAS_BETA": has_beta, "ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "L": lay,
-            "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw}  # fmt: skip
+            "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw, "PARTS": tuning.parts, "L2": half_layouts()[0],
+            "LN2": half_layouts()[1]}  # fmt: skip
     src = GluonASTSource(fn=_quantize_fused_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": NUM_WARPS, **FP_OPTIONS})
+    options = {"num_warps": NUM_WARPS, **FP_OPTIONS}
+    cap = tuning.maxnreg(code == OP_SWIGLU, torch.finfo(in_dtype).bits // 8, rowwise, columnwise)
+    if cap is not None:
+        options["maxnreg"] = cap
+    return triton.compile(src, target=TARGETS["sm90"], options=options)
 
 
 def check_fused_act_quant(verbose: bool = True) -> bool:
-    """Compile and check every variant (``check_quantizer_variants``) of fused_act_gluon.py, and that no FMA was contracted."""
+    """Compile and check every variant (``check_quantizer_variants``) of fused_act_gluon.py, for each of its
+    launch variants (``fused_tuning.GLUON``), and that no FMA was contracted."""
+    from primus_fp8_plugin.backends.triton import fused_tuning
 
     def name(v):
-        return f"{v[0]}:{sig_type(v[1])}->{sig_type(v[2])}:row={int(v[4])}:col={int(v[5])}"
+        return f"{v[0]}:{sig_type(v[1])}->{sig_type(v[2])}:row={int(v[4])}:col={int(v[5])}:{v[6]}"
 
     def compile_no_fma(*v):
-        kernel = compile_fused_act_variant(*v)
+        kernel = compile_fused_act_variant(*v[:6], tuning=fused_tuning.GLUON[v[6]])
         if "fma.rn.f32" in kernel.asm["ptx"]:
             raise RuntimeError("the PTX holds fma.rn.f32: an FMA was contracted (compile with enable_fp_fusion=False)")
         return kernel
 
     # check_quantizer_variants reads v[1] as the FP8 dtype and v[4] as the columnwise flag: pass it views
-    # of each variant shaped like the act quantizer's (in dtype, fp8 dtype, pow2, row, col) plus the op
-    variants = [(v[1], v[2], v[3], v[4], v[5], v[0]) for v in fused_act_variants()]
+    # of each variant shaped like the act quantizer's (in dtype, fp8 dtype, pow2, row, col) plus the op and tuning
+    variants = [(v[1], v[2], v[3], v[4], v[5], v[0], t) for t in fused_tuning.GLUON for v in fused_act_variants()]
     return check_quantizer_variants(
         variants,
-        lambda i, f, p, r, c, op: compile_no_fma(op, i, f, p, r, c),
-        lambda v: name((v[5], *v[:5])),
+        lambda i, f, p, r, c, op, t: compile_no_fma(op, i, f, p, r, c, t),
+        lambda v: name((v[5], *v[:5], v[6])),
         lambda v: v[4],
         verbose,
     )

@@ -33,7 +33,7 @@ _REGISTRY: dict[str, names.BackendEntry] = dict(names.BACKENDS)  # a copy, so th
 _INSTANCES: dict[str, Backend] = {}
 # Availability cannot change within a process (device, drivers, imports, TRITON_INTERPRET are fixed),
 # and "auto" is resolved on every layer call: answer each (name, device) once.
-_AVAILABILITY: dict[tuple[str, torch.device], Availability] = {}
+_AVAILABILITY: dict[tuple, Availability | str] = {}  # (name, device) -> Availability; ("auto", device, None) -> name
 
 
 def backend_names() -> list[str]:
@@ -84,10 +84,16 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
     """
     dev = _as_device(device)
     if name == "auto":
+        # the choice follows from the cached availabilities: kept beside them (a 3-tuple key, so that it
+        # never answers backend_availability), and dropped with them
+        chosen = _AVAILABILITY.get(("auto", dev, None))
+        if chosen is not None:
+            return _INSTANCES[chosen]
         reasons = []
         for candidate in backend_names():
             avail = backend_availability(candidate, dev)
             if avail and avail.auto:
+                _AVAILABILITY[("auto", dev, None)] = candidate
                 return _INSTANCES[candidate]
             reasons.append(f"{candidate}: {avail.reason or 'not chosen automatically'}")
         raise BackendUnavailableError(f"no backend can run on {dev}: " + "; ".join(reasons))

@@ -7,6 +7,9 @@ bit-exactness on CUDA.
 
 from __future__ import annotations
 
+import os
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -187,6 +190,38 @@ def test_norm_kernels_match_the_spec_bit_for_bit(m, h, dtype, normalization, non
     want = REF.norm_bwd(dy, x, gamma, mean_r, rstd_r, need_dgamma=True, need_dbeta=beta is not None)
     for name, a, b in zip(("dx", "dgamma", "dbeta"), got, want):
         assert_same(a, b, name)
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["stats", "bwd"])
+def test_every_norm_launch_variant_is_the_spec_bit_for_bit(kind):
+    """Each launch variant of the norm statistics and backward kernels (fused_tuning.py) on fresh random
+    ragged shapes: rows not a multiple of 16, rows longer than a variant's column step (several
+    steps, a partial last one) and shorter than one chunk of 128."""
+    from primus_fp8_plugin.backends.triton import fused_tuning
+
+    tri = get_backend("triton", "cpu")
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    for name in fused_tuning.TABLES[kind]:
+        for m, h in ((rng.randint(17, 45), rng.randint(1025, 1400)), (rng.randint(3, 40), rng.randint(40, 300))):
+            normalization = rng.choice(["LayerNorm", "RMSNorm"])
+            dtype = rng.choice([torch.bfloat16, torch.float32])
+            what = f"{kind}={name} {normalization} {dtype} [{m}, {h}] (seed {seed})"
+            x, gamma, beta, dy = norm_inputs(m, h, dtype, seed=rng.randint(0, 2**31))
+            beta = beta if normalization == "LayerNorm" else None
+            y_r, mean_r, rstd_r = REF.norm_fwd(x, gamma, beta, 1e-5, normalization)
+            with fused_tuning.variant(kind, name):
+                if kind == "stats":
+                    y_t, mean_t, rstd_t = tri.norm_fwd(x, gamma, beta, 1e-5, normalization)
+                    assert_same(mean_t, mean_r, f"mean, {what}")
+                    assert_same(rstd_t, rstd_r, f"rstd, {what}")
+                    assert_same(y_t, y_r, f"output, {what}")
+                    continue
+                got = tri.norm_bwd(dy, x, gamma, mean_r, rstd_r, need_dgamma=True, need_dbeta=beta is not None)
+            want = REF.norm_bwd(dy, x, gamma, mean_r, rstd_r, need_dgamma=True, need_dbeta=beta is not None)
+            for part, a, b in zip(("dx", "dgamma", "dbeta"), got, want):
+                assert_same(a, b, f"{part}, {what}")
 
 
 @needs_triton

@@ -107,3 +107,30 @@ def test_weight_quantizer_hints(on_hopper, monkeypatch):
     for n, k, dtype, f8, pow2 in itertools.product(dims, dims, [torch.bfloat16, torch.float32], [E4, E5], [True, False]):
         W.quantize_128x128_gluon(torch.zeros(n, k, dtype=dtype), QuantParams(f8, 2, pow2, 0.0))
     rec.assert_one_key_per_hint(least_hints=16)
+
+
+def test_fused_quantizer_hints(on_hopper, monkeypatch):
+    """The Hopper fused quantizer (norm / SwiGLU producer) over ops, dtypes, flags and its launch variants
+    (fused_tuning.GLUON: the tile in halves and register caps change the binary, so the hint holds them)."""
+    import primus_fp8_plugin.backends.triton.fused_act_gluon as FG
+    from primus_fp8_plugin.backends.triton import fused_tuning
+    from primus_fp8_plugin.backends.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
+
+    rec = _Recorder(FG._launch)
+    monkeypatch.setattr(FG, "_launch", rec)
+    monkeypatch.setattr(FG, "runs_on", lambda device: True)
+    cases = itertools.product([OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU], [16, 272], [16, 400],
+                              [torch.bfloat16, torch.float32], [E4, E5], [(True, True), (True, False), (False, True)],
+                              list(fused_tuning.GLUON))  # fmt: skip
+    for op, m, k, dtype, f8, (row, col), variant in cases:
+        kw = {"k": k}
+        if op == OP_SWIGLU:
+            src, kw["up_offset"] = torch.zeros(m, 2 * k, dtype=dtype), k
+        else:
+            src = torch.zeros(m, k, dtype=dtype)
+            kw.update(rstd=torch.ones(m), gamma=torch.ones(k, dtype=dtype))
+            if op == OP_LAYERNORM:
+                kw.update(mean=torch.zeros(m), beta=torch.zeros(k, dtype=dtype))
+        with fused_tuning.variant("gluon", variant):
+            FG.quantize_fused_gluon(src, op, QuantParams(f8, 1, True, 0.0), rowwise=row, columnwise=col, **kw)
+    rec.assert_one_key_per_hint(least_hints=3 * 2 * 2 * 3 * len(fused_tuning.GLUON))

@@ -9,7 +9,7 @@ later, in SASS).
 
 from __future__ import annotations
 
-from . import fused_act, norm, rope, swiglu
+from . import fused_act, fused_tuning, norm, rope, swiglu
 from .fused_math import FP_OPTIONS
 
 NO_FMA = r"\A(?![\s\S]*fma\.rn\.f32)"
@@ -79,20 +79,25 @@ def _norm_specs() -> list[dict]:
     specs = []
     for rms in (False, True):
         kind = "rmsnorm" if rms else "layernorm"
-        sig = "x_ptr:*bf16 mean_ptr:*fp32 rstd_ptr:*fp32 M:i32 H:i32 stride_xm:i32 eps:fp32 RMS:constexpr R:constexpr"
-        cons = {"RMS": rms, "R": norm.STATS_ROWS}
-        specs.append(_spec(f"norm_stats[{kind},bf16]", norm._stats_kernel, sig, cons, norm.STATS_WARPS, 3,
-                           [r"sqrt\.rn\.f32", r"div\.rn\.f32"], [r"v_sqrt_f32|v_div_scale_f32"]))  # fmt: skip
+        sig = ("x_ptr:*bf16 mean_ptr:*fp32 rstd_ptr:*fp32 M:i32 H:i32 stride_xm:i32 eps:fp32 RMS:constexpr R:constexpr "
+               "U:constexpr")  # fmt: skip
+        for vname, cfg in fused_tuning.STATS.items():
+            cons = {"RMS": rms, "R": cfg.rows, "U": cfg.unroll}
+            specs.append(_spec(f"norm_stats[{kind},bf16,{vname}]", norm._stats_kernel, sig, cons, cfg.warps, 3,
+                               [r"sqrt\.rn\.f32", r"div\.rn\.f32"], [r"v_sqrt_f32|v_div_scale_f32"]))  # fmt: skip
         sig = ("dy_ptr:*bf16 x_ptr:*bf16 mean_ptr:*fp32 rstd_ptr:*fp32 gamma_ptr:*bf16 dx_ptr:*bf16 pg_ptr:*fp32 "
-               "pb_ptr:*fp32 M:i32 H:i32 stride_dy:i32 stride_x:i32 RMS:constexpr DGAMMA:constexpr DBETA:constexpr "
-               "G:constexpr G_LEVELS:constexpr")  # fmt: skip
+               "pb_ptr:*fp32 c_ptr:*fp32 M:i32 H:i32 stride_dy:i32 stride_x:i32 RMS:constexpr DGAMMA:constexpr "
+               "DBETA:constexpr G:constexpr U:constexpr W:constexpr SUB:constexpr REVERSE:constexpr")  # fmt: skip
         g = norm.NORM_BWD_ROWS
-        cons = {"RMS": rms, "DGAMMA": True, "DBETA": not rms, "G": g, "G_LEVELS": g.bit_length() - 1}
-        specs.append(_spec(f"norm_bwd[{kind},bf16]", norm._bwd_kernel, sig, cons, norm.BWD_WARPS, 3,
-                           [r"div\.rn\.f32", _CVT["bf16"]], [r"v_div_scale_f32"]))  # fmt: skip
+        for vname, cfg in fused_tuning.BWD.items():
+            cons = {"RMS": rms, "DGAMMA": True, "DBETA": not rms, "G": g, "U": cfg.unroll, "W": cfg.width,
+                    "SUB": cfg.sub, "REVERSE": cfg.reverse}  # fmt: skip
+            specs.append(_spec(f"norm_bwd[{kind},bf16,{vname}]", norm._bwd_kernel, sig, cons, cfg.warps, cfg.stages,
+                               [r"div\.rn\.f32", _CVT["bf16"]], [r"v_div_scale_f32"]))  # fmt: skip
     sig = "p_ptr:*fp32 out_ptr:*bf16 NG:i32 H:i32 N:constexpr"
-    specs.append(_spec("norm_column_sum[bf16]", norm._column_sum_kernel, sig, {"N": norm.COLSUM_COLS},
-                       norm.COLSUM_WARPS, 3, [_CVT["bf16"]], [r"global_store"]))  # fmt: skip
+    for cols in sorted({cfg.colsum_cols for cfg in fused_tuning.BWD.values()}):
+        specs.append(_spec(f"norm_column_sum[bf16,N={cols}]", norm._column_sum_kernel, sig, {"N": cols},
+                           norm.COLSUM_WARPS, 3, [_CVT["bf16"]], [r"global_store"]))  # fmt: skip
     return specs
 
 

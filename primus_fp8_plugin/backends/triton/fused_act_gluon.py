@@ -14,36 +14,61 @@ Gluon act quantizer's rules) and raises ``GluonUnsupported`` otherwise, before l
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
-from .fused_math import FP_OPTIONS, swiglu_value
+from .fused_math import FP_OPTIONS, OP_SWIGLU, swiglu_value
+from .fused_tuning import gluon_config
 from .launch import FastLauncher, aligned
 from .quantize_act import MAX_DIM, MAX_GRID_Y, dual_outputs
 from .quantize_act_gluon import NUM_WARPS, _layouts
-from .quantize_gluon_tiles import load_tile, store_tile
-from .scales import amax_nan, scale_and_inverse
+from .quantize_gluon_tiles import store_tile
+from .scales import amax_nan, max_nan, scale_and_inverse
 from .sm90 import GluonUnsupported, runs_on
 
 
 @gluon.jit
+def _load(ptr, r0, c0, R, C, stride, NC: gl.constexpr, L: gl.constexpr):
+    """Tile ``[r0:r0+128, c0:c0+NC]`` of a row-major ``[R, C]`` tensor (row stride ``stride``) in
+    layout ``L``, zeros outside (``quantize_gluon_tiles.load_tile`` for NC = 128)."""
+    rr = gl.arange(0, 128, layout=gl.SliceLayout(1, L))
+    rc = gl.arange(0, NC, layout=gl.SliceLayout(0, L))
+    mask = gl.expand_dims(r0 + rr < R, 1) & gl.expand_dims(c0 + rc < C, 0)
+    tile = ptr + r0.to(gl.int64) * stride + c0
+    return gl.load(tile + gl.expand_dims(rr * stride, 1) + gl.expand_dims(rc, 0), mask=mask, other=0.0)
+
+
+@gluon.jit
+def _store(vals, ptr, r0, c0, R, C, NC: gl.constexpr, L: gl.constexpr):
+    """Store ``vals`` ([128, NC], layout ``L``) as ``[r0:r0+128, c0:c0+NC]`` of the contiguous ``[R, C]``
+    tensor at ``ptr``, masked at the edges (``quantize_gluon_tiles.store_tile`` for NC = 128)."""
+    rr = gl.arange(0, 128, layout=gl.SliceLayout(1, L))
+    rc = gl.arange(0, NC, layout=gl.SliceLayout(0, L))
+    mask = gl.expand_dims(r0 + rr < R, 1) & gl.expand_dims(c0 + rc < C, 0)
+    tile = ptr + r0.to(gl.int64) * C + c0
+    gl.store(tile + gl.expand_dims(rr * C, 1) + gl.expand_dims(rc, 0), vals, mask=mask)
+
+
+@gluon.jit
 def _produce_tile(src_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, m0, k0, M, K, stride, up_offset,
-                  OP: gl.constexpr, HAS_BETA: gl.constexpr, L: gl.constexpr):  # fmt: skip
-    """The fused op's output on tile [m0:m0+128, k0:k0+128], rounded to the input dtype, 0 outside."""
+                  OP: gl.constexpr, HAS_BETA: gl.constexpr, NC: gl.constexpr, L: gl.constexpr):  # fmt: skip
+    """The fused op's output on tile [m0:m0+128, k0:k0+NC], rounded to the input dtype, 0 outside."""
     B: gl.constexpr = 128
     ty = src_ptr.dtype.element_ty
     rows = m0 + gl.arange(0, B, layout=gl.SliceLayout(1, L))
-    cols = k0 + gl.arange(0, B, layout=gl.SliceLayout(0, L))
+    cols = k0 + gl.arange(0, NC, layout=gl.SliceLayout(0, L))
     mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < K, 0)
     if OP == 2:
-        a = load_tile(src_ptr, m0, k0, M, K, stride, L).to(gl.float32)
-        b = load_tile(src_ptr + up_offset, m0, k0, M, K, stride, L).to(gl.float32)
+        a = _load(src_ptr, m0, k0, M, K, stride, NC, L).to(gl.float32)
+        b = _load(src_ptr + up_offset, m0, k0, M, K, stride, NC, L).to(gl.float32)
         y = swiglu_value(a, b, ty)
     else:
-        x = load_tile(src_ptr, m0, k0, M, K, stride, L).to(gl.float32)
+        x = _load(src_ptr, m0, k0, M, K, stride, NC, L).to(gl.float32)
         rstd = gl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
         gamma = gl.load(gamma_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
         if OP == 0:
@@ -64,6 +89,7 @@ def _quantize_fused_gluon_kernel(
     M, K, M_PAD, K_PAD, stride_sm, up_offset, fp8_max, amax_eps, in_max,
     OP: gl.constexpr, HAS_BETA: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, POW2: gl.constexpr,
     L: gl.constexpr, LN: gl.constexpr, LT_RAW: gl.constexpr, T_RAW: gl.constexpr,
+    PARTS: gl.constexpr, L2: gl.constexpr, LN2: gl.constexpr,
 ):  # fmt: skip
     B: gl.constexpr = 128
     pid_m = gl.program_id(0)
@@ -71,19 +97,42 @@ def _quantize_fused_gluon_kernel(
     m0 = pid_m * B
     k0 = pid_k * B
 
-    yr = _produce_tile(src_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, m0, k0, M, K, stride_sm, up_offset, OP,
-                       HAS_BETA, L)  # fmt: skip
-
-    if COLWISE:
-        t_raw = gl.allocate_shared_memory(src_ptr.dtype.element_ty, [B, B], T_RAW)
-        t_raw.permute((1, 0)).store(gl.convert_layout(yr, LN, assert_trivial=True))
-
-    if ROWWISE:
-        y = yr.to(gl.float32)
-        scale, s_inv = scale_and_inverse(amax_nan(y, 1), fp8_max, amax_eps, in_max, POW2)
-        store_tile((gl.expand_dims(scale, 1) * y).to(row_q_ptr.dtype.element_ty), row_q_ptr, m0, k0, M, K, L)
-        rows = m0 + gl.arange(0, B, layout=gl.SliceLayout(1, L))
-        gl.store(row_s_ptr + pid_k * M_PAD + rows, gl.where(rows < M, s_inv, 1.0), mask=rows < M_PAD)
+    if PARTS == 1:
+        yr = _produce_tile(src_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, m0, k0, M, K, stride_sm, up_offset, OP,
+                           HAS_BETA, B, L)  # fmt: skip
+        if COLWISE:
+            t_raw = gl.allocate_shared_memory(src_ptr.dtype.element_ty, [B, B], T_RAW)
+            t_raw.permute((1, 0)).store(gl.convert_layout(yr, LN, assert_trivial=True))
+        if ROWWISE:
+            y = yr.to(gl.float32)
+            scale, s_inv = scale_and_inverse(amax_nan(y, 1), fp8_max, amax_eps, in_max, POW2)
+            store_tile((gl.expand_dims(scale, 1) * y).to(row_q_ptr.dtype.element_ty), row_q_ptr, m0, k0, M, K, L)
+            rows = m0 + gl.arange(0, B, layout=gl.SliceLayout(1, L))
+            gl.store(row_s_ptr + pid_k * M_PAD + rows, gl.where(rows < M, s_inv, 1.0), mask=rows < M_PAD)
+    else:
+        # two 128x64 column halves (layouts L2 / LN2: L and LN without their [0, 64] register basis), each
+        # produced, then written transposed into its half of the shared buffer; the row amax is the
+        # NaN-propagating max of the halves' (the same value as the whole tile's)
+        HB: gl.constexpr = B // 2
+        y0 = _produce_tile(src_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, m0, k0, M, K, stride_sm, up_offset, OP,
+                           HAS_BETA, HB, L2)  # fmt: skip
+        if COLWISE:
+            t_raw = gl.allocate_shared_memory(src_ptr.dtype.element_ty, [B, B], T_RAW)
+            t_raw.slice(0, HB, dim=0).permute((1, 0)).store(gl.convert_layout(y0, LN2, assert_trivial=True))
+        y1 = _produce_tile(src_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, m0, k0 + HB, M, K, stride_sm, up_offset,
+                           OP, HAS_BETA, HB, L2)  # fmt: skip
+        if COLWISE:
+            t_raw.slice(HB, HB, dim=0).permute((1, 0)).store(gl.convert_layout(y1, LN2, assert_trivial=True))
+        if ROWWISE:
+            f0 = y0.to(gl.float32)
+            f1 = y1.to(gl.float32)
+            amax = max_nan(amax_nan(f0, 1), amax_nan(f1, 1))
+            scale, s_inv = scale_and_inverse(amax, fp8_max, amax_eps, in_max, POW2)
+            q_ty = row_q_ptr.dtype.element_ty
+            _store((gl.expand_dims(scale, 1) * f0).to(q_ty), row_q_ptr, m0, k0, M, K, HB, L2)
+            _store((gl.expand_dims(scale, 1) * f1).to(q_ty), row_q_ptr, m0, k0 + HB, M, K, HB, L2)
+            rows = m0 + gl.arange(0, B, layout=gl.SliceLayout(1, L2))
+            gl.store(row_s_ptr + pid_k * M_PAD + rows, gl.where(rows < M, s_inv, 1.0), mask=rows < M_PAD)
 
     if COLWISE:
         gl.thread_barrier()  # the only one: the transposed tile is complete
@@ -95,6 +144,18 @@ def _quantize_fused_gluon_kernel(
 
 
 _launch = FastLauncher(_quantize_fused_gluon_kernel)
+
+
+@functools.cache
+def half_layouts():
+    """(L2, LN2): ``transpose_tile_layouts``' L and LN for a 128x64 column half of the tile (their
+    [0, 64] register basis dropped: the same threads hold the same rows and columns of each half)."""
+    reg_c_first = [[0, 1], [0, 2], [0, 4], [1, 0], [2, 0]]
+    reg_r_first = [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]]
+    lanes = [[0, 8], [0, 16], [0, 32], [4, 0], [8, 0]]
+    warps = [[16, 0], [32, 0], [64, 0]]
+    return (gl.DistributedLinearLayout(reg_c_first, lanes, warps, [], [128, 64]),
+            gl.DistributedLinearLayout(reg_r_first, lanes, warps, [], [128, 64]))  # fmt: skip
 
 
 def unsupported_reason(src: torch.Tensor, k: int, params: QuantParams) -> str | None:
@@ -133,15 +194,19 @@ def quantize_fused_gluon(src, op, params, *, k, up_offset=0, mean=None, rstd=Non
         pow2 = bool(params.pow2_scales)
         # what can vary between calls; unsupported_reason fixes the rest (M, K, the stride and so F
         # multiples of 16 below MAX_DIM, pad4(M) == M, a 16-byte aligned source; float scalars)
-        hint = (src.dtype, params.fp8_dtype, op, beta is not None, rowwise, columnwise, pow2,
+        cfg = gluon_config()
+        lay2, lay_n2 = half_layouts()
+        cap = cfg.maxnreg(op == OP_SWIGLU, src.element_size(), rowwise, columnwise)
+        options = {} if cap is None else {"maxnreg": cap}
+        hint = (src.dtype, params.fp8_dtype, op, beta is not None, rowwise, columnwise, pow2, cfg,
                 aligned(row_q, row_s, col_q, col_s, mean, rstd, gamma, beta))  # fmt: skip
         _launch.hinted(
             hint, (ceil_div(m, BLOCK), ceil_div(k, BLOCK)), src, row_q if rowwise else q_any, row_s if rowwise else s_any,
             col_q if columnwise else q_any, col_s if columnwise else s_any, mean if mean is not None else stats, stats,
             gamma if gamma is not None else src, beta if beta is not None else src, m, k, pad4(m), pad4(k),
             src.stride(0), up_offset, params.fp8_max, float(params.amax_epsilon), torch.finfo(src.dtype).max,
-            op, beta is not None, rowwise, columnwise, pow2, lay, lay_n, lt_raw, t_raw,
-            num_warps=NUM_WARPS, **FP_OPTIONS,
+            op, beta is not None, rowwise, columnwise, pow2, lay, lay_n, lt_raw, t_raw, cfg.parts, lay2, lay_n2,
+            num_warps=NUM_WARPS, **options, **FP_OPTIONS,
         )  # fmt: skip
     elif m == 0 and columnwise:
         col_s.fill_(1.0)
