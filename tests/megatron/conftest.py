@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -8,5 +10,6 @@ def megatron_world():
     """A one-process gloo world with Megatron's parallel state (TP=1) and the CPU stand-ins."""
     from primus_fp8_plugin.megatron.cpu import init_cpu_distributed
 
-    init_cpu_distributed(port=29611)
+    # PRIMUS_FP8_TEST_PORT lets two checkouts run this suite side by side
+    init_cpu_distributed(port=int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")))
     yield
