@@ -279,16 +279,17 @@ def _te_dense_per_expert(te, recipe, ws, bias, x, dy, counts):
         with torch.no_grad():
             lin.weight.copy_(ws[i])
             lin.bias.copy_(bias[i])
-        for pad in (0, 16):
+        for pad in (0, 16):  # te.Linear may accept a count in forward and refuse it in wgrad: try both passes
             xi = (_pad(xe, [xe.shape[0]], pad) if pad else xe).clone().requires_grad_(True)
+            lin.weight.grad = lin.bias.grad = None
             try:
                 with _te_autocast(te, recipe):
                     y = lin(xi)
+                y.backward(_pad(dye, [dye.shape[0]], pad) if pad else dye)
                 break
             except (RuntimeError, AssertionError, ValueError):
                 if pad:
                     raise
-        y.backward(_pad(dye, [dye.shape[0]], pad) if pad else dye)
         c = xe.shape[0]
         outs.append(y.detach()[:c]), dxs.append(xi.grad[:c]), dws.append(lin.weight.grad), dbs.append(lin.bias.grad)
     return torch.cat(outs), torch.cat(dxs), torch.stack(dws), torch.stack(dbs)
