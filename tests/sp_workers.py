@@ -16,8 +16,17 @@ from primus_fp8_plugin.sequence_parallel import (
     fp8_sequence_parallel_norm_linear,
     gather_rows,
 )
+from tools.sp_saved_bytes import SavedBytes
 
-from .conftest import make_input
+from .conftest import make_input as _make_input
+
+# set by ``run``: where the ranks compute (the GPU test runs the same checks on cuda:rank with NCCL)
+DEVICE, BACKEND = "cpu", "reference"
+
+
+def make_input(*args, **kw):
+    return _make_input(*args, **kw).to(DEVICE)
+
 
 # (s_local, batch, K, N, bias, main_grad, frozen weight, fp8_format): rows s_local*batch
 CASES = [
@@ -38,31 +47,6 @@ def check_same(a, b, what):
     if a is not None:
         assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
         assert torch.equal(bits(a), bits(b)), f"{what}: bits differ (max |diff| {(a.float() - b.float()).abs().max()})"
-
-
-class SavedBytes:
-    """Bytes of the unique storages autograd saves inside the context (parameters excluded)."""
-
-    def __init__(self):
-        self.storages = {}
-
-    def pack(self, t):
-        if not isinstance(t, torch.nn.Parameter):
-            s = t.untyped_storage()
-            self.storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    @property
-    def nbytes(self):
-        return sum(self.storages.values())
 
 
 def _leaves(rank, s, b, k, n, bias, main_grad, frozen, seed):
@@ -89,7 +73,7 @@ def check_linear(rank, world, case, seed):
 
     recipe = BlockwiseRecipe(fp8_format=fmt)
     dy = make_input((world * s, b, n), seed=seed + 400 + rank, spread=True)
-    kw = dict(recipe=recipe, backend="reference")
+    kw = dict(recipe=recipe, backend=BACKEND)
     leaves = (rank, s, b, k, n, bias, main_grad, frozen, seed)
     new = _run(lambda x, w, bb: fp8_sequence_parallel_linear(x, w, bb, **kw), *_leaves(*leaves), dy)
     old = _run(lambda x, w, bb: fp8_blockwise_linear(gather_rows(x), w, bb, **kw), *_leaves(*leaves), dy)
@@ -113,8 +97,8 @@ def check_norm_linear(rank, world, normalization, zero_centered, s, b, seed):
     k, n = 256, 192
     x, w, bb = _leaves(rank, s, b, k, n, True, False, False, seed)
     g = torch.Generator().manual_seed(seed)
-    gamma = (torch.rand(k, generator=g) + 0.5).bfloat16().requires_grad_(True)
-    beta = torch.randn(k, generator=g).bfloat16().requires_grad_(True) if normalization == "LayerNorm" else None
+    gamma = (torch.rand(k, generator=g) + 0.5).bfloat16().to(DEVICE).requires_grad_(True)
+    beta = torch.randn(k, generator=g).bfloat16().to(DEVICE).requires_grad_(True) if normalization == "LayerNorm" else None
     dy = make_input((world * s, b, n), seed=seed + 400 + rank, spread=True)
     args = dict(normalization=normalization, eps=1e-5, zero_centered_gamma=zero_centered)
     results = []
@@ -123,30 +107,45 @@ def check_norm_linear(rank, world, normalization, zero_centered, s, b, seed):
         gs = gamma.detach().clone().requires_grad_(True)
         be = None if beta is None else beta.detach().clone().requires_grad_(True)
         if fused:
-            y = fp8_sequence_parallel_norm_linear(xs, gs, be, ws, bs, backend="reference", **args)
+            y = fp8_sequence_parallel_norm_linear(xs, gs, be, ws, bs, backend=BACKEND, **args)
         else:
-            normed = norm(xs, normalization, gs, be, 1e-5, zero_centered, backend="reference")
-            y = fp8_blockwise_linear(gather_rows(normed), ws, bs, backend="reference")
+            normed = norm(xs, normalization, gs, be, 1e-5, zero_centered, backend=BACKEND)
+            y = fp8_blockwise_linear(gather_rows(normed), ws, bs, backend=BACKEND)
         y.backward(dy)
         results.append((y.detach(), xs.grad, ws.grad, bs.grad, gs.grad, None if be is None else be.grad))
     for what, a, c in zip(("y", "dx", "dW", "db", "dgamma", "dbeta"), *results):
         check_same(a, c, f"norm_linear {normalization} {what}")
 
 
-def run(rank, world, port, seed):
+def has_fused_norm(backend: str) -> bool:
+    """Whether the backend has the fused norm + quantization kernels (cuBLAS and Hopper GEMM backends do not)."""
+    from primus_fp8_plugin.backends import get_backend
+    from primus_fp8_plugin.backends.base import Backend
+
+    return type(get_backend(backend, torch.device(DEVICE))).quantize_norm_act is not Backend.quantize_norm_act
+
+
+def run(rank, world, port, seed, device="cpu", backend="reference"):
+    """Every check on this rank: gloo on the CPU, or (``device="cuda"``) NCCL on ``cuda:rank``."""
+    global DEVICE, BACKEND
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    DEVICE, BACKEND = (f"cuda:{rank}" if device == "cuda" else "cpu"), backend
+    dist_backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(dist_backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
         for case in CASES:
             check_linear(rank, world, case, seed)
-        check_norm_linear(rank, world, "RMSNorm", False, 128, 1, seed)
-        check_norm_linear(rank, world, "LayerNorm", True, 64, 2, seed)
-        check_norm_linear(rank, world, "LayerNorm", False, 70, 1, seed)  # bf16 gather of the normed shard
+        if has_fused_norm(BACKEND):
+            check_norm_linear(rank, world, "RMSNorm", False, 128, 1, seed)
+            check_norm_linear(rank, world, "LayerNorm", True, 64, 2, seed)
+            check_norm_linear(rank, world, "LayerNorm", False, 70, 1, seed)  # bf16 gather of the normed shard
         # no gradients at all: the forward alone (no columnwise copy), any rows
         with torch.no_grad():
             x, w, bb = _leaves(rank, 3, 5, 256, 128, True, False, False, seed)
-            check_same(fp8_sequence_parallel_linear(x, w, bb, backend="reference"),
-                       fp8_blockwise_linear(gather_rows(x), w, bb, backend="reference"), "no_grad y")  # fmt: skip
+            check_same(fp8_sequence_parallel_linear(x, w, bb, backend=BACKEND),
+                       fp8_blockwise_linear(gather_rows(x), w, bb, backend=BACKEND), "no_grad y")  # fmt: skip
     finally:
         dist.destroy_process_group()
