@@ -87,8 +87,10 @@ def gather_rows(x: torch.Tensor, group=None) -> torch.Tensor:
 def _gather_rowwise(xq: BlockwiseFp8Tensor, group, world: int) -> BlockwiseFp8Tensor:
     """The rowwise copy of the gathered rows from every rank's rowwise copy of its shard."""
     m, k = xq.shape
-    data = _all_gather_rows(xq.rowwise_data, group, world)
-    scales = _all_gather_rows(xq.rowwise_scale_inv.unsqueeze(0), group, world)  # [world, K/128, pad4(m)]
+    data, w1 = _all_gather_rows(xq.rowwise_data, group, world, async_op=True)
+    scales, w2 = _all_gather_rows(xq.rowwise_scale_inv.unsqueeze(0), group, world, async_op=True)  # [world, K/128, pad4(m)]
+    w1.wait()
+    w2.wait()
     kb = scales.shape[1]
     scale_inv = torch.ones((kb, pad4(world * m)), dtype=torch.float32, device=data.device)
     scale_inv[:, : world * m].view(kb, world, m).copy_(scales[:, :, :m].permute(1, 0, 2))
