@@ -15,7 +15,8 @@ Each shape is a 2-layer GPT (the layers are what differ; embedding and output la
 Each model is compared with the BF16 model of the same attention (TE's with te_bf16): loss, speed, and
 gradient agreement (relative Frobenius error of each parameter's gradient; the table gives the worst
 parameter); the plugin's and the BF16 models are also compared with TE. Step time: one forward+backward,
-median of 10 (CUDA events).
+median of 10 (CUDA events); ``step_peak_mib``: that step's peak CUDA memory above what was allocated
+before it (``benchlib.step_peak_mib``: activations, gradients, weight caches, transients).
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks, tools
 
-from benchmarks.benchlib import bench_parser, environment, print_table, require_cuda, save_figure, save_json, try_import_te  # noqa: E402
+from benchmarks.benchlib import (  # noqa: E402
+    bench_parser,
+    environment,
+    print_table,
+    require_cuda,
+    save_figure,
+    save_json,
+    step_peak_mib,
+    try_import_te,
+)
 from primus_fp8_plugin import backend_availability  # noqa: E402
 
 SHAPES = {  # name: (hidden, heads, ffn, seq, micro batch)
@@ -82,26 +92,28 @@ def main() -> int:
                 tc.copy_weights(source, model)
             loss, grads = tc.loss_and_grads(model, ids, pos)
             ms = tc.step_ms(model, ids, pos)
-            results[label, attention] = (loss, grads, ms)
+            peak = step_peak_mib(lambda m=model: m(ids, pos, None, labels=ids).float().mean().backward(),
+                                 lambda m=model: m.zero_grad(set_to_none=True))  # fmt: skip
+            results[label, attention] = (loss, grads, ms, peak)
             if model is not source:
                 del model
             torch.cuda.empty_cache()
         tokens = shape.micro_batch_size * shape.seq_length
-        for (label, attention), (loss, grads, ms) in results.items():
+        for (label, attention), (loss, grads, ms, peak) in results.items():
             # each model against the BF16 model with the same attention (TE's against te_bf16)
-            base_loss, base_grads, base_ms = results[("te_bf16", "te") if attention == "te" else ("bf16", attention)]
+            base_loss, base_grads, base_ms, _ = results[("te_bf16", "te") if attention == "te" else ("bf16", attention)]
             row = {"shape": name, "attention": attention, "model": label, "loss": loss,
                    "loss_vs_bf16_pct": 100 * (loss - base_loss) / base_loss, "step_ms": ms,
-                   "tokens_per_s": tokens / ms * 1e3, "speed_vs_bf16": base_ms / ms}  # fmt: skip
+                   "tokens_per_s": tokens / ms * 1e3, "speed_vs_bf16": base_ms / ms, "step_peak_mib": peak}  # fmt: skip
             if label not in ("bf16", "te_bf16"):
                 row["worst_grad_vs_bf16"] = "{} {:.4f}".format(*tc.worst_grad_error(grads, base_grads))
             if ("te", "te") in results and label != "te":
-                te_loss, te_grads, te_ms = results["te", "te"]
+                te_loss, te_grads, te_ms, _ = results["te", "te"]
                 row["worst_grad_vs_te"] = "{} {:.4f}".format(*tc.worst_grad_error(grads, te_grads))
                 row["speed_vs_te"] = te_ms / ms
             rows.append(row)
     print_table(rows, [("shape", "s"), ("attention", "s"), ("model", "s"), ("loss", ".5f"), ("loss_vs_bf16_pct", "+.3f"),
-                       ("step_ms", ".2f"),
+                       ("step_ms", ".2f"), ("step_peak_mib", ".0f"),
                        ("tokens_per_s", ".0f"), ("speed_vs_bf16", ".2f"), ("speed_vs_te", ".2f"),
                        ("worst_grad_vs_bf16", "s"), ("worst_grad_vs_te", "s")])  # fmt: skip
     if args.plot:

@@ -15,6 +15,9 @@ Two measurements per shape (M tokens, N out, K in; 6*M*N*K FLOPs per forward+bac
 per call disappears. Under capture our weight cache always quantizes (weight_cache.py), so a graphed
 microbatch always includes the weight quantization.
 
+``step_peak_mib``: the step's peak CUDA memory above what was allocated before it (``benchlib.step_peak_mib``:
+saved activations, gradients, the weight's quantized copies, transients), not measured for graphed contenders.
+
 ``--sustained S`` runs each contender's step (and its four microbatches) back to back for S seconds
 instead of ``do_bench``'s 150 ms, and records the SM clock and board power over the one-step run: the
 H200 then sits at its 700 W limit, as in training (docs/PERFORMANCE.md).
@@ -29,7 +32,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for benchmarks.benchlib
 
-from benchmarks.benchlib import Timing, bench_parser, environment, report, require_cuda, save_figure, shapes_or, try_import_te  # noqa: E402
+from benchmarks.benchlib import (  # noqa: E402
+    Timing,
+    bench_parser,
+    environment,
+    report,
+    require_cuda,
+    save_figure,
+    shapes_or,
+    step_peak_mib,
+    try_import_te,
+)
 from primus_fp8_plugin import Fp8BlockwiseLinear, backend_availability  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568),
@@ -52,6 +65,13 @@ def step_fns(layer, x, dy, call):
     return (lambda: fwd_bwd(True)), four
 
 
+def clear_grads(layer, x):
+    """Drop the gradients a step makes (so that ``step_peak_mib`` sees the step allocate them)."""
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+
+
 def main() -> int:
     ap = bench_parser(__doc__, "MxNxK")
     ap.add_argument("--backends", nargs="*", default=["cublas", "triton"])
@@ -69,7 +89,7 @@ def main() -> int:
     env = environment()
     env["timing"] = timing.describe() + (" (clock and power: the one-step runs)" if args.sustained > 0 else "")
     cols = [("shape", ""), ("impl", ""), ("step ms", ".3f"), ("step TF", ".0f"), ("vs bf16", ".2f"), ("vs TE", ".2f"),
-            ("4mb ms/mb", ".3f"), ("4mb vs bf16", ".2f"), ("4mb vs TE", ".2f")]  # fmt: skip
+            ("4mb ms/mb", ".3f"), ("4mb vs bf16", ".2f"), ("4mb vs TE", ".2f"), ("step_peak_mib", ".1f")]  # fmt: skip
     if args.sustained > 0:
         cols += [("step MHz", ".0f"), ("step W", ".0f"), ("step throttle", "")]
     report("bench_linear", env, rows, cols, args, plot, [] if te is not None else [f"(TE not installed: {tex})"])
@@ -130,6 +150,8 @@ def _run(args, shapes, te, timing) -> list[dict]:
             else:
                 single, four = step_fns(layer, x, dy, call)
             times[name] = (timing.ms(single, shape_rows[name], "step"), timing.ms(four) / 4)
+            if not name.endswith(" graph"):  # a graph's memory is allocated at capture
+                shape_rows[name]["step_peak_mib"] = step_peak_mib(single, lambda: clear_grads(layer, x))
         bf16 = times["bf16"]
         for name, row in shape_rows.items():
             t1, t4 = times[name]

@@ -44,6 +44,23 @@ def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
     return start.elapsed_time(end) / (calls * replays)
 
 
+def step_peak_mib(step, before=None) -> float:
+    """Peak CUDA memory of one training step: the most bytes allocated (torch's caching allocator) at any
+    time during ``step()`` above what was allocated when it started, in MiB. ``before()`` (not measured)
+    runs first, e.g. to drop the previous step's gradients, which the step would allocate again. So the
+    figure is what a step adds on top of the model and its inputs: saved activations, gradients, weight
+    caches made in the step, and transients. Not meaningful for CUDA-graph replays (their memory is
+    allocated at capture)."""
+    if before is not None:
+        before()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 SETTLE_S = 0.3  # untimed run before a sustained timing: the clock takes ~0.1-0.2 s to reach the power cap
 
 

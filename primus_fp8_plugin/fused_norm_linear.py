@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .backends import Backend, get_backend
-from .linear import _check_inputs, weight_gradient
+from .linear import _check_inputs, keep_weight, weight_gradient
 from .normalization import check_norm_inputs, norm_gamma
 from .recipe import BlockwiseRecipe, TensorRole
 from .tensor import BlockwiseFp8Tensor
@@ -71,13 +71,15 @@ class _Fp8NormLinearFn(torch.autograd.Function):
                                                    rowwise=True, columnwise=weight.requires_grad)  # fmt: skip
         wq = quantized_weight(weight, recipe, backend, cache, refresh)
         y = backend.gemm_fwd(xq, wq, bias, x.dtype)
-        ctx.save_for_backward(x2d, gamma, mean, rstd, *save_linear(ctx, xq, wq, bias, recipe, backend), weight)
+        ctx.save_for_backward(x2d, gamma, mean, rstd, *save_linear(ctx, xq, wq, bias, recipe, backend))
+        keep_weight(ctx, weight)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.view(*lead, n)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, gamma, mean, rstd, x_col, x_col_scale, weight = ctx.saved_tensors
+        x2d, gamma, mean, rstd, x_col, x_col_scale = ctx.saved_tensors
+        weight = ctx.weight
         need_dx, need_dgamma, need_dbeta, ctx.need_dw, ctx.need_db = ctx.needs_input_grad[:5]
         need_dnormed = need_dx or need_dgamma or need_dbeta
         dy2d = dy.reshape(-1, dy.shape[-1])

@@ -15,7 +15,7 @@ import torch
 
 from .backends import Backend, get_backend
 from .fused_norm_linear import linear_backward, quantized_weight, save_linear
-from .linear import _check_inputs
+from .linear import _check_inputs, keep_weight
 from .recipe import BlockwiseRecipe, TensorRole
 from .swiglu import check_swiglu_input
 from .weight_cache import WeightCache
@@ -32,13 +32,15 @@ class _Fp8SwigluLinearFn(torch.autograd.Function):
         xq = backend.quantize_swiglu_act(h2d, recipe.params(TensorRole.INPUT), rowwise=True, columnwise=weight.requires_grad)
         wq = quantized_weight(weight, recipe, backend, cache, refresh)
         y = backend.gemm_fwd(xq, wq, bias, h.dtype)
-        ctx.save_for_backward(h2d, *save_linear(ctx, xq, wq, bias, recipe, backend), weight)
+        ctx.save_for_backward(h2d, *save_linear(ctx, xq, wq, bias, recipe, backend))
+        keep_weight(ctx, weight)
         ctx.h_shape, ctx.h_dtype = h.shape, h.dtype
         return y.view(*lead, n)
 
     @staticmethod
     def backward(ctx, dy):
-        h2d, x_col, x_col_scale, weight = ctx.saved_tensors
+        h2d, x_col, x_col_scale = ctx.saved_tensors
+        weight = ctx.weight
         need_dh, ctx.need_dw, ctx.need_db = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
         if not dy2d.is_contiguous():

@@ -222,9 +222,10 @@ class _Fp8GroupedLinearFn(torch.autograd.Function):
         y = backend.gemm_fwd_grouped(xq, wq, bias, x.dtype)
 
         if need_wgrad:  # keep only what wgrad reads: X's columnwise copy
-            ctx.save_for_backward(xq.columnwise_data, xq.columnwise_scale_inv, *weights)
+            ctx.save_for_backward(xq.columnwise_data, xq.columnwise_scale_inv)
         else:
-            ctx.save_for_backward(None, None, *weights)
+            ctx.save_for_backward(None, None)
+        ctx.weights = weights  # on ctx, not saved: linear.keep_weight says why (main_grad under saved-tensor hooks)
         ctx.x_meta = (tuple(xq.shape), xq.fp8_dtype, x.dtype, lead)
         ctx.layout, ctx.wq, ctx.recipe, ctx.backend = layout, wq, recipe, backend
         ctx.num_groups, ctx.has_bias = num_groups, has_bias
@@ -232,7 +233,8 @@ class _Fp8GroupedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_col, x_col_scale, *weights = ctx.saved_tensors
+        x_col, x_col_scale = ctx.saved_tensors
+        weights = ctx.weights
         (t, k), x_fp8, x_dtype, lead = ctx.x_meta
         e, n = ctx.num_groups, weights[0].shape[0]
         backend: Backend = ctx.backend

@@ -80,9 +80,10 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
         y = backend.gemm_fwd(xq, wq, bias, x.dtype)
 
         if need_wgrad:  # keep only what wgrad reads: X's columnwise copy
-            ctx.save_for_backward(xq.columnwise_data, xq.columnwise_scale_inv, weight)
+            ctx.save_for_backward(xq.columnwise_data, xq.columnwise_scale_inv)
         else:
-            ctx.save_for_backward(None, None, weight)
+            ctx.save_for_backward(None, None)
+        keep_weight(ctx, weight)
         ctx.x_meta = (tuple(xq.shape), xq.fp8_dtype, x.dtype, lead)
         ctx.wq = wq  # owned by the weight cache (or by this call); weight-sized, not activation-sized
         ctx.recipe, ctx.backend = recipe, backend
@@ -91,7 +92,8 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_col, x_col_scale, weight = ctx.saved_tensors
+        x_col, x_col_scale = ctx.saved_tensors
+        weight = ctx.weight
         (m, k), x_fp8, x_dtype, lead = ctx.x_meta
         n = weight.shape[0]
         backend: Backend = ctx.backend
@@ -114,6 +116,16 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
         if not _keeps_graph():
             ctx.wq = None  # the graph is freed after this backward: so is the quantized weight
         return dx, dw, db, None, None, None, None
+
+
+def keep_weight(ctx, weight: torch.Tensor) -> None:
+    """Keep the weight itself for backward on ``ctx`` (read there for its shape, dtype and ``main_grad``), not
+    through ``save_for_backward``: under ``torch.autograd.graph.saved_tensors_hooks`` (memory tools, activation
+    offloading, ``save_on_cpu``) backward would get a new tensor object without the parameter's Python
+    attributes, and Megatron's ``main_grad`` accumulation would be silently skipped (the gradient then lands
+    in ``.grad``). The weight is an input of the op, so this holds no reference cycle; its data are never read
+    in backward (the quantized copies are)."""
+    ctx.weight = weight
 
 
 def _keeps_graph() -> bool:

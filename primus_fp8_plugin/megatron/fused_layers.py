@@ -16,25 +16,27 @@ partial sum over the ranks' output columns, and the norm's backward runs inside 
 * without sequence parallelism the input's gradient is all-reduced after the norm's backward (the
   norm backward is linear in its incoming gradient) and so are the gamma/beta gradients (an identity
   with an all-reducing backward on them);
-* with sequence parallelism the bf16 input is all-gathered along the sequence before the fused op
-  (its backward reduce-scatters the input gradient), and the gamma/beta gradients, partial per rank,
-  are summed by Megatron's all-reduce of ``sequence_parallel`` parameters. The fused op then saves the
-  gathered input (``[s, b, h]`` bf16) for the norm's backward, where TE saves the local shard.
+* with sequence parallelism the norm runs on the local sequence shard, fused with its quantization,
+  and its FP8 rowwise copy is all-gathered (``sequence_parallel.fp8_sequence_parallel_norm_linear``):
+  saved are the local shard (for the norm's backward, as TE saves it) and its columnwise FP8 copy,
+  re-gathered in backward; the gradient of the normed input is reduce-scattered before the norm's
+  backward, and the gamma/beta gradients (this rank's tokens) are summed by Megatron's all-reduce
+  of ``sequence_parallel`` parameters. The same bits as ``Fp8LayerNormColumnParallelLinear`` (norm
+  of the shard, then the FP8 gather), outputs and gradients; a shard whose rows are not a multiple
+  of 128 takes the unfused norm and the bf16 gather.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.mlp import MLP
 
 from ..fused_norm_linear import fp8_norm_linear
 from ..fused_swiglu_linear import fp8_swiglu_linear
-from .layers import Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
+from ..sequence_parallel import fp8_sequence_parallel_norm_linear
+from .layers import Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear, tp_group_of
 
 
 def _run_fp8(layer, fn, *args):
@@ -62,19 +64,24 @@ class Fp8FusedNormColumnParallelLinear(Fp8LayerNormColumnParallelLinear):
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, tp_group=None, **_unused):  # fmt: skip
         gamma, beta = self.layer_norm_weight, self.layer_norm_bias
+        weight.fuse_wgrad_accumulation = bool(gradient_accumulation_fusion)
         if sequence_parallel:
-            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-        elif allreduce_dgrad:
+            return _run_fp8(self, _sp_norm_linear, input, gamma, beta, weight, bias, self, tp_group_of(tp_group))
+        if allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
             gamma = copy_to_tensor_model_parallel_region(gamma, group=tp_group)
             beta = None if beta is None else copy_to_tensor_model_parallel_region(beta, group=tp_group)
-        weight.fuse_wgrad_accumulation = bool(gradient_accumulation_fusion)
         return _run_fp8(self, _norm_linear, input, gamma, beta, weight, bias, self)
 
 
 def _norm_linear(x, gamma, beta, weight, bias, layer, **fp8):
     return fp8_norm_linear(x, gamma, beta, weight, bias, normalization=layer.normalization, eps=layer.eps,
                            zero_centered_gamma=layer.zero_centered_gamma, **fp8)  # fmt: skip
+
+
+def _sp_norm_linear(x, gamma, beta, weight, bias, layer, group, **fp8):
+    return fp8_sequence_parallel_norm_linear(x, gamma, beta, weight, bias, normalization=layer.normalization, eps=layer.eps,
+                                             zero_centered_gamma=layer.zero_centered_gamma, group=group, **fp8)  # fmt: skip
 
 
 class Fp8SwigluRowParallelLinear(Fp8RowParallelLinear):

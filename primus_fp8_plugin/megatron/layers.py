@@ -4,9 +4,12 @@ They subclass Megatron's own ``ColumnParallelLinear`` / ``RowParallelLinear``, s
 attributes, weight initialisation, ``sharded_state_dict`` and ``main_grad`` handling stay Megatron's;
 only ``_forward_impl`` (the matrix multiply with its tensor-parallel communication) is replaced:
 
-* column-parallel: with sequence parallelism the input is all-gathered along the sequence
-  (reduce-scattered in backward); otherwise the input gradient is all-reduced across TP ranks
-  (``allreduce_dgrad``). Then the FP8 blockwise linear runs on the local weight shard.
+* column-parallel: with sequence parallelism the local sequence shard is quantized and its FP8
+  rowwise copy all-gathered (``sequence_parallel.fp8_sequence_parallel_linear``: only the shard's
+  columnwise copy is saved for backward and re-gathered there in FP8; the input gradient is
+  reduce-scattered; a bf16 gather where a shard's rows are not a multiple of 128); otherwise the
+  input gradient is all-reduced across TP ranks (``allreduce_dgrad``) and the FP8 blockwise linear
+  runs on the local weight shard.
 * row-parallel: the FP8 blockwise linear on the local shard; Megatron's forward then reduces (or
   reduce-scatters) the output as usual.
 
@@ -28,14 +31,13 @@ import copy
 import inspect
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from ..linear import fp8_blockwise_linear
 from ..recipe import BlockwiseRecipe
+from ..sequence_parallel import fp8_sequence_parallel_linear
 from ..weight_cache import WeightCache
 from .norm import apply_norm, make_norm_params
 
@@ -75,13 +77,13 @@ class _Fp8LinearMixin:
         self._weight_cache = WeightCache()
         self.is_first_microbatch: bool | None = None
 
-    def _fp8_linear(self, input, weight, bias, gradient_accumulation_fusion: bool):
+    def _fp8_linear(self, input, weight, bias, gradient_accumulation_fusion: bool, fn=fp8_blockwise_linear, **extra):
         # Megatron's gradient_accumulation_fusion: accumulate dW into main_grad (fp32) in the GEMM.
         weight.fuse_wgrad_accumulation = bool(gradient_accumulation_fusion)
         refresh = bool(self.is_first_microbatch)
-        out = fp8_blockwise_linear(
+        out = fn(
             input, weight, bias, recipe=self.fp8_recipe, backend=self.fp8_backend,
-            weight_cache=self._weight_cache, refresh_weight_cache=refresh,
+            weight_cache=self._weight_cache, refresh_weight_cache=refresh, **extra,
         )  # fmt: skip
         if refresh:
             self.is_first_microbatch = False
@@ -94,6 +96,11 @@ class _Fp8LinearMixin:
     def _apply(self, fn, *args, **kwargs):
         self._weight_cache.invalidate()
         return super()._apply(fn, *args, **kwargs)
+
+
+def tp_group_of(tp_group):
+    """The tensor-parallel group Megatron passed (newer versions), else its global one."""
+    return tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
 
 
 class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
@@ -109,9 +116,10 @@ class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, tp_group=None, **_unused):  # fmt: skip
-        if sequence_parallel:
-            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-        elif allreduce_dgrad:
+        if sequence_parallel:  # the FP8 all-gather of the quantized shard (the bf16 one where it must)
+            return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion, fp8_sequence_parallel_linear,
+                                    group=tp_group_of(tp_group))  # fmt: skip
+        if allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)
 

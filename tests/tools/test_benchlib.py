@@ -131,3 +131,30 @@ def test_report_prints_the_table_and_notes_and_writes_json_and_plot(tmp_path, ca
     assert "# bench_x  {'gpu': 'G'}" in out and "12.3" in out and "-" in out and "a note" in out
     assert json.loads((tmp_path / "out.json").read_text()) == {"env": {"gpu": "G"}, "rows": rows, "summary": {"fwd": 1.0}}
     assert plotted == [(rows, str(tmp_path / "out.png"))]
+
+
+def test_step_peak_mib_is_the_peak_above_the_start(monkeypatch):
+    """step_peak_mib: ``before`` runs unmeasured, then the step's peak allocation above the allocation at its start
+    (a stand-in allocator: CPU only)."""
+    import torch
+
+    state = {"now": 0, "peak": 0}
+
+    def alloc(nbytes):
+        state["now"] += nbytes
+        state["peak"] = max(state["peak"], state["now"])
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: state["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.update(peak=state["now"]))
+    alloc(100 * 2**20)  # the model, before the step
+    alloc(50 * 2**20)  # last step's gradients, dropped by ``before``
+
+    def step():
+        alloc(30 * 2**20)
+        alloc(20 * 2**20)
+        alloc(-40 * 2**20)
+
+    assert benchlib.step_peak_mib(step, lambda: alloc(-50 * 2**20)) == 50.0
+    assert benchlib.step_peak_mib(step) == 50.0  # from 110 MiB to a peak of 160 MiB
