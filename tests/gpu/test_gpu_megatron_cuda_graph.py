@@ -62,8 +62,7 @@ def config(model: str, **kw):
 
 
 def build_block(cfg):
-    """The fast spec's decoder block on the GPU (bf16), wrapped in Megatron's DDP (its gradient buffers give
-    every parameter the ``main_grad`` that Megatron's backward graph accumulates into)."""
+    """The fast spec's decoder block (its layers, then the final norm) on the GPU, bf16."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from primus_fp8_plugin.megatron import fp8_gpt_fast_layer_spec
@@ -76,6 +75,8 @@ def build_block(cfg):
 
 
 def wrap_ddp(cfg, block):
+    """Megatron's DDP around ``block``: its gradient buffers give every parameter the ``main_grad`` that
+    Megatron's backward graph accumulates into."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     # fp32 main_grad, as Megatron-LM's --bf16 runs (--accumulate-allreduce-grads-in-fp32)
