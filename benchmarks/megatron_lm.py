@@ -20,7 +20,13 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 * ``te_fp8``      TE's spec under ``--fp8-format e4m3 --fp8-recipe blockwise``;
 * ``te_bf16``     TE's spec in BF16;
 * ``te_hybrid``   ``fp8_te_gpt_layer_spec``: TE's spec (attention, RoPE) with the plugin's fused FP8 linears
-  (``--transformer-impl transformer_engine``, no ``--fp8-format``).
+  (``--transformer-impl transformer_engine``, no ``--fp8-format``);
+* ``plugin_fast_graph``, ``te_bf16_graph``, ``te_fp8_graph``: those arms under Megatron's own per-layer CUDA
+  graphs, ``--cuda-graph-impl local`` (``CudaGraphManager``: every ``TransformerLayer``'s forward and backward
+  captured at the end of the first iteration, after ``--cuda-graph-warmup-steps`` eager runs, and replayed from
+  the second on; embedding, final norm, loss and optimizer stay eager). The same mechanism for the plugin's
+  TE-free layers and for TE's (Megatron turns on ``--te-rng-tracker`` for TE's); the plugin's run needs no
+  TE (Megatron's own graph-safe RNG tracker). See docs/CUDA_GRAPHS.md.
 
 For MoE models the TE arms (``te_hybrid`` too) add ``--moe-grouped-gemm``; the plugin arms add it when
 ``--plugin-grouped`` is given (the specs honour it).
@@ -59,6 +65,9 @@ NO_MASK = "--no-create-attention-mask-in-dataloader"
 
 # TE's arms: Megatron's output layer still wants apex's fused wgrad unless told otherwise
 TE_ARM = "--transformer-impl transformer_engine --no-gradient-accumulation-fusion"
+
+# Megatron-core's per-layer CUDA graphs (megatron/core/transformer/cuda_graphs.py): the graph arms add this
+GRAPH = "--cuda-graph-impl local"
 
 MODELS = {
     "gpt125m": dict(
@@ -148,6 +157,9 @@ def summarize(parsed: dict, seq_length: int, warmup: int) -> dict:
     }
 
 
+GRAPH_ARMS = ("plugin_fast", "te_bf16", "te_fp8")  # the arms that have a ``NAME_graph`` twin
+
+
 def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
     spec = f"--spec primus_fp8_plugin.megatron {model['spec']}"
     grouped = " --moe-grouped-gemm" if model["moe"] else ""
@@ -160,6 +172,8 @@ def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
         "te_bf16": TE_ARM + grouped,
         "te_hybrid": f"{TE_ARM} --spec primus_fp8_plugin.megatron fp8_te_gpt_layer_spec" + grouped,
     }
+    for base in GRAPH_ARMS:
+        arms[f"{base}_graph"] = f"{arms[base]} {GRAPH}"
     if arm not in arms:
         raise SystemExit(f"unknown arm {arm!r}: choose from {sorted(arms)} or give --extra-arm {arm}='ARGS'")
     return arms[arm]
@@ -220,6 +234,8 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
         return row
     seq = int(re.search(r"--seq-length (\d+)", model["args"]).group(1))
     row.update(summarize(parse_log(text), seq, args.warmup))
+    print(f"[megatron_lm] {name}: {row['ms_per_iter']:.1f} ms/iter, first loss {row['first_loss']}, "
+          f"last loss {row['last_loss']} ({row['wall_s']} s)", flush=True)  # fmt: skip
     return row
 
 

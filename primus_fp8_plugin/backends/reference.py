@@ -56,12 +56,9 @@ def _quantize_tiles(tiles: torch.Tensor, params: QuantParams, input_dtype: torch
     scale = scale_from_amax(amax, params, input_dtype)
     scaled = torch.mul(tiles, scale) if tiles.dtype == torch.float32 else torch.mul(tiles.float(), scale)
     scaled = scaled.clamp_(-params.fp8_max, params.fp8_max)
-    all_finite = bool(finite.all())
-    if not all_finite:
-        scaled = torch.where(finite, scaled, float("nan"))
-    scale_inv = torch.ones_like(scale) / scale
-    if not all_finite:
-        scale_inv = torch.where(finite, scale_inv, float("nan"))
+    # non-finite tiles -> NaN data and scale; no host branch on the device values (capturable in a CUDA graph)
+    scaled = torch.where(finite, scaled, float("nan"))
+    scale_inv = torch.where(finite, torch.ones_like(scale) / scale, float("nan"))
     return scaled.to(params.fp8_dtype), scale_inv
 
 

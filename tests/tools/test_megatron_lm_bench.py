@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -93,6 +94,45 @@ def test_arms_and_spec_check():
         mlm.arm_args("nope", model, False)
 
 
+def test_graph_arms_are_their_eager_arms_under_megatrons_local_cuda_graphs():
+    for name, model in mlm.MODELS.items():
+        for base in ("plugin_fast", "te_bf16", "te_fp8"):
+            eager, graphed = mlm.arm_args(base, model, False), mlm.arm_args(f"{base}_graph", model, False)
+            assert graphed.split() == [*eager.split(), "--cuda-graph-impl", "local"], (name, base, graphed)
+            assert graphed.split().count("--cuda-graph-impl") == 1
+    fast = mlm.arm_args("plugin_fast_graph", mlm.MODELS["gpt125m"], False)
+    assert "--transformer-impl local" in fast and "transformer_engine" not in fast  # graphs without TE
+    assert mlm.spec_of(fast) == ("primus_fp8_plugin.megatron", "fp8_gpt_fast_layer_spec")
+    assert "--transformer-impl transformer_engine" in mlm.arm_args("te_bf16_graph", mlm.MODELS["gpt125m"], False)
+    with pytest.raises(SystemExit, match="unknown arm"):
+        mlm.arm_args("plugin_graph", mlm.MODELS["gpt125m"], False)  # only the arms of GRAPH_ARMS have a twin
+
+
+def test_megatron_accepts_the_graph_arms_flags(monkeypatch):
+    """Megatron-LM's own argument parser and validation take each graph arm's full command line (needs
+    ``megatron.training``, which imports on Python >= 3.12 only)."""
+    try:
+        from megatron.training.arguments import parse_args, validate_args
+    except Exception as err:  # noqa: BLE001 - megatron.training fails to import in many ways on older Pythons
+        pytest.skip(f"megatron.training does not import here: {type(err).__name__}: {err}")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model = mlm.MODELS["gpt125m"]
+    for arm in ("plugin_fast_graph", "te_bf16_graph"):
+        argv = ["pretrain_gpt.py", *shlex.split(mlm.COMMON), *shlex.split(model["args"]), "--train-iters", "10",
+                *shlex.split(mlm.arm_args(arm, model, False))]  # fmt: skip
+        monkeypatch.setattr(sys, "argv", argv)
+        args = parse_args()
+        validate_args(args)
+        assert args.cuda_graph_impl == "local" and not args.cuda_graph_modules, arm
+        if arm == "plugin_fast_graph":  # Megatron's own graph-safe RNG tracker, no TE
+            assert args.transformer_impl == "local" and not args.te_rng_tracker
+            assert not args.create_attention_mask_in_dataloader and not args.gradient_accumulation_fusion
+            assert args.spec == ["primus_fp8_plugin.megatron", "fp8_gpt_fast_layer_spec"]
+        else:  # Megatron switches TE's RNG tracker on for TE layers under graphs
+            assert args.transformer_impl == "transformer_engine" and args.te_rng_tracker
+
+
 def test_spec_check_builds_each_plugin_arm_and_refuses_bad_specs():
     pytest.importorskip("megatron.core")
     want = {  # (model, arm): what the spec check must report
@@ -101,6 +141,7 @@ def test_spec_check_builds_each_plugin_arm_and_refuses_bad_specs():
                                         "Fp8FastSelfAttention/SdpaAttention", "RMSNorm"],
         ("moe_proxy", "plugin_fast"): ["Fp8ColumnParallelGroupedLinear", "SdpaAttention"],  # config-reading: grouped
         ("moe_proxy", "plugin"): ["Fp8Experts"],  # the object spec decides when the layer is built
+        ("gpt125m", "plugin_fast_graph"): ["Fp8FusedNormColumnParallelLinear", "SdpaAttention", "LayerNorm"],
     }  # fmt: skip
     for (name, arm), parts in want.items():
         model = mlm.MODELS[name]
