@@ -28,11 +28,17 @@ DIRECT = {  # name -> (M, N, K, b_block_dim, out_bf16)
     "fwd/dgrad fp32 out": (256, 384, 640, 2, False),
     "wgrad fp32 out": (256, 256, 1024, 1, False),
 }
-LDS = {  # name -> (config name in gemm_lds, out_bf16)
-    "lds fwd/dgrad 128x128 w4": ("FWD_128x128", True),
-    "lds fwd/dgrad 128x256 w8": ("FWD_128x256", True),
-    "lds wgrad 256x128 w8": ("WGRAD_256x128", False),
+LDS = {  # name -> (config name in gemm_lds, out_bf16, M)
+    "lds fwd/dgrad 128x128 w4": ("FWD_128x128", True, 256),
+    "lds fwd/dgrad 128x256 w8": ("FWD_128x256", True, 256),
+    "lds wgrad 256x128 w8": ("WGRAD_256x128", False, 256),
 }
+# Primus-Turbo's best figures in the static comparison (tools/anchor_flydsl_isa.py, flydsl 0.2.4, M, N, K =
+# 256, 512, 1024; docs/AMD.md): the LDS kernels must do at least as well. fprop/dgrad: their lowest VALU per
+# MFMA (BLOCK_M-192 fprop 3.48, physical-NN dgrad 3.47) and their most MFMAs per K-loop trip (48); wgrad:
+# their 1x128 x 1x128 wgrad (5.16, 32).
+ANCHOR = {"preshuffle16": {"valu_per_mfma": 3.47, "loop_mfma": 48, "occupancy": 2},
+          "k_major": {"valu_per_mfma": 5.16, "loop_mfma": 32, "occupancy": 2}}  # fmt: skip
 
 
 def check(report: dict, *, lds_kernel: bool) -> list[str]:
@@ -47,6 +53,14 @@ def check(report: dict, *, lds_kernel: bool) -> list[str]:
         problems.append("registers or LDS exceed gfx950's limits")
     if lds_kernel and (report["lds_bytes"] == 0 or report["k_loop"]["lds"] == 0):
         problems.append("the LDS-staged kernel uses no LDS in its K loop")
+    anchor = ANCHOR.get(report.get("b_layout")) if lds_kernel else None
+    if anchor:
+        if report["valu_per_mfma"] is None or report["valu_per_mfma"] > anchor["valu_per_mfma"]:
+            problems.append(f"VALU per MFMA {report['valu_per_mfma']} above Primus-Turbo's {anchor['valu_per_mfma']}")
+        if report["k_loop"]["mfma"] < anchor["loop_mfma"]:
+            problems.append(f"{report['k_loop']['mfma']} MFMAs per K-loop trip, below Primus-Turbo's {anchor['loop_mfma']}")
+        if report["occupancy"] < anchor["occupancy"]:
+            problems.append(f"occupancy {report['occupancy']} below Primus-Turbo's {anchor['occupancy']}")
     return problems
 
 
@@ -77,8 +91,8 @@ def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
         r = isa_report(_latest(dump, "fp8_blockwise_gemm_kernel"), waves_per_workgroup=THREADS // 64)
         reports[name] = r | {"shape": [m, n, k], "b_block_dim": b_dim, "b_layout": "k_major", "family": "direct"}
         reports[name]["problems"] = check(r, lds_kernel=False)
-    m, n, k = SHAPE
-    for name, (cfg_name, bf16) in LDS.items():
+    _, n, k = SHAPE
+    for name, (cfg_name, bf16, m) in LDS.items():
         cfg = getattr(gemm_lds, cfg_name)
         c = torch.zeros(m, n, dtype=torch.bfloat16 if bf16 else torch.float32)
         if cfg.b_layout == "preshuffle16":  # fprop/dgrad: M dynamic (compiled once per N, K)
@@ -88,10 +102,11 @@ def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
         else:  # wgrad: the contraction (tokens) dynamic
             launch = gemm_lds.build_kernel(cfg, n, None, m=m, out_bf16=bf16)
             a, b = torch.zeros(m, k, dtype=f8), torch.zeros(n, k, dtype=f8)
-            sa, sb = torch.ones(k // 128, m), torch.ones(k // 128, n)
+            sa, sb = torch.ones(k // 128, -(-m // 4) * 4), torch.ones(k // 128, n)
         flyc.compile(launch, *gemm_lds.dynamic_args(cfg, a, b, c, sa, sb))
         r = isa_report(_latest(dump, "fp8_blockwise_gemm_lds_kernel"), waves_per_workgroup=cfg.waves,
                        dynamic_lds_bytes=cfg.lds_bytes)  # fmt: skip
+        r["b_layout"] = cfg.b_layout
         reports[name] = r | {"shape": [m, n, k], "b_block_dim": 2 if cfg.b_layout == "preshuffle16" else 1,
                              "b_layout": cfg.b_layout, "family": "lds", "tile": [cfg.bm, cfg.bn, 128]}  # fmt: skip
         reports[name]["problems"] = check(r, lds_kernel=True)

@@ -58,6 +58,19 @@ def test_wgrad_k_major_column_scales():
     _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
 
 
+def test_emulation_catches_a_wrong_soffset(monkeypatch):
+    """The B strips' soffset formula is what the kernel issues; a wrong K-step stride fails the check."""
+    m, n, k = 64, 256, 256
+    x = REF.quantize_act(make_input((m, k), seed=11), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
+    w = REF.quantize_weight(make_input((n, k), seed=12), QuantParams(E4M3, 2))
+    ref = REF.gemm_fwd(x, w, None, torch.float32)
+    right = G.b_soffset
+    monkeypatch.setattr(G, "b_soffset", lambda cfg, kk, kt, rn: right(cfg, kk, kt, rn) - kt * 1024)
+    wrong = G.emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data),
+                      w.rowwise_scale_inv, n_out=n)  # fmt: skip
+    assert not torch.allclose(wrong, ref, rtol=1e-3)
+
+
 def test_emulation_catches_a_wrong_address():
     """The check can fail: K-major bytes read as if preshuffled give a different product."""
     m, n, k = 64, 128, 128

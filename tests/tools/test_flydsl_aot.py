@@ -67,6 +67,29 @@ def test_preshuffled_kernels_stage_a_through_lds(reports):
         assert r["occupancy"] >= 2, (name, r["occupancy"])
 
 
+def test_lds_kernels_at_least_match_primus_turbo(reports):
+    """The static comparison's goal (docs/AMD.md): per K-loop trip at least the anchor's MFMAs, at most
+    its VALU per MFMA, an occupancy at least its own (tools.aot_flydsl.ANCHOR, from
+    tools.anchor_flydsl_isa)."""
+    from tools.aot_flydsl import ANCHOR
+
+    for name in LDS:
+        r = reports[name]
+        anchor = ANCHOR[r["b_layout"]]
+        assert r["valu_per_mfma"] <= anchor["valu_per_mfma"], (name, r["valu_per_mfma"], r["k_loop"])
+        assert r["k_loop"]["mfma"] >= anchor["loop_mfma"] and r["occupancy"] >= anchor["occupancy"], (name, r)
+
+
+def test_anchor_check_flags_a_regression():
+    from tools.aot_flydsl import check
+
+    r = {"target": "amdgcn-amd-amdhsa--gfx950", "mfma": {"v_mfma_f32_16x16x128_f8f6f4": 64}, "vgpr_spills": 0,
+         "scratch_bytes": 0, "vgpr": 200, "agpr": 0, "lds_bytes": 32768, "b_layout": "preshuffle16", "occupancy": 2,
+         "k_loop": {"mfma": 64, "valu": 64 * 3.6, "vmem": 1, "lds": 1, "salu": 1}, "valu_per_mfma": 3.6}  # fmt: skip
+    assert any("VALU per MFMA" in p for p in check(r, lds_kernel=True))
+    assert check(r | {"valu_per_mfma": 3.0}, lds_kernel=True) == []
+
+
 def test_occupancy_formula():
     from tools.flydsl_isa import occupancy
 

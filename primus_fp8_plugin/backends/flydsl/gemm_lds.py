@@ -18,7 +18,16 @@ strip and scale block). A (and a K-major B) goes global -> registers -> LDS (XOR
 chunks, 2 stages): the loads of step ``k + 1`` are issued before the MFMAs of step ``k`` and written
 to the other LDS stage after them, one barrier per step. A preshuffled B goes straight into
 registers (``b_stages`` 2: double-buffered one step ahead; 1: loaded at the start of its step). The
-fprop/dgrad K loop runs ``unroll`` steps per trip.
+fprop/dgrad K loop runs ``unroll`` steps per trip. With ``burst`` (all shipped configs) a strip's
+MFMAs are issued back to back between scheduling barriers and its promotions follow: LLVM (flydsl
+0.5's) unpacks a ``v_pk_*_f32`` issued in an MFMA's latency shadow into two VALU ops, so interleaving
+each MFMA with its FMAs doubled them.
+
+Addresses: every global load puts the lane's own offset (loop-invariant) in the buffer instruction's
+``voffset`` and the wave-uniform rest in its ``soffset`` SGPR (SALU work, no VALU in the K loop): the
+K step for A and a K-major B, the strip and K step for a preshuffled B (``b_soffset``). The bounds
+check applies to ``voffset`` only, so the rows, which the bounds mask, always stay there, and so does
+the K step of A's scales where the last M tile is ragged (``scale_a_split``).
 
 Tile order: the 1-D grid is walked in L2 groups of ``group_m`` M-tiles (all N-tiles of a group of M
 tiles before the next group), as Triton's grouped ordering.
@@ -54,6 +63,7 @@ class TileConfig:
     group_m: int = 8
     b_stages: int = 2  # preshuffled B: register stages (2: step k+1's B loads are issued during step k)
     unroll: int = 2  # preshuffled-B kernels: 128-K steps per trip of the K loop (even)
+    burst: bool = False  # per 16-row strip: its MFMAs back to back, then its fp32 promotions (sched barriers)
 
     @property
     def waves_n(self) -> int:
@@ -89,14 +99,28 @@ class TileConfig:
 
 
 # fprop/dgrad: 4 waves along M (x 1 or 2 along N), each owning 32 rows x 128 columns of 16-wide strips
-FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=4, b_stages=1, unroll=4)
-FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=4, b_stages=1, unroll=4)
-WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4)
+FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=4, b_stages=1, unroll=4, burst=True)
+FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=4, b_stages=1, unroll=4, burst=True)
+WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4, burst=True)
 
 
 def strip_scale_block(cfg: TileConfig, rn: int) -> int:
     """Which 128-column scale block of the tile a wave's ``rn``-th strip falls in (any wave)."""
     return (rn * 16 * cfg.waves_n) // SCALE_BLOCK
+
+
+def b_soffset(cfg: TileConfig, k: int, kt, rn: int):
+    """Preshuffled B ([N, k] bytes): the offset of a wave's ``rn``-th 16-column strip at 128-K step ``kt``
+    past its strip-0, step-0 address. The kernel passes it as the buffer load's ``soffset`` (an SGPR,
+    SALU arithmetic) and keeps only the lane's own address, loop-invariant, in ``voffset``."""
+    return kt * (BK * 16) + rn * (cfg.waves_n * 16 * k)
+
+
+def scale_a_split(cfg: TileConfig, m: int | None) -> bool:
+    """Whether A's scale loads put the K step in ``soffset`` (wgrad with every row in range: ``m`` a
+    multiple of ``bm``). Otherwise it stays in the bounds-checked ``voffset``: ``soffset`` is not
+    range-checked, and a ragged last tile's rows past M would read past the scale tensor's end."""
+    return cfg.b_layout == "k_major" and m is not None and m % cfg.bm == 0
 
 
 def tile_of(pid: int, num_pid_m: int, num_pid_n: int, group_m: int) -> tuple[int, int]:
@@ -213,14 +237,21 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         acc.fill(0)
         nb0 = (pid_n * bn) // SCALE_BLOCK
         sb_stride = fx.get_scalar(SB.stride[0])
+        sa_stride = fx.get_scalar(SA.stride[0])
 
-        def prefetch(kn, s_next):
-            fx.copy(ld128, ga_src[None, None, None, kn], stage_a)
+        sa_split = scale_a_split(cfg, m)
+
+        def load_b(kt, stage):  # lane-only voffset (loop-invariant), the strip and K step in soffset (SALU)
+            for rn in fx.range_constexpr(rn_n):
+                fx.copy(ld128, gb_src[None, 0, None, 0], b_r[None, rn, None, stage], soffset=b_soffset(cfg, k, fx.Int32(kt), rn))
+
+        def prefetch(kn, s_next):  # A's rows stay in voffset (the bounds mask them), its K step goes to soffset
+            fx.copy(ld128, ga_src[None, None, None, 0], stage_a, soffset=fx.Int32(kn) * BK)
             if fx.const_expr(pre):
                 if fx.const_expr(cfg.b_stages == 2):
-                    fx.copy(ld128, gb_src[None, None, None, kn], b_r[None, None, None, s_next])
+                    load_b(kn, s_next)
             else:
-                fx.copy(ld128, gb_src[None, None, None, kn], stage_b)
+                fx.copy(ld128, gb_src[None, None, None, 0], stage_b, soffset=fx.Int32(kn) * BK)
 
         def commit(s_next):
             fx.copy(lds128, stage_a, sa_dst[None, None, None, s_next])
@@ -230,36 +261,52 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         def step(kt, s, last):
             if fx.const_expr(not last):
                 prefetch(fx.Int32(fx.min(kt + 1, kt_n - 1)), 1 - s)
-            fx.copy(ld_s128, src_sa[None, None, 0, kt], frag_sa)
+            if fx.const_expr(sa_split):  # every row in range: the K step in soffset
+                fx.copy(ld_s128, src_sa[None, None, 0, 0], frag_sa, soffset=fx.Int32(kt) * (sa_stride * 4))
+            else:  # ragged M: the rows' offsets and the K step stay in the bounds-checked voffset
+                fx.copy(ld_s128, src_sa[None, None, 0, kt], frag_sa)
             if fx.const_expr(pre):
                 sbs = [fx.rocdl.s_buffer_load(fx.get_iter(SB), (nb0 + blk) * sb_stride + kt).bitcast(fx.Float32)
                        for blk in sorted(set(sb_blocks))]  # fmt: skip
                 if fx.const_expr(cfg.b_stages == 1):  # this step's B, issued before the A reads from LDS
-                    fx.copy(ld128, gb_src[None, None, None, kt], b_r[None, None, None, 0])
+                    load_b(kt, 0)
                 bs = s if cfg.b_stages == 2 else 0
                 fb = lambda rn: frag_b[None, rn, 0, bs]  # noqa: E731
             else:
-                fx.copy(ld_s32, src_sb[None, 0, None, kt], frag_sb)
+                fx.copy(ld_s32, src_sb[None, 0, None, 0], frag_sb, soffset=fx.Int32(kt) * (sb_stride * 4))
                 fx.copy(lds128, sB_src[None, None, None, s], b_r)
                 fb = lambda rn: frag_b[None, rn, 0]  # noqa: E731
+
+            def promote(rm, rn, sc):  # acc += part * sc, 2-wide FMAs
+                a_s, p_s = acc[None, rm, rn], part[None, rm, rn]
+                pv, av = fx.memref_load_vec(flat(p_s, 4)), fx.memref_load_vec(flat(a_s, 4))
+                lo = fx.fma(pv.shuffle(pv, [0, 1]), sc.shuffle(sc, [0, 1]), av.shuffle(av, [0, 1]))
+                hi = fx.fma(pv.shuffle(pv, [2, 3]), sc.shuffle(sc, [2, 3]), av.shuffle(av, [2, 3]))
+                fx.memref_store_vec(lo.shuffle(hi, [0, 1, 2, 3]), flat(a_s, 4))
+
+            def mma(rm, rn):
+                fx.gemm(atom, flat(part[None, rm, rn], 4), flat(frag_a[None, rm, 0], 32), flat(fb(rn), 32),
+                        flat(zero[None, rm, rn], 4))  # fmt: skip
+
             for rm in fx.range_constexpr(rm_n):
                 fx.copy(lds128, sA_src[None, rm, None, s], a_r[None, rm, None])
                 sa = fx.memref_load_vec(flat(frag_sa[None, rm], 4))  # the lane's 4 rows of this strip
                 if fx.const_expr(pre):
                     sc_blocks = [sa * sb for sb in sbs]  # once per strip and scale block, shared by its N strips
-                for rn in fx.range_constexpr(rn_n):
-                    fx.gemm(atom, flat(part[None, rm, rn], 4), flat(frag_a[None, rm, 0], 32), flat(fb(rn), 32),
-                            flat(zero[None, rm, rn], 4))  # fmt: skip
-                    if fx.const_expr(pre):
-                        sc = sc_blocks[sb_blocks[rn] - min(sb_blocks)]
-                    else:
-                        sbl = fx.memref_load_vec(flat(frag_sb[None, rn], 4))
-                        sc = sa * sbl
-                    a_s, p_s = acc[None, rm, rn], part[None, rm, rn]
-                    pv, av = fx.memref_load_vec(flat(p_s, 4)), fx.memref_load_vec(flat(a_s, 4))
-                    lo = fx.fma(pv.shuffle(pv, [0, 1]), sc.shuffle(sc, [0, 1]), av.shuffle(av, [0, 1]))
-                    hi = fx.fma(pv.shuffle(pv, [2, 3]), sc.shuffle(sc, [2, 3]), av.shuffle(av, [2, 3]))
-                    fx.memref_store_vec(lo.shuffle(hi, [0, 1, 2, 3]), flat(a_s, 4))
+                    scs = [sc_blocks[sb_blocks[rn] - min(sb_blocks)] for rn in range(rn_n)]
+                else:  # 1x128 B: a scale per row and column
+                    scs = [sa * fx.memref_load_vec(flat(frag_sb[None, rn], 4)) for rn in range(rn_n)]
+                if fx.const_expr(cfg.burst):  # the strip's MFMAs back to back, then its promotions
+                    fx.rocdl.sched_barrier(0)
+                    for rn in fx.range_constexpr(rn_n):
+                        mma(rm, rn)
+                    fx.rocdl.sched_barrier(0)
+                    for rn in fx.range_constexpr(rn_n):
+                        promote(rm, rn, scs[rn])
+                else:
+                    for rn in fx.range_constexpr(rn_n):
+                        mma(rm, rn)
+                        promote(rm, rn, scs[rn])
             if fx.const_expr(not last):
                 commit(1 - s)
                 fx.gpu.barrier()
@@ -330,10 +377,14 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
 
     Mirrors the index math, not the lanes: the L2-grouped tile walk (``tile_of``), each wave's 16x16
     strips (wave ``(i, j)`` of ``waves_m x waves_n`` owns rows ``16 (i + waves_m r)`` and columns
-    ``16 (j + waves_n c)`` of its tile), B gathered from the preshuffled bytes at the kernel's
-    addresses, the scale block each strip uses (``strip_scale_block``), and the buffer bounds (reads
-    past an operand's end give 0, rows past M are not stored). Per 128-K step: fp32 partial, then
-    ``acc = fma(partial, sa * sb, acc)`` (the fma in float64, rounded once)."""
+    ``16 (j + waves_n c)`` of its tile), the scale block each strip uses (``strip_scale_block``), and
+    every buffer load's address split as the kernel issues it: a lane address in ``voffset`` plus an SGPR
+    ``soffset`` (B: ``b_soffset`` from the strip-0 / step-0 address; A and a K-major B: the K step
+    ``128 kt``; scales: the K step in ``voffset``, or in ``soffset`` where ``scale_a_split``). The
+    bounds model: a load is masked (reads 0) when its ``voffset`` is past the operand's end (``soffset``
+    is not range-checked), and an unmasked load past the end fails the emulation; rows past M are not
+    stored. Per 128-K step: fp32 partial, then ``acc = fma(partial, sa * sb, acc)`` (the fma in
+    float64, rounded once)."""
     import torch
 
     from ...preshuffle import preshuffle_offset
@@ -341,9 +392,13 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
     m, k = a.shape
     a_flat, b_flat = a.float().flatten(), b.float().flatten()
     sa_flat, sb_flat = sa.flatten(), sb.flatten()
+    pre = cfg.b_layout == "preshuffle16"
+    sa_split = scale_a_split(cfg, m)
 
-    def gather(flat, idx):  # a bounds-checked buffer load
-        ok = idx < flat.numel()
+    def gather(flat, voff, soff=0):  # a bounds-checked buffer load: voffset checked, soffset added after
+        ok = voff < flat.numel()
+        idx = voff + soff
+        assert not torch.any(ok & (idx >= flat.numel())), "an unmasked load past the operand's end"
         return torch.where(ok, flat[idx.clamp(max=flat.numel() - 1)], torch.zeros((), dtype=flat.dtype))
 
     out = torch.full((m, n_out), float("nan"))
@@ -356,23 +411,26 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
         seen.add((pm, pn))
         for wi in range(cfg.waves_m):
             for wj in range(cfg.waves_n):
+                cols0 = pn * cfg.bn + 16 * wj + torch.arange(16)  # the wave's strip 0
                 for r in range(cfg.rm):
                     rows = pm * cfg.bm + 16 * (wi + cfg.waves_m * r) + torch.arange(16)
                     for c in range(cfg.rn):
-                        cols = pn * cfg.bn + 16 * (wj + cfg.waves_n * c) + torch.arange(16)
+                        cols = cols0 + 16 * cfg.waves_n * c
                         acc = torch.zeros(16, 16, dtype=torch.float32)
                         for kt in range(k // BK):
-                            kg = kt * BK + kk
-                            av = gather(a_flat, rows[:, None] * k + kg[None, :])
-                            if cfg.b_layout == "preshuffle16":
-                                bv = gather(b_flat, preshuffle_offset(cols[:, None], kg[None, :], k))
+                            av = gather(a_flat, rows[:, None] * k + kk[None, :], kt * BK)
+                            if pre:
+                                bv = gather(b_flat, preshuffle_offset(cols0[:, None], kk[None, :], k), b_soffset(cfg, k, kt, c))
                                 blk = (pn * cfg.bn) // SCALE_BLOCK + strip_scale_block(cfg, c)
                                 assert torch.all(cols // SCALE_BLOCK == blk), "strip straddles a scale block"
                                 s_b = gather(sb_flat, torch.tensor([blk * sb.stride(0) + kt])).expand(16)
                             else:
-                                bv = gather(b_flat, cols[:, None] * k + kg[None, :])
-                                s_b = gather(sb_flat, kt * sb.stride(0) + cols)
-                            s_a = gather(sa_flat, kt * sa.stride(0) + rows)
+                                bv = gather(b_flat, cols[:, None] * k + kk[None, :], kt * BK)
+                                s_b = gather(sb_flat, cols, kt * sb.stride(0))
+                            if sa_split:
+                                s_a = gather(sa_flat, rows, kt * sa.stride(0))
+                            else:
+                                s_a = gather(sa_flat, kt * sa.stride(0) + rows)
                             part = (av.double() @ bv.double().t()).float()  # exact for E4M3, as the reference
                             scale = s_a[:, None] * s_b[None, :]
                             acc = (part.double() * scale.double() + acc.double()).float()
