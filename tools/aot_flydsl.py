@@ -32,6 +32,7 @@ LDS = {  # name -> (config name in gemm_lds, out_bf16, M)
     "lds fwd/dgrad 128x128 w4": ("FWD_128x128", True, 256),
     "lds fwd/dgrad 128x256 w8": ("FWD_128x256", True, 256),
     "lds wgrad 256x128 w8": ("WGRAD_256x128", False, 256),
+    "lds wgrad 256x128 w8 ragged M": ("WGRAD_256x128", False, 384),  # a masked last M tile
 }
 # Primus-Turbo's best figures in the static comparison (tools/anchor_flydsl_isa.py, flydsl 0.2.4, M, N, K =
 # 256, 512, 1024; docs/AMD.md): the LDS kernels must do at least as well. fprop/dgrad: their lowest VALU per

@@ -58,6 +58,31 @@ def test_wgrad_k_major_column_scales():
     _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
 
 
+@pytest.mark.parametrize("tokens,n,k", [(384, 256, 256), (300, 384, 128), (77, 160, 128)])
+def test_wgrad_ragged_m_odd_and_padded_token_counts(tokens, n, k):
+    """wgrad with a masked last M tile (N = 384, 160 against 256-row tiles), an odd number of 128-token
+    steps (384: the kernel's tail step) and token counts that are not multiples of 128 (zero-padded by
+    ``pad_contraction``, the scales as quantized); the scale loads keep their K step in ``voffset``."""
+    p = QuantParams(E4M3, 1)
+    dy = REF.quantize_act(make_input((tokens, n), seed=tokens), p, rowwise=False, columnwise=True)
+    x = REF.quantize_act(make_input((tokens, k), seed=tokens + 1), p, rowwise=False, columnwise=True)
+    a, b = G.pad_contraction(dy.columnwise_data), G.pad_contraction(x.columnwise_data)
+    assert a.shape == (n, -(-tokens // 128) * 128) and b.shape[1] == a.shape[1]
+    assert G.scale_a_split(G.WGRAD_256x128, n) == (n % 256 == 0)
+    ours = G.emulate(G.WGRAD_256x128, a, dy.columnwise_scale_inv, b, x.columnwise_scale_inv, n_out=k)
+    _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
+    assert G.wgrad_fits(n, k, tokens) and not G.wgrad_fits(n, 192, tokens)
+
+
+def test_pad_contraction_is_a_zero_padded_copy():
+    t = torch.randn(5, 130).to(E4M3)
+    p = G.pad_contraction(t)
+    assert p.shape == (5, 256) and p.dtype == E4M3
+    assert torch.equal(p[:, :130].view(torch.uint8), t.view(torch.uint8)) and not p[:, 130:].view(torch.uint8).any()
+    same = torch.randn(3, 256).to(E4M3)
+    assert G.pad_contraction(same) is same
+
+
 def test_emulation_catches_a_wrong_soffset(monkeypatch):
     """The B strips' soffset formula is what the kernel issues; a wrong K-step stride fails the check."""
     m, n, k = 64, 256, 256
@@ -69,6 +94,18 @@ def test_emulation_catches_a_wrong_soffset(monkeypatch):
     wrong = G.emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data),
                       w.rowwise_scale_inv, n_out=n)  # fmt: skip
     assert not torch.allclose(wrong, ref, rtol=1e-3)
+
+
+def test_bounds_model_rejects_an_unchecked_scale_offset(monkeypatch):
+    """A ragged last M tile with the scales' K step in soffset would read past the scale tensor."""
+    tokens, n, k = 256, 384, 128
+    p = QuantParams(E4M3, 1)
+    dy = REF.quantize_act(make_input((tokens, n), seed=13), p, rowwise=False, columnwise=True)
+    x = REF.quantize_act(make_input((tokens, k), seed=14), p, rowwise=False, columnwise=True)
+    monkeypatch.setattr(G, "scale_a_split", lambda cfg, m: True)
+    with pytest.raises(AssertionError, match="unmasked load"):
+        G.emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+                  x.columnwise_scale_inv, n_out=k)  # fmt: skip
 
 
 def test_emulation_catches_a_wrong_address():

@@ -1,6 +1,7 @@
 """The LDS-staged FlyDSL GEMMs on an MI355X (gfx950): fprop/dgrad reading the preshuffled weight and
-wgrad, against the reference backend's blockwise GEMM, over ragged M (one binary per N, K) and both
-fprop tiles; and the backend's preshuffled weight copies bit for bit against the reference's."""
+wgrad, against the reference backend's blockwise GEMM, over ragged M (one binary per N, K), both
+fprop tiles and ragged wgrad (M, odd and padded token counts); and the backend's preshuffled weight
+copies bit for bit against the reference's."""
 
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ def test_fprop_and_dgrad_any_m(cfg_name, m):
     _close(dx, REF.gemm_dgrad(dy, w, torch.float32))
 
 
-@pytest.mark.parametrize("tokens", [256, 2048])
-def test_wgrad(tokens):
-    n, k = 512, 384
+@pytest.mark.parametrize("tokens,n", [(256, 512), (2048, 512), (384, 384), (300, 160), (1, 256)])
+def test_wgrad(tokens, n):
+    """Whole and ragged: a masked last M tile (N = 384, 160), an odd number of 128-token steps (384)
+    and token counts padded to a multiple of 128 (300, 1)."""
+    k = 384
     p = QuantParams(E4M3, 1)
     dy = REF.quantize_act(make_input((tokens, n), seed=3), p, rowwise=False, columnwise=True)
     x = REF.quantize_act(make_input((tokens, k), seed=4), p, rowwise=False, columnwise=True)

@@ -39,7 +39,7 @@ def reports(tmp_path_factory):
 
 
 DIRECT = {"fwd/dgrad bf16 out", "fwd/dgrad fp32 out", "wgrad fp32 out"}
-LDS = {"lds fwd/dgrad 128x128 w4", "lds fwd/dgrad 128x256 w8", "lds wgrad 256x128 w8"}
+LDS = {"lds fwd/dgrad 128x128 w4", "lds fwd/dgrad 128x256 w8", "lds wgrad 256x128 w8", "lds wgrad 256x128 w8 ragged M"}
 
 
 def test_every_gemm_variant_compiles_for_gfx950_with_fp8_mfma(reports):

@@ -33,10 +33,11 @@ Tile order: the 1-D grid is walked in L2 groups of ``group_m`` M-tiles (all N-ti
 tiles before the next group), as Triton's grouped ordering.
 
 Shapes: N (the output columns) a multiple of ``bn``; K a multiple of 128 (fprop/dgrad: static; wgrad:
-the token count, dynamic, a multiple of 256). M is dynamic (fprop/dgrad: any M >= 1, one binary per
-(N, K, tile)): the rows past M of the last M-tile read zeros and their stores are dropped by the buffer
-descriptors' bounds (``make_buffer_tensor`` with the tensor's real extent). wgrad's M (the weight's N)
-is static, a multiple of ``bm``.
+the token count, dynamic; two steps per loop trip and a tail step for an odd count; ``blockwise_gemm_lds``
+zero-pads a token count that is not a multiple of 128, ``pad_contraction``). M: any M >= 1, the rows
+past M of the last M-tile read zeros and their stores are dropped by the buffer descriptors' bounds
+(``make_buffer_tensor`` with the tensor's real extent); fprop/dgrad: M dynamic, one binary per
+(N, K, tile); wgrad: M (the weight's N) static, one binary per weight shape.
 
 Compile-only here (docs/AMD.md): never run on an MI355X; its index arithmetic is emulated on the CPU
 (tests/backends/test_flydsl_lds_emulation.py). Not a translation of Primus-Turbo's kernels.
@@ -147,8 +148,8 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         raise ValueError(f"N = {n} must be a multiple of the tile's {cfg.bn} columns")
     if pre and (k is None or k % BK):
         raise ValueError(f"K = {k} must be a static multiple of {BK} for the preshuffled-B kernel")
-    if not pre and (m is None or m % cfg.bm):
-        raise ValueError(f"wgrad's M = {m} must be a static multiple of {cfg.bm}")
+    if not pre and (m is None or m < 1):
+        raise ValueError(f"wgrad's M = {m} must be given (static, >= 1; a ragged last M tile is masked)")
     bm, bn, threads, rm_n, rn_n, wm, wn = cfg.bm, cfg.bn, cfg.threads, cfg.rm, cfg.rn, cfg.waves_m, cfg.waves_n
     f8 = fx.Float8E4M3FN
     out_ty = fx.BFloat16 if out_bf16 else fx.Float32
@@ -322,10 +323,12 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
                     step(u * i + j, j % 2, False)
             for j in fx.range_constexpr(kt_static % u):
                 step((kt_static // u) * u + j, j % 2, j == kt_static % u - 1)
-        else:  # K (tokens) dynamic, a multiple of 2 * 128
+        else:  # K (tokens) dynamic, a multiple of 128: two steps per trip, an odd last step after the loop
             for i in range(kt_n // 2):
                 step(2 * i, 0, False)
                 step(2 * i + 1, 1, False)
+            if kt_n % 2 == 1:  # its A and B are in stage 0 (the loop's last prefetch, or the prologue's)
+                step(kt_n - 1, 0, True)
 
         store = fx.make_copy_atom(fx.rocdl.BufferCopy16b() if out_bf16 else fx.rocdl.BufferCopy32b(), out_ty)
         copy_out = fx.make_tiled_copy_C(store, mma).get_slice(tid)
@@ -452,8 +455,25 @@ def weight_fits(n: int, k: int) -> bool:
 
 
 def wgrad_fits(n: int, k: int, tokens: int) -> bool:
-    """Whether wgrad dW [N, K] over ``tokens`` runs the 256x128 LDS kernel (tokens a multiple of 256)."""
-    return n % WGRAD_256x128.bm == 0 and k % WGRAD_256x128.bn == 0 and tokens > 0 and tokens % (2 * BK) == 0
+    """Whether wgrad dW [N, K] over ``tokens`` runs the 256x128 LDS kernel: K (the output columns) a
+    multiple of 128; any N >= 1 (a ragged last M tile is masked) and any token count >= 1 (padded with
+    zeros to a multiple of 128 when it is not one: ``pad_contraction``)."""
+    return n > 0 and tokens > 0 and k > 0 and k % WGRAD_256x128.bn == 0
+
+
+def pad_contraction(t, mult: int = BK):
+    """A K-major FP8 operand ``[R, T]`` with its contraction dim zero-padded to a multiple of ``mult``
+    (``t`` itself when it is one). FP8 zero bytes are +0.0, so the padded columns add nothing; the 1x128
+    scales ``[ceil(T / 128), pad4(R)]`` already cover the partial last block."""
+    import torch
+
+    r, c = t.shape
+    pad = -c % mult
+    if pad == 0:
+        return t
+    out = torch.zeros(r, c + pad, dtype=torch.uint8, device=t.device)
+    out[:, :c] = t.view(torch.uint8)
+    return out.view(t.dtype)
 
 
 _launchers: dict = {}
@@ -469,9 +489,11 @@ def _launcher(cfg: TileConfig, n: int, k: int | None, m: int | None, out_bf16: b
 def blockwise_gemm_lds(a, a_scale_inv, b, b_scale_inv, *, cfg: TileConfig, out_dtype, bias=None, accumulate_into=None):
     """``C = A @ B^T`` on the LDS kernel ``cfg`` (contract of the Triton ``blockwise_gemm``; B preshuffled
     for ``cfg.b_layout == "preshuffle16"``). One binary per (tile, N, K) for fprop/dgrad (any M) and
-    per (M, N) for wgrad (tokens a multiple of 256)."""
+    per (M, N) for wgrad (any token count: padded to a multiple of 128 when needed)."""
     import torch
 
+    if cfg.b_layout == "k_major":  # wgrad: tokens (the contraction) to a multiple of 128
+        a, b = pad_contraction(a), pad_contraction(b)
     m, k = a.shape
     n = b.shape[0]
     direct = bias is None and accumulate_into is None and out_dtype in (torch.bfloat16, torch.float32)
