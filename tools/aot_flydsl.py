@@ -5,11 +5,13 @@
 Variants (M, N, K = 256, 512, 1024 unless stated): the direct-load kernel (``flydsl/gemm.py``:
 K-major B, 64x64 tiles, fprop/dgrad bf16 and fp32 out, wgrad) and the LDS-staged kernels
 (``flydsl/gemm_lds.py``): fprop/dgrad reading the preshuffled weight (128x128 / 4 waves, 128x256 /
-8 waves), wgrad 256x128 / 8 waves with K-major B. Per variant: ``b_layout``, registers, LDS (static
-+ dynamic), spills, MFMA count, the K loop's MFMA / VALU / vector-memory / LDS instructions per trip
-and the occupancy the resources allow (``tools/flydsl_isa.py`` states the formula). Checks: target
-gfx950, the FP8 MFMA present, no spills or scratch, registers and LDS within gfx950's limits, and for
-the LDS kernels LDS in use. Needs ``apt-get install lld-19 rocm-device-libs``.
+8 waves; and dgrad on a W^T padded from 384 to 512 rows, its 384 output columns stored), wgrad
+256x128 / 8 waves with K-major B (whole, and with a ragged last M tile). Per variant: ``b_layout``,
+registers, LDS (static + dynamic), spills, MFMA count, the K loop's MFMA / VALU / vector-memory / LDS
+instructions per trip and the occupancy the resources allow (``tools/flydsl_isa.py`` states the
+formula). Checks: target gfx950, the FP8 MFMA present, no spills or scratch, registers and LDS within
+gfx950's limits; for the LDS kernels LDS in use and at least Primus-Turbo's figures (``ANCHOR``).
+Needs ``apt-get install lld-19 rocm-device-libs``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ LDS = {  # name -> (config name in gemm_lds, out_bf16, M)
     "lds fwd/dgrad 128x256 w8": ("FWD_128x256", True, 256),
     "lds wgrad 256x128 w8": ("WGRAD_256x128", False, 256),
     "lds wgrad 256x128 w8 ragged M": ("WGRAD_256x128", False, 384),  # a masked last M tile
+    "lds dgrad 128x256 w8 K-padded": ("FWD_128x256", True, 256),  # W^T padded 384 -> 512 rows: C has 384 columns
 }
+N_VALID = {"lds dgrad 128x256 w8 K-padded": 384}
 # Primus-Turbo's best figures in the static comparison (tools/anchor_flydsl_isa.py, flydsl 0.2.4, M, N, K =
 # 256, 512, 1024; docs/AMD.md): the LDS kernels must do at least as well. fprop/dgrad: their lowest VALU per
 # MFMA (BLOCK_M-192 fprop 3.48, physical-NN dgrad 3.47) and their most MFMAs per K-loop trip (48); wgrad:
@@ -95,9 +99,10 @@ def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
     _, n, k = SHAPE
     for name, (cfg_name, bf16, m) in LDS.items():
         cfg = getattr(gemm_lds, cfg_name)
-        c = torch.zeros(m, n, dtype=torch.bfloat16 if bf16 else torch.float32)
+        n_valid = N_VALID.get(name, n)
+        c = torch.zeros(m, n_valid, dtype=torch.bfloat16 if bf16 else torch.float32)
         if cfg.b_layout == "preshuffle16":  # fprop/dgrad: M dynamic (compiled once per N, K)
-            launch = gemm_lds.build_kernel(cfg, n, k, out_bf16=bf16)
+            launch = gemm_lds.build_kernel(cfg, n, k, out_bf16=bf16, n_valid=n_valid)
             a, b = torch.zeros(m, k, dtype=f8), torch.zeros(n, k, dtype=f8)
             sa, sb = torch.ones(k // 128, m), torch.ones(n // 128, k // 128)
         else:  # wgrad: the contraction (tokens) dynamic

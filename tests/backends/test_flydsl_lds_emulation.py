@@ -108,6 +108,50 @@ def test_bounds_model_rejects_an_unchecked_scale_offset(monkeypatch):
                   x.columnwise_scale_inv, n_out=k)  # fmt: skip
 
 
+def _padded_weight(n, k, seed):
+    """A preshuffled weight whose W^T storage is padded as the quantizer pads it (K % 256 == 128)."""
+    from primus_fp8_plugin import BlockwiseFp8Tensor
+    from primus_fp8_plugin.preshuffle import dgrad_padded_rows
+
+    w = REF.quantize_weight(make_input((n, k), seed=seed), QuantParams(E4M3, 2))
+    kp = dgrad_padded_rows(k)
+    data = torch.zeros(kp, n, dtype=torch.uint8)
+    data[:k] = w.columnwise_data.view(torch.uint8)
+    scales = torch.ones(kp // 128, w.columnwise_scale_inv.shape[1])
+    scales[: k // 128] = w.columnwise_scale_inv
+    wt = preshuffle(data.view(E4M3)).flatten()[: k * n].view(k, n)
+    wq = BlockwiseFp8Tensor((n, k), 2, E4M3, torch.float32, rowwise_data=preshuffle(w.rowwise_data),
+                            rowwise_scale_inv=w.rowwise_scale_inv, columnwise_data=wt,
+                            columnwise_scale_inv=scales[: k // 128], layout="preshuffle16")  # fmt: skip
+    return w, wq
+
+
+@pytest.mark.parametrize("m,n,k", [(130, 256, 384), (64, 128, 640)])
+def test_dgrad_on_k_padded_wt_uses_256_wide_tiles(m, n, k):
+    """K % 256 == 128 with W^T's storage padded: dgrad runs 128x256 tiles over K + 128 output columns,
+    computes zeros in the padded ones and does not store them (the last tile's pad strips)."""
+    w, wq = _padded_weight(n, k, seed=k)
+    dy = REF.quantize_act(make_input((m, n), seed=m), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
+    cfg, b, sb, n_valid = G.dgrad_operands(wq)
+    assert cfg is G.FWD_128x256 and b.shape == (k + 128, n) and sb.shape[0] == (k + 128) // 128 and n_valid == k
+    assert G.pad_strip_set(cfg, 128) == {4, 5, 6, 7}
+    ours = G.emulate(cfg, dy.rowwise_data, dy.rowwise_scale_inv, b, sb, n_out=k + 128, n_valid=k)
+    assert ours.shape == (m, k)
+    _close(ours, REF.gemm_dgrad(dy, w, torch.float32))
+    # without the padded storage (a copy of the tensor): the 128-wide tile on the tensors as they are
+    wq.columnwise_data = wq.columnwise_data.clone()
+    cfg2, b2, _, nv2 = G.dgrad_operands(wq)
+    assert cfg2 is G.FWD_128x128 and b2.shape == (k, n) and nv2 == k
+
+
+def test_pad_strips_must_be_whole_strips():
+    with pytest.raises(ValueError, match="whole strips"):
+        G.pad_strip_set(G.FWD_128x256, 112)
+    with pytest.raises(ValueError, match="whole strips"):
+        G.pad_strip_set(G.WGRAD_256x128, 64)
+    assert G.pad_strip_set(G.FWD_128x256, 0) == frozenset()
+
+
 def test_emulation_catches_a_wrong_address():
     """The check can fail: K-major bytes read as if preshuffled give a different product."""
     m, n, k = 64, 128, 128

@@ -117,6 +117,18 @@ def b_soffset(cfg: TileConfig, k: int, kt, rn: int):
     return kt * (BK * 16) + rn * (cfg.waves_n * 16 * k)
 
 
+def pad_strip_set(cfg: TileConfig, pad_cols: int) -> frozenset[int]:
+    """The strips ``rn`` a wave does not store in the last N tile when the output's last ``pad_cols`` columns
+    (of the ``n`` the kernel computes) are padding: those whose 16 columns start at or past ``bn - pad_cols``
+    for every wave (raises unless the padding is whole strips of every wave)."""
+    if pad_cols == 0:
+        return frozenset()
+    step = 16 * cfg.waves_n
+    if cfg.b_layout != "preshuffle16" or not 0 < pad_cols < cfg.bn or (cfg.bn - pad_cols) % step:
+        raise ValueError(f"{pad_cols} padded columns of a {cfg.bn}-wide tile are not whole strips of every wave")
+    return frozenset(rn for rn in range(cfg.rn) if rn * step >= cfg.bn - pad_cols)
+
+
 def scale_a_split(cfg: TileConfig, m: int | None) -> bool:
     """Whether A's scale loads put the K step in ``soffset`` (wgrad with every row in range: ``m`` a
     multiple of ``bm``). Otherwise it stays in the bounds-checked ``voffset``: ``soffset`` is not
@@ -134,7 +146,7 @@ def tile_of(pid: int, num_pid_m: int, num_pid_n: int, group_m: int) -> tuple[int
     return first_m + in_group % size_m, in_group // size_m
 
 
-def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None, out_bf16: bool):
+def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None, out_bf16: bool, n_valid: int | None = None):
     """A FlyDSL launcher ``launch(A, B, C, SA, SB)`` for one shape class.
 
     fprop/dgrad (``cfg.b_layout == "preshuffle16"``): ``n``, ``k`` static, M dynamic (pass A, C and SA
@@ -146,11 +158,16 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
     pre = cfg.b_layout == "preshuffle16"
     if n % cfg.bn:
         raise ValueError(f"N = {n} must be a multiple of the tile's {cfg.bn} columns")
+    if n_valid is not None and n_valid != n:
+        pad_strip_set(cfg, n - n_valid)  # raises unless the padding is whole strips
     if pre and (k is None or k % BK):
         raise ValueError(f"K = {k} must be a static multiple of {BK} for the preshuffled-B kernel")
     if not pre and (m is None or m < 1):
         raise ValueError(f"wgrad's M = {m} must be given (static, >= 1; a ragged last M tile is masked)")
     bm, bn, threads, rm_n, rn_n, wm, wn = cfg.bm, cfg.bn, cfg.threads, cfg.rm, cfg.rn, cfg.waves_m, cfg.waves_n
+    n_valid = n if n_valid is None else n_valid
+    pad_cols = n - n_valid  # B padded with zero rows past n_valid; C holds n_valid columns
+    pad_strips = pad_strip_set(cfg, pad_cols)
     f8 = fx.Float8E4M3FN
     out_ty = fx.BFloat16 if out_bf16 else fx.Float32
     num_pid_n = n // bn
@@ -167,7 +184,11 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         # bounds-checked descriptors (the tensors' real extents): past-the-end loads read 0, stores drop
         A = fx.rocdl.make_buffer_tensor(A, max_size=False)
         B = fx.rocdl.make_buffer_tensor(B, max_size=False)
-        C = fx.rocdl.make_buffer_tensor(C, max_size=False)
+        if fx.const_expr(pad_cols == 0):
+            C = fx.rocdl.make_buffer_tensor(C, max_size=False)
+        else:  # C's real extent (its view has n columns at a row stride of n_valid)
+            c_bytes = fx.Int64(fx.get_scalar(A.shape[0])) * (n_valid * (2 if out_bf16 else 4))
+            C = fx.rocdl.make_buffer_tensor(C, num_records_bytes=c_bytes)
         SA = fx.rocdl.make_buffer_tensor(SA, max_size=False)
         SB = fx.rocdl.make_buffer_tensor(SB, max_size=False)
         m_rows = fx.get_scalar(A.shape[0])
@@ -335,14 +356,26 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         if fx.const_expr(out_bf16):
             out = fx.make_fragment_like(acc, fx.BFloat16)
             out.store(acc.load().to(fx.BFloat16))
-            fx.copy(store, copy_out.retile(out), copy_out.partition_S(gC))
         else:
-            fx.copy(store, copy_out.retile(acc), copy_out.partition_S(gC))
+            out = acc
+        src_c, dst_c = copy_out.retile(out), copy_out.partition_S(gC)
+        if fx.const_expr(pad_cols == 0):
+            fx.copy(store, src_c, dst_c)
+        else:  # the last N tile's strips in the padded columns are not stored (they would wrap to the next row)
+            for rn in fx.range_constexpr(rn_n):
+                if fx.const_expr(rn not in pad_strips):
+                    fx.copy(store, src_c[None, None, rn], dst_c[None, None, rn])
+            if pid_n < num_pid_n - 1:
+                for rn in fx.range_constexpr(rn_n):
+                    if fx.const_expr(rn in pad_strips):
+                        fx.copy(store, src_c[None, None, rn], dst_c[None, None, rn])
 
     @flyc.jit
     def launch(A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, SA: fx.Tensor, SB: fx.Tensor, stream: fx.Stream = fx.Stream(None)):  # noqa: B008
         if fx.const_expr(pre):  # (n, k) -> byte ((n//16)*(K/16) + k//16)*256 + (n%16)*16 + k%16
             B = fx.Tensor(fx.make_view(fx.get_iter(B), fx.make_layout(((16, n // 16), (16, k // 16)), ((16, 16 * k), (1, 256)))))
+        if fx.const_expr(pad_cols):  # C [M, n_valid] seen as [M, n] with row stride n_valid
+            C = fx.Tensor(fx.make_view(fx.get_iter(C), fx.make_layout((fx.get_scalar(C.shape[0]), n), (n_valid, 1))))
         mma_atom = fx.make_mma_atom(fx.rocdl.cdna4.MFMA_Scale(16, 16, 128, f8))
         mma = fx.make_tiled_mma(mma_atom, fx.make_layout((wm, wn, 1), (1, wm, 0)))
         cols = BK // 16  # 16-byte chunks per row
@@ -374,7 +407,7 @@ def dynamic_args(cfg: TileConfig, a, b, c, sa, sb):
             t(c), t(sa).mark_shape_dynamic(0), t(sb).mark_shape_dynamic(0))  # fmt: skip
 
 
-def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
+def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int, n_valid: int | None = None):
     """The kernel's arithmetic in torch, walking its schedule: ``C [M, n_out]`` fp32 from FP8 ``a`` [M, K],
     ``b`` (``cfg.b_layout``: preshuffled bytes [n_out, K] or K-major) and TE-layout scales.
 
@@ -386,7 +419,9 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
     ``128 kt``; scales: the K step in ``voffset``, or in ``soffset`` where ``scale_a_split``). The
     bounds model: a load is masked (reads 0) when its ``voffset`` is past the operand's end (``soffset``
     is not range-checked), and an unmasked load past the end fails the emulation; rows past M are not
-    stored. Per 128-K step: fp32 partial, then ``acc = fma(partial, sa * sb, acc)`` (the fma in
+    stored, nor (``n_valid < n_out``: B's rows past ``n_valid`` are zero padding) the last N tile's
+    ``pad_strip_set`` strips, which must be exactly those past ``n_valid``; the result has ``n_valid``
+    columns. Per 128-K step: fp32 partial, then ``acc = fma(partial, sa * sb, acc)`` (the fma in
     float64, rounded once)."""
     import torch
 
@@ -404,7 +439,9 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
         assert not torch.any(ok & (idx >= flat.numel())), "an unmasked load past the operand's end"
         return torch.where(ok, flat[idx.clamp(max=flat.numel() - 1)], torch.zeros((), dtype=flat.dtype))
 
-    out = torch.full((m, n_out), float("nan"))
+    n_valid = n_out if n_valid is None else n_valid
+    pad_strips = pad_strip_set(cfg, n_out - n_valid)
+    out = torch.full((m, n_valid), float("nan"))
     num_pid_m, num_pid_n = -(-m // cfg.bm), n_out // cfg.bn
     seen = set()
     kk = torch.arange(BK)
@@ -437,10 +474,30 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
                             part = (av.double() @ bv.double().t()).float()  # exact for E4M3, as the reference
                             scale = s_a[:, None] * s_b[None, :]
                             acc = (part.double() * scale.double() + acc.double()).float()
+                        if pn == num_pid_n - 1 and c in pad_strips:
+                            assert torch.all(cols >= n_valid), "a skipped strip holds real columns"
+                            continue
+                        assert torch.all(cols < n_valid), "a stored strip holds padded columns"
                         keep = rows < m
                         out[rows[keep][:, None], cols[None, :]] = acc[keep]
     assert len(seen) == num_pid_m * num_pid_n
     return out
+
+
+def dgrad_operands(w):
+    """dgrad's B for a preshuffled weight ``w`` [N, K]: ``(cfg, W^T data, W^T scales, n_valid)``. Where the
+    quantizer left W^T's storage padded to 256-multiple rows (K % 256 == 128: ``preshuffle.padded_rows``)
+    the padded views and the 128x256 tile, with ``n_valid = K``; otherwise the tensors as they are."""
+    from ...preshuffle import dgrad_padded_rows, padded_rows
+
+    k = w.shape[1]
+    kp = dgrad_padded_rows(k)
+    if kp != k:
+        data = padded_rows(w.columnwise_data, kp)
+        scales = padded_rows(w.columnwise_scale_inv, kp // SCALE_BLOCK)
+        if data is not None and scales is not None:
+            return FWD_128x256, data, scales, k
+    return fwd_config(k), w.columnwise_data, w.columnwise_scale_inv, k
 
 
 def fwd_config(n_out: int) -> TileConfig:
@@ -479,27 +536,35 @@ def pad_contraction(t, mult: int = BK):
 _launchers: dict = {}
 
 
-def _launcher(cfg: TileConfig, n: int, k: int | None, m: int | None, out_bf16: bool):
-    key = (cfg, n, k, m, out_bf16)
+def _launcher(cfg: TileConfig, n: int, k: int | None, m: int | None, out_bf16: bool, n_valid: int):
+    key = (cfg, n, k, m, out_bf16, n_valid)
     if key not in _launchers:
-        _launchers[key] = build_kernel(cfg, n, k, m=m, out_bf16=out_bf16)
+        _launchers[key] = build_kernel(cfg, n, k, m=m, out_bf16=out_bf16, n_valid=n_valid)
     return _launchers[key]
 
 
-def blockwise_gemm_lds(a, a_scale_inv, b, b_scale_inv, *, cfg: TileConfig, out_dtype, bias=None, accumulate_into=None):
+def blockwise_gemm_lds(
+    a, a_scale_inv, b, b_scale_inv, *, cfg: TileConfig, out_dtype, bias=None, accumulate_into=None, n_valid=None
+):
     """``C = A @ B^T`` on the LDS kernel ``cfg`` (contract of the Triton ``blockwise_gemm``; B preshuffled
     for ``cfg.b_layout == "preshuffle16"``). One binary per (tile, N, K) for fprop/dgrad (any M) and
-    per (M, N) for wgrad (any token count: padded to a multiple of 128 when needed)."""
+    per (M, N) for wgrad (any token count: padded to a multiple of 128 when needed). ``n_valid``
+    (preshuffled B only): B's rows past it are zero padding (``preshuffle.padded_rows``); C then has
+    ``n_valid`` columns."""
     import torch
 
     if cfg.b_layout == "k_major":  # wgrad: tokens (the contraction) to a multiple of 128
         a, b = pad_contraction(a), pad_contraction(b)
     m, k = a.shape
     n = b.shape[0]
+    n_valid = n if n_valid is None else n_valid
     direct = bias is None and accumulate_into is None and out_dtype in (torch.bfloat16, torch.float32)
-    c = torch.empty(m, n, dtype=out_dtype if direct else torch.float32, device=a.device)
+    c = torch.empty(m, n_valid, dtype=out_dtype if direct else torch.float32, device=a.device)
     bf16 = c.dtype == torch.bfloat16
-    launch = _launcher(cfg, n, k, None, bf16) if cfg.b_layout == "preshuffle16" else _launcher(cfg, n, None, m, bf16)
+    if cfg.b_layout == "preshuffle16":
+        launch = _launcher(cfg, n, k, None, bf16, n_valid)
+    else:
+        launch = _launcher(cfg, n, None, m, bf16, n_valid)
     launch(*dynamic_args(cfg, a, b, c, a_scale_inv, b_scale_inv))
     if direct:
         return c
