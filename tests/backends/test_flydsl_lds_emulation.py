@@ -108,8 +108,10 @@ def test_bounds_model_rejects_an_unchecked_scale_offset(monkeypatch):
                   x.columnwise_scale_inv, n_out=k)  # fmt: skip
 
 
-def _padded_weight(n, k, seed):
-    """A preshuffled weight whose W^T storage is padded as the quantizer pads it (K % 256 == 128)."""
+def _padded_weight(n, k, seed, garbage=False):
+    """A preshuffled weight whose W^T storage is padded as the quantizer pads it (K % 256 == 128); with
+    ``garbage`` the padding holds other bytes (NaN encodings included) and other scales, as a view into
+    a larger storage (e.g. one expert of a stacked weight) would."""
     from primus_fp8_plugin import BlockwiseFp8Tensor
     from primus_fp8_plugin.preshuffle import dgrad_padded_rows
 
@@ -119,6 +121,10 @@ def _padded_weight(n, k, seed):
     data[:k] = w.columnwise_data.view(torch.uint8)
     scales = torch.ones(kp // 128, w.columnwise_scale_inv.shape[1])
     scales[: k // 128] = w.columnwise_scale_inv
+    if garbage:
+        data[k:] = torch.randint(0, 256, (kp - k, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        data[k, :4] = 0x7F  # E4M3 NaN
+        scales[k // 128 :] = float("inf")
     wt = preshuffle(data.view(E4M3)).flatten()[: k * n].view(k, n)
     wq = BlockwiseFp8Tensor((n, k), 2, E4M3, torch.float32, rowwise_data=preshuffle(w.rowwise_data),
                             rowwise_scale_inv=w.rowwise_scale_inv, columnwise_data=wt,
@@ -126,11 +132,12 @@ def _padded_weight(n, k, seed):
     return w, wq
 
 
-@pytest.mark.parametrize("m,n,k", [(130, 256, 384), (64, 128, 640)])
-def test_dgrad_on_k_padded_wt_uses_256_wide_tiles(m, n, k):
-    """K % 256 == 128 with W^T's storage padded: dgrad runs 128x256 tiles over K + 128 output columns,
-    computes zeros in the padded ones and does not store them (the last tile's pad strips)."""
-    w, wq = _padded_weight(n, k, seed=k)
+@pytest.mark.parametrize("m,n,k,garbage", [(130, 256, 384, False), (64, 128, 640, False), (70, 256, 384, True)])
+def test_dgrad_on_k_padded_wt_uses_256_wide_tiles(m, n, k, garbage):
+    """K % 256 == 128 with W^T's storage padded: dgrad runs 128x256 tiles over K + 128 output columns and
+    does not store the padded ones (the last tile's pad strips), so whatever the padding holds only
+    reaches columns that are never written."""
+    w, wq = _padded_weight(n, k, seed=k, garbage=garbage)
     dy = REF.quantize_act(make_input((m, n), seed=m), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
     cfg, b, sb, n_valid = G.dgrad_operands(wq)
     assert cfg is G.FWD_128x256 and b.shape == (k + 128, n) and sb.shape[0] == (k + 128) // 128 and n_valid == k

@@ -487,7 +487,9 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int, n_valid: int | None = 
 def dgrad_operands(w):
     """dgrad's B for a preshuffled weight ``w`` [N, K]: ``(cfg, W^T data, W^T scales, n_valid)``. Where the
     quantizer left W^T's storage padded to 256-multiple rows (K % 256 == 128: ``preshuffle.padded_rows``)
-    the padded views and the 128x256 tile, with ``n_valid = K``; otherwise the tensors as they are."""
+    the padded views and the 128x256 tile, with ``n_valid = K``; otherwise the tensors as they are. The
+    padded rows only feed output columns that are never stored, so their content does not matter (a
+    view into a larger storage, such as one expert of a stacked weight, is served correctly too)."""
     from ...preshuffle import dgrad_padded_rows, padded_rows
 
     k = w.shape[1]
