@@ -13,6 +13,11 @@ The layout needs ``R % 16 == 0`` and ``C % 32 == 0``. A weight ``[N, K]`` is sto
 (both copies) only where both copies fit: ``N % 32 == 0`` and ``K % 32 == 0``
 (:func:`preshuffle_fits`); :func:`check_preshuffle_shape` raises for the others. The tensor keeps its
 logical shape ``[R, C]`` and stays contiguous; only the byte order differs.
+
+Row padding (:func:`padded_rows`): row tiles are the layout's outermost index, so a preshuffled
+``[R, C]`` operand followed by ``(R_pad - R) * C`` zero bytes is the preshuffled ``[R_pad, C]``
+operand with zero rows. The weight quantizer keeps W^T's copy in such a storage when the padding
+lets dgrad use 256-wide output tiles (``DGRAD_ROW_MULTIPLE``); the tensor itself stays ``[R, C]``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,26 @@ PRESHUFFLE16 = "preshuffle16"
 K_MAJOR = "k_major"
 LAYOUTS = (K_MAJOR, PRESHUFFLE16)
 TILE_ROWS, VIEW_COLS = 16, 32  # the layout's divisibility: rows % 16, contraction dim % 32
+DGRAD_ROW_MULTIPLE = 256  # W^T's rows (dgrad's output columns) padded to this where it is a multiple of 128 only
+
+
+def dgrad_padded_rows(k: int) -> int:
+    """W^T's padded row count for a weight with ``k`` columns: ``k`` rounded up to 256 when ``k % 256 == 128``
+    (the padding then turns dgrad's last 128-wide output tile into a 256-wide one), else ``k``."""
+    return k + 128 if k % DGRAD_ROW_MULTIPLE == 128 else k
+
+
+def padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """``t`` [R, C] (contiguous, at the start of its storage) seen as ``[rows, C]`` over the same storage,
+    or None when the storage does not hold ``rows`` rows (a copy of the tensor drops the padding)."""
+    r, c = t.shape
+    if rows == r:
+        return t
+    if rows < r or not t.is_contiguous() or t.storage_offset() != 0:
+        return None
+    if t.untyped_storage().nbytes() < rows * c * t.element_size():
+        return None
+    return t.as_strided((rows, c), (c, 1))
 
 
 def check_preshuffle_shape(rows: int, cols: int, what: str = "operand") -> None:

@@ -4,7 +4,9 @@ flydsl 0.2.4 and print their ISA columns next to ours (``tools/aot_flydsl.py``).
     python -m tools.anchor_flydsl_isa --primus PATH_TO_PRIMUS_TURBO_CHECKOUT [--venv DIR] [--json FILE]
 
 ``PATH`` is a Primus-Turbo checkout whose ``primus_turbo/flydsl/gemm/gemm_fp8_blockwise_kernel.py``
-holds the 4-wave / 8-wave blockwise kernels (``compile_blockscale_fp8_gemm_4w`` and friends). The
+holds the 4-wave / 8-wave blockwise kernels (``compile_blockscale_fp8_gemm_4w`` and friends; the file
+left Primus-Turbo's main branch later: ``git archive 5f8c43fb primus_turbo | tar -x -C DIR`` gives the
+tree the docs/AMD.md figures come from). The
 kernels need flydsl 0.2.4, which cannot share a process with this project's flydsl 0.5: the tool
 makes a virtualenv (default ``~/.cache/primus_fp8_plugin/flydsl-0.2.4``) with ``pip install
 flydsl==0.2.4 --no-deps``, lets it see this interpreter's torch/numpy through a ``.pth`` file (the
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     kernel_file = args.primus / "primus_turbo/flydsl/gemm/gemm_fp8_blockwise_kernel.py"
     if not kernel_file.exists():
-        ap.error(f"{kernel_file} not found: --primus must be a Primus-Turbo checkout with the FlyDSL blockwise kernels")
+        ap.error(f"{kernel_file} not found: --primus must be a Primus-Turbo checkout with the FlyDSL blockwise kernels "
+                 "(e.g. commit 5f8c43fb; later commits removed the file)")  # fmt: skip
     py = ensure_venv(args.venv, args.flydsl_version)
     reports: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -58,6 +58,107 @@ def test_wgrad_k_major_column_scales():
     _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
 
 
+@pytest.mark.parametrize("tokens,n,k", [(384, 256, 256), (300, 384, 128), (77, 160, 128)])
+def test_wgrad_ragged_m_odd_and_padded_token_counts(tokens, n, k):
+    """wgrad with a masked last M tile (N = 384, 160 against 256-row tiles), an odd number of 128-token
+    steps (384: the kernel's tail step) and token counts that are not multiples of 128 (zero-padded by
+    ``pad_contraction``, the scales as quantized); the scale loads keep their K step in ``voffset``."""
+    p = QuantParams(E4M3, 1)
+    dy = REF.quantize_act(make_input((tokens, n), seed=tokens), p, rowwise=False, columnwise=True)
+    x = REF.quantize_act(make_input((tokens, k), seed=tokens + 1), p, rowwise=False, columnwise=True)
+    a, b = G.pad_contraction(dy.columnwise_data), G.pad_contraction(x.columnwise_data)
+    assert a.shape == (n, -(-tokens // 128) * 128) and b.shape[1] == a.shape[1]
+    assert G.scale_a_split(G.WGRAD_256x128, n) == (n % 256 == 0)
+    ours = G.emulate(G.WGRAD_256x128, a, dy.columnwise_scale_inv, b, x.columnwise_scale_inv, n_out=k)
+    _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
+    assert G.wgrad_fits(n, k, tokens) and not G.wgrad_fits(n, 192, tokens)
+
+
+def test_pad_contraction_is_a_zero_padded_copy():
+    t = torch.randn(5, 130).to(E4M3)
+    p = G.pad_contraction(t)
+    assert p.shape == (5, 256) and p.dtype == E4M3
+    assert torch.equal(p[:, :130].view(torch.uint8), t.view(torch.uint8)) and not p[:, 130:].view(torch.uint8).any()
+    same = torch.randn(3, 256).to(E4M3)
+    assert G.pad_contraction(same) is same
+
+
+def test_emulation_catches_a_wrong_soffset(monkeypatch):
+    """The B strips' soffset formula is what the kernel issues; a wrong K-step stride fails the check."""
+    m, n, k = 64, 256, 256
+    x = REF.quantize_act(make_input((m, k), seed=11), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
+    w = REF.quantize_weight(make_input((n, k), seed=12), QuantParams(E4M3, 2))
+    ref = REF.gemm_fwd(x, w, None, torch.float32)
+    right = G.b_soffset
+    monkeypatch.setattr(G, "b_soffset", lambda cfg, kk, kt, rn: right(cfg, kk, kt, rn) - kt * 1024)
+    wrong = G.emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data),
+                      w.rowwise_scale_inv, n_out=n)  # fmt: skip
+    assert not torch.allclose(wrong, ref, rtol=1e-3)
+
+
+def test_bounds_model_rejects_an_unchecked_scale_offset(monkeypatch):
+    """A ragged last M tile with the scales' K step in soffset would read past the scale tensor."""
+    tokens, n, k = 256, 384, 128
+    p = QuantParams(E4M3, 1)
+    dy = REF.quantize_act(make_input((tokens, n), seed=13), p, rowwise=False, columnwise=True)
+    x = REF.quantize_act(make_input((tokens, k), seed=14), p, rowwise=False, columnwise=True)
+    monkeypatch.setattr(G, "scale_a_split", lambda cfg, m: True)
+    with pytest.raises(AssertionError, match="unmasked load"):
+        G.emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+                  x.columnwise_scale_inv, n_out=k)  # fmt: skip
+
+
+def _padded_weight(n, k, seed, garbage=False):
+    """A preshuffled weight whose W^T storage is padded as the quantizer pads it (K % 256 == 128); with
+    ``garbage`` the padding holds other bytes (NaN encodings included) and other scales, as a view into
+    a larger storage (e.g. one expert of a stacked weight) would."""
+    from primus_fp8_plugin import BlockwiseFp8Tensor
+    from primus_fp8_plugin.preshuffle import dgrad_padded_rows
+
+    w = REF.quantize_weight(make_input((n, k), seed=seed), QuantParams(E4M3, 2))
+    kp = dgrad_padded_rows(k)
+    data = torch.zeros(kp, n, dtype=torch.uint8)
+    data[:k] = w.columnwise_data.view(torch.uint8)
+    scales = torch.ones(kp // 128, w.columnwise_scale_inv.shape[1])
+    scales[: k // 128] = w.columnwise_scale_inv
+    if garbage:
+        data[k:] = torch.randint(0, 256, (kp - k, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        data[k, :4] = 0x7F  # E4M3 NaN
+        scales[k // 128 :] = float("inf")
+    wt = preshuffle(data.view(E4M3)).flatten()[: k * n].view(k, n)
+    wq = BlockwiseFp8Tensor((n, k), 2, E4M3, torch.float32, rowwise_data=preshuffle(w.rowwise_data),
+                            rowwise_scale_inv=w.rowwise_scale_inv, columnwise_data=wt,
+                            columnwise_scale_inv=scales[: k // 128], layout="preshuffle16")  # fmt: skip
+    return w, wq
+
+
+@pytest.mark.parametrize("m,n,k,garbage", [(130, 256, 384, False), (64, 128, 640, False), (70, 256, 384, True)])
+def test_dgrad_on_k_padded_wt_uses_256_wide_tiles(m, n, k, garbage):
+    """K % 256 == 128 with W^T's storage padded: dgrad runs 128x256 tiles over K + 128 output columns and
+    does not store the padded ones (the last tile's pad strips), so whatever the padding holds only
+    reaches columns that are never written."""
+    w, wq = _padded_weight(n, k, seed=k, garbage=garbage)
+    dy = REF.quantize_act(make_input((m, n), seed=m), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
+    cfg, b, sb, n_valid = G.dgrad_operands(wq)
+    assert cfg is G.FWD_128x256 and b.shape == (k + 128, n) and sb.shape[0] == (k + 128) // 128 and n_valid == k
+    assert G.pad_strip_set(cfg, 128) == {4, 5, 6, 7}
+    ours = G.emulate(cfg, dy.rowwise_data, dy.rowwise_scale_inv, b, sb, n_out=k + 128, n_valid=k)
+    assert ours.shape == (m, k)
+    _close(ours, REF.gemm_dgrad(dy, w, torch.float32))
+    # without the padded storage (a copy of the tensor): the 128-wide tile on the tensors as they are
+    wq.columnwise_data = wq.columnwise_data.clone()
+    cfg2, b2, _, nv2 = G.dgrad_operands(wq)
+    assert cfg2 is G.FWD_128x128 and b2.shape == (k, n) and nv2 == k
+
+
+def test_pad_strips_must_be_whole_strips():
+    with pytest.raises(ValueError, match="whole strips"):
+        G.pad_strip_set(G.FWD_128x256, 112)
+    with pytest.raises(ValueError, match="whole strips"):
+        G.pad_strip_set(G.WGRAD_256x128, 64)
+    assert G.pad_strip_set(G.FWD_128x256, 0) == frozenset()
+
+
 def test_emulation_catches_a_wrong_address():
     """The check can fail: K-major bytes read as if preshuffled give a different product."""
     m, n, k = 64, 128, 128

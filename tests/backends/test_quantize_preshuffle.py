@@ -78,6 +78,45 @@ def test_quantizer_is_the_reference_permuted(n, k, dtype, fp8, pow2):
 
 
 @interpreter
+@pytest.mark.parametrize("n,k", [(256, 384), (128, 128), (384, 256), (160, 640)])
+def test_quantizer_pads_wt_storage_for_256_wide_dgrad_tiles(n, k):
+    """K % 256 == 128: W^T's storage holds K + 128 rows, the padded view being bit for bit the reference's
+    W^T with 128 zero rows, preshuffled, and its scales with a row of 1.0; other K: no padding."""
+    from primus_fp8_plugin.backends.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
+    from primus_fp8_plugin.preshuffle import dgrad_padded_rows, padded_rows
+
+    w = make_input((n, k), dtype=torch.bfloat16, seed=n * k)
+    params = QuantParams(E4M3, 2)
+    ours, ref = quantize_128x128_preshuffled(w, params), REF.quantize_weight(w, params)
+    kp = dgrad_padded_rows(k)
+    assert kp == (k + 128 if k % 256 == 128 else k)
+    assert ours.columnwise_data.shape == (k, n) and ours.columnwise_scale_inv.shape == ref.columnwise_scale_inv.shape
+    data, scales = padded_rows(ours.columnwise_data, kp), padded_rows(ours.columnwise_scale_inv, kp // 128)
+    assert data.shape == (kp, n) and scales.shape == (kp // 128, ref.columnwise_scale_inv.shape[1])
+    want = torch.zeros(kp, n, dtype=torch.uint8)
+    want[:k] = ref.columnwise_data.view(torch.uint8)
+    assert torch.equal(_bits(data), flydsl_view_permutation(want))
+    want_s = torch.ones(scales.shape)
+    want_s[: k // 128] = ref.columnwise_scale_inv
+    assert torch.equal(_bits(scales), _bits(want_s))
+    if kp == k:
+        assert ours.columnwise_data.untyped_storage().nbytes() == k * n
+    else:  # a copy drops the padding: the dgrad then uses the tensors as they are (128-wide tiles)
+        assert padded_rows(ours.columnwise_data.clone(), kp) is None
+
+
+def test_padded_rows_needs_the_storage():
+    from primus_fp8_plugin.preshuffle import padded_rows
+
+    store = torch.arange(12 * 4, dtype=torch.uint8)
+    t = store[: 8 * 4].view(8, 4)
+    assert torch.equal(padded_rows(t, 12), store.view(12, 4))
+    assert padded_rows(t, 13) is None and padded_rows(t, 8) is t
+    assert padded_rows(store[4:36].view(8, 4), 9) is None  # not at the storage's start
+    assert padded_rows(t.clone(), 12) is None
+
+
+@interpreter
 def test_quantizer_rejects_shapes_it_cannot_hold():
     from primus_fp8_plugin.backends.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
 

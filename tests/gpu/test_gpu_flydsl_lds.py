@@ -1,8 +1,11 @@
 """The LDS-staged FlyDSL GEMMs on an MI355X (gfx950): fprop/dgrad reading the preshuffled weight and
-wgrad, against the reference backend's blockwise GEMM, over ragged M (one binary per N, K) and both
-fprop tiles; and the backend's preshuffled weight copies bit for bit against the reference's."""
+wgrad, against the reference backend's blockwise GEMM, over ragged M (one binary per N, K), both
+fprop tiles and ragged wgrad (M, odd and padded token counts); and the backend's preshuffled weight
+copies bit for bit against the reference's."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -48,9 +51,11 @@ def test_fprop_and_dgrad_any_m(cfg_name, m):
     _close(dx, REF.gemm_dgrad(dy, w, torch.float32))
 
 
-@pytest.mark.parametrize("tokens", [256, 2048])
-def test_wgrad(tokens):
-    n, k = 512, 384
+@pytest.mark.parametrize("tokens,n", [(256, 512), (2048, 512), (384, 384), (300, 160), (1, 256)])
+def test_wgrad(tokens, n):
+    """Whole and ragged: a masked last M tile (N = 384, 160), an odd number of 128-token steps (384)
+    and token counts padded to a multiple of 128 (300, 1)."""
+    k = 384
     p = QuantParams(E4M3, 1)
     dy = REF.quantize_act(make_input((tokens, n), seed=3), p, rowwise=False, columnwise=True)
     x = REF.quantize_act(make_input((tokens, k), seed=4), p, rowwise=False, columnwise=True)
@@ -68,3 +73,21 @@ def test_backend_weight_copies_are_preshuffled_reference():
     assert ours.layout == "preshuffle16"
     assert torch.equal(ours.rowwise_data.cpu().view(torch.uint8), preshuffle(ref.rowwise_data).view(torch.uint8))
     assert torch.equal(ours.columnwise_data.cpu().view(torch.uint8), preshuffle(ref.columnwise_data).view(torch.uint8))
+
+
+@pytest.mark.parametrize("m", [1, 130, 1000])
+def test_backend_dgrad_on_k_padded_wt(m):
+    """K % 256 == 128: the backend's quantizer pads W^T's storage and dgrad runs 128x256 tiles over it,
+    storing only the K real columns (the last tile's padded strips skipped)."""
+    from primus_fp8_plugin.backends.flydsl import FlydslBackend
+
+    n, k = 256, 384
+    be, p1, p2 = FlydslBackend(), QuantParams(E4M3, 1), QuantParams(E4M3, 2)
+    w = make_input((n, k), seed=7)
+    wq = be.quantize_weight(w.cuda(), p2)
+    assert G.dgrad_operands(wq)[0] is G.FWD_128x256
+    dy = REF.quantize_act(make_input((m, n), seed=m), p1, rowwise=True, columnwise=False)
+    dyc = dataclasses.replace(dy, rowwise_data=dy.rowwise_data.cuda(), rowwise_scale_inv=dy.rowwise_scale_inv.cuda())
+    dx = be.gemm_dgrad(dyc, wq, torch.float32)
+    assert dx.shape == (m, k) and dx.is_contiguous()
+    _close(dx, REF.gemm_dgrad(dy, REF.quantize_weight(w, p2), torch.float32))

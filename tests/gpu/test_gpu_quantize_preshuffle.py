@@ -1,5 +1,6 @@
 """The preshuffled weight quantizer (Triton) compiled for this GPU, bit for bit against a torch
-permutation of the reference backend's copies (runs on any CUDA/ROCm GPU, not only MI355X)."""
+permutation of the reference backend's copies, W^T's padded storage included (K % 256 == 128: 128 zero
+rows, scale rows of 1.0); runs on any CUDA/ROCm GPU, not only MI355X."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from primus_fp8_plugin import QuantParams
 from primus_fp8_plugin.backends.reference import ReferenceBackend
-from primus_fp8_plugin.preshuffle import preshuffle
+from primus_fp8_plugin.preshuffle import dgrad_padded_rows, padded_rows, preshuffle
 
 from ..conftest import make_input
 
@@ -33,3 +34,11 @@ def test_preshuffled_copies_bit_exact(n, k, dtype, fp8):
     assert torch.equal(u8(ours.columnwise_data), preshuffle(ref.columnwise_data).view(torch.uint8))
     assert torch.equal(ours.rowwise_scale_inv.cpu().view(torch.int32), ref.rowwise_scale_inv.view(torch.int32))
     assert torch.equal(ours.columnwise_scale_inv.cpu().view(torch.int32), ref.columnwise_scale_inv.view(torch.int32))
+    kp = dgrad_padded_rows(k) if k % 128 == 0 else k  # K % 256 == 128: W^T's storage holds 128 zero rows more
+    data, scales = padded_rows(ours.columnwise_data, kp), padded_rows(ours.columnwise_scale_inv, -(-kp // 128))
+    want = torch.zeros(kp, n, dtype=torch.uint8)
+    want[:k] = ref.columnwise_data.view(torch.uint8)
+    assert torch.equal(u8(data), preshuffle(want))
+    want_s = torch.ones(scales.shape)
+    want_s[: ref.columnwise_scale_inv.shape[0]] = ref.columnwise_scale_inv
+    assert torch.equal(scales.cpu().view(torch.int32), want_s.view(torch.int32))

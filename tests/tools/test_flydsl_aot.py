@@ -39,7 +39,13 @@ def reports(tmp_path_factory):
 
 
 DIRECT = {"fwd/dgrad bf16 out", "fwd/dgrad fp32 out", "wgrad fp32 out"}
-LDS = {"lds fwd/dgrad 128x128 w4", "lds fwd/dgrad 128x256 w8", "lds wgrad 256x128 w8"}
+LDS = {
+    "lds fwd/dgrad 128x128 w4",
+    "lds fwd/dgrad 128x256 w8",
+    "lds wgrad 256x128 w8",
+    "lds wgrad 256x128 w8 ragged M",
+    "lds dgrad 128x256 w8 K-padded",
+}
 
 
 def test_every_gemm_variant_compiles_for_gfx950_with_fp8_mfma(reports):
@@ -58,13 +64,36 @@ def test_no_spills_and_resources_fit_gfx950(reports):
 
 def test_preshuffled_kernels_stage_a_through_lds(reports):
     pre = [n for n in LDS if reports[n]["b_layout"] == "preshuffle16"]
-    assert len(pre) == 2
+    assert len(pre) == 3
     for name in LDS:
         r = reports[name]
         loop = r["k_loop"]
         assert r["lds_bytes"] > 0 and loop["lds"] > 0, name  # A (and wgrad's B) go through LDS
         assert loop["mfma"] >= 32 and loop["vmem"] > 0, (name, loop)  # two 128-K steps of 16 MFMAs per trip
         assert r["occupancy"] >= 2, (name, r["occupancy"])
+
+
+def test_lds_kernels_at_least_match_primus_turbo(reports):
+    """The static comparison's goal (docs/AMD.md): per K-loop trip at least the anchor's MFMAs, at most
+    its VALU per MFMA, an occupancy at least its own (tools.aot_flydsl.ANCHOR, from
+    tools.anchor_flydsl_isa)."""
+    from tools.aot_flydsl import ANCHOR
+
+    for name in LDS:
+        r = reports[name]
+        anchor = ANCHOR[r["b_layout"]]
+        assert r["valu_per_mfma"] <= anchor["valu_per_mfma"], (name, r["valu_per_mfma"], r["k_loop"])
+        assert r["k_loop"]["mfma"] >= anchor["loop_mfma"] and r["occupancy"] >= anchor["occupancy"], (name, r)
+
+
+def test_anchor_check_flags_a_regression():
+    from tools.aot_flydsl import check
+
+    r = {"target": "amdgcn-amd-amdhsa--gfx950", "mfma": {"v_mfma_f32_16x16x128_f8f6f4": 64}, "vgpr_spills": 0,
+         "scratch_bytes": 0, "vgpr": 200, "agpr": 0, "lds_bytes": 32768, "b_layout": "preshuffle16", "occupancy": 2,
+         "k_loop": {"mfma": 64, "valu": 64 * 3.6, "vmem": 1, "lds": 1, "salu": 1}, "valu_per_mfma": 3.6}  # fmt: skip
+    assert any("VALU per MFMA" in p for p in check(r, lds_kernel=True))
+    assert check(r | {"valu_per_mfma": 3.0}, lds_kernel=True) == []
 
 
 def test_occupancy_formula():

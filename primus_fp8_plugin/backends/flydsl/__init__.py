@@ -68,9 +68,9 @@ class FlydslBackend(Backend):
             return self.triton.gemm_dgrad(dy, w, out_dtype)
         if dy.fp8_dtype != E4M3:
             return self.triton.gemm_dgrad(dy, w.k_major(), out_dtype)
-        return gemm_lds.blockwise_gemm_lds(dy.rowwise_data, dy.rowwise_scale_inv, w.columnwise_data,
-                                           w.columnwise_scale_inv, cfg=gemm_lds.fwd_config(w.shape[1]),
-                                           out_dtype=out_dtype)  # fmt: skip
+        cfg, wt, wt_scale, n_valid = gemm_lds.dgrad_operands(w)  # W^T, padded to 256-multiple rows if stored so
+        return gemm_lds.blockwise_gemm_lds(dy.rowwise_data, dy.rowwise_scale_inv, wt, wt_scale, cfg=cfg,
+                                           out_dtype=out_dtype, n_valid=n_valid)  # fmt: skip
 
     def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
         n, k, tokens = dy.shape[1], x.shape[1], dy.shape[0]

@@ -18,16 +18,26 @@ strip and scale block). A (and a K-major B) goes global -> registers -> LDS (XOR
 chunks, 2 stages): the loads of step ``k + 1`` are issued before the MFMAs of step ``k`` and written
 to the other LDS stage after them, one barrier per step. A preshuffled B goes straight into
 registers (``b_stages`` 2: double-buffered one step ahead; 1: loaded at the start of its step). The
-fprop/dgrad K loop runs ``unroll`` steps per trip.
+fprop/dgrad K loop runs ``unroll`` steps per trip. With ``burst`` (all shipped configs) a strip's
+MFMAs are issued back to back between scheduling barriers and its promotions follow: LLVM (flydsl
+0.5's) unpacks a ``v_pk_*_f32`` issued in an MFMA's latency shadow into two VALU ops, so interleaving
+each MFMA with its FMAs doubled them.
+
+Addresses: every global load puts the lane's own offset (loop-invariant) in the buffer instruction's
+``voffset`` and the wave-uniform rest in its ``soffset`` SGPR (SALU work, no VALU in the K loop): the
+K step for A and a K-major B, the strip and K step for a preshuffled B (``b_soffset``). The bounds
+check applies to ``voffset`` only, so the rows, which the bounds mask, always stay there, and so does
+the K step of A's scales where the last M tile is ragged (``scale_a_split``).
 
 Tile order: the 1-D grid is walked in L2 groups of ``group_m`` M-tiles (all N-tiles of a group of M
 tiles before the next group), as Triton's grouped ordering.
 
 Shapes: N (the output columns) a multiple of ``bn``; K a multiple of 128 (fprop/dgrad: static; wgrad:
-the token count, dynamic, a multiple of 256). M is dynamic (fprop/dgrad: any M >= 1, one binary per
-(N, K, tile)): the rows past M of the last M-tile read zeros and their stores are dropped by the buffer
-descriptors' bounds (``make_buffer_tensor`` with the tensor's real extent). wgrad's M (the weight's N)
-is static, a multiple of ``bm``.
+the token count, dynamic; two steps per loop trip and a tail step for an odd count; ``blockwise_gemm_lds``
+zero-pads a token count that is not a multiple of 128, ``pad_contraction``). M: any M >= 1, the rows
+past M of the last M-tile read zeros and their stores are dropped by the buffer descriptors' bounds
+(``make_buffer_tensor`` with the tensor's real extent); fprop/dgrad: M dynamic, one binary per
+(N, K, tile); wgrad: M (the weight's N) static, one binary per weight shape.
 
 Compile-only here (docs/AMD.md): never run on an MI355X; its index arithmetic is emulated on the CPU
 (tests/backends/test_flydsl_lds_emulation.py). Not a translation of Primus-Turbo's kernels.
@@ -54,6 +64,7 @@ class TileConfig:
     group_m: int = 8
     b_stages: int = 2  # preshuffled B: register stages (2: step k+1's B loads are issued during step k)
     unroll: int = 2  # preshuffled-B kernels: 128-K steps per trip of the K loop (even)
+    burst: bool = False  # per 16-row strip: its MFMAs back to back, then its fp32 promotions (sched barriers)
 
     @property
     def waves_n(self) -> int:
@@ -89,14 +100,40 @@ class TileConfig:
 
 
 # fprop/dgrad: 4 waves along M (x 1 or 2 along N), each owning 32 rows x 128 columns of 16-wide strips
-FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=4, b_stages=1, unroll=4)
-FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=4, b_stages=1, unroll=4)
-WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4)
+FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=4, b_stages=1, unroll=4, burst=True)
+FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=4, b_stages=1, unroll=4, burst=True)
+WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4, burst=True)
 
 
 def strip_scale_block(cfg: TileConfig, rn: int) -> int:
     """Which 128-column scale block of the tile a wave's ``rn``-th strip falls in (any wave)."""
     return (rn * 16 * cfg.waves_n) // SCALE_BLOCK
+
+
+def b_soffset(cfg: TileConfig, k: int, kt, rn: int):
+    """Preshuffled B ([N, k] bytes): the offset of a wave's ``rn``-th 16-column strip at 128-K step ``kt``
+    past its strip-0, step-0 address. The kernel passes it as the buffer load's ``soffset`` (an SGPR,
+    SALU arithmetic) and keeps only the lane's own address, loop-invariant, in ``voffset``."""
+    return kt * (BK * 16) + rn * (cfg.waves_n * 16 * k)
+
+
+def pad_strip_set(cfg: TileConfig, pad_cols: int) -> frozenset[int]:
+    """The strips ``rn`` a wave does not store in the last N tile when the output's last ``pad_cols`` columns
+    (of the ``n`` the kernel computes) are padding: those whose 16 columns start at or past ``bn - pad_cols``
+    for every wave (raises unless the padding is whole strips of every wave)."""
+    if pad_cols == 0:
+        return frozenset()
+    step = 16 * cfg.waves_n
+    if cfg.b_layout != "preshuffle16" or not 0 < pad_cols < cfg.bn or (cfg.bn - pad_cols) % step:
+        raise ValueError(f"{pad_cols} padded columns of a {cfg.bn}-wide tile are not whole strips of every wave")
+    return frozenset(rn for rn in range(cfg.rn) if rn * step >= cfg.bn - pad_cols)
+
+
+def scale_a_split(cfg: TileConfig, m: int | None) -> bool:
+    """Whether A's scale loads put the K step in ``soffset`` (wgrad with every row in range: ``m`` a
+    multiple of ``bm``). Otherwise it stays in the bounds-checked ``voffset``: ``soffset`` is not
+    range-checked, and a ragged last tile's rows past M would read past the scale tensor's end."""
+    return cfg.b_layout == "k_major" and m is not None and m % cfg.bm == 0
 
 
 def tile_of(pid: int, num_pid_m: int, num_pid_n: int, group_m: int) -> tuple[int, int]:
@@ -109,7 +146,7 @@ def tile_of(pid: int, num_pid_m: int, num_pid_n: int, group_m: int) -> tuple[int
     return first_m + in_group % size_m, in_group // size_m
 
 
-def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None, out_bf16: bool):
+def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None, out_bf16: bool, n_valid: int | None = None):
     """A FlyDSL launcher ``launch(A, B, C, SA, SB)`` for one shape class.
 
     fprop/dgrad (``cfg.b_layout == "preshuffle16"``): ``n``, ``k`` static, M dynamic (pass A, C and SA
@@ -121,11 +158,16 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
     pre = cfg.b_layout == "preshuffle16"
     if n % cfg.bn:
         raise ValueError(f"N = {n} must be a multiple of the tile's {cfg.bn} columns")
+    if n_valid is not None and n_valid != n:
+        pad_strip_set(cfg, n - n_valid)  # raises unless the padding is whole strips
     if pre and (k is None or k % BK):
         raise ValueError(f"K = {k} must be a static multiple of {BK} for the preshuffled-B kernel")
-    if not pre and (m is None or m % cfg.bm):
-        raise ValueError(f"wgrad's M = {m} must be a static multiple of {cfg.bm}")
+    if not pre and (m is None or m < 1):
+        raise ValueError(f"wgrad's M = {m} must be given (static, >= 1; a ragged last M tile is masked)")
     bm, bn, threads, rm_n, rn_n, wm, wn = cfg.bm, cfg.bn, cfg.threads, cfg.rm, cfg.rn, cfg.waves_m, cfg.waves_n
+    n_valid = n if n_valid is None else n_valid
+    pad_cols = n - n_valid  # B padded with zero rows past n_valid; C holds n_valid columns
+    pad_strips = pad_strip_set(cfg, pad_cols)
     f8 = fx.Float8E4M3FN
     out_ty = fx.BFloat16 if out_bf16 else fx.Float32
     num_pid_n = n // bn
@@ -142,7 +184,11 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         # bounds-checked descriptors (the tensors' real extents): past-the-end loads read 0, stores drop
         A = fx.rocdl.make_buffer_tensor(A, max_size=False)
         B = fx.rocdl.make_buffer_tensor(B, max_size=False)
-        C = fx.rocdl.make_buffer_tensor(C, max_size=False)
+        if fx.const_expr(pad_cols == 0):
+            C = fx.rocdl.make_buffer_tensor(C, max_size=False)
+        else:  # C's real extent (its view has n columns at a row stride of n_valid)
+            c_bytes = fx.Int64(fx.get_scalar(A.shape[0])) * (n_valid * (2 if out_bf16 else 4))
+            C = fx.rocdl.make_buffer_tensor(C, num_records_bytes=c_bytes)
         SA = fx.rocdl.make_buffer_tensor(SA, max_size=False)
         SB = fx.rocdl.make_buffer_tensor(SB, max_size=False)
         m_rows = fx.get_scalar(A.shape[0])
@@ -213,14 +259,21 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         acc.fill(0)
         nb0 = (pid_n * bn) // SCALE_BLOCK
         sb_stride = fx.get_scalar(SB.stride[0])
+        sa_stride = fx.get_scalar(SA.stride[0])
 
-        def prefetch(kn, s_next):
-            fx.copy(ld128, ga_src[None, None, None, kn], stage_a)
+        sa_split = scale_a_split(cfg, m)
+
+        def load_b(kt, stage):  # lane-only voffset (loop-invariant), the strip and K step in soffset (SALU)
+            for rn in fx.range_constexpr(rn_n):
+                fx.copy(ld128, gb_src[None, 0, None, 0], b_r[None, rn, None, stage], soffset=b_soffset(cfg, k, fx.Int32(kt), rn))
+
+        def prefetch(kn, s_next):  # A's rows stay in voffset (the bounds mask them), its K step goes to soffset
+            fx.copy(ld128, ga_src[None, None, None, 0], stage_a, soffset=fx.Int32(kn) * BK)
             if fx.const_expr(pre):
                 if fx.const_expr(cfg.b_stages == 2):
-                    fx.copy(ld128, gb_src[None, None, None, kn], b_r[None, None, None, s_next])
+                    load_b(kn, s_next)
             else:
-                fx.copy(ld128, gb_src[None, None, None, kn], stage_b)
+                fx.copy(ld128, gb_src[None, None, None, 0], stage_b, soffset=fx.Int32(kn) * BK)
 
         def commit(s_next):
             fx.copy(lds128, stage_a, sa_dst[None, None, None, s_next])
@@ -230,36 +283,52 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
         def step(kt, s, last):
             if fx.const_expr(not last):
                 prefetch(fx.Int32(fx.min(kt + 1, kt_n - 1)), 1 - s)
-            fx.copy(ld_s128, src_sa[None, None, 0, kt], frag_sa)
+            if fx.const_expr(sa_split):  # every row in range: the K step in soffset
+                fx.copy(ld_s128, src_sa[None, None, 0, 0], frag_sa, soffset=fx.Int32(kt) * (sa_stride * 4))
+            else:  # ragged M: the rows' offsets and the K step stay in the bounds-checked voffset
+                fx.copy(ld_s128, src_sa[None, None, 0, kt], frag_sa)
             if fx.const_expr(pre):
                 sbs = [fx.rocdl.s_buffer_load(fx.get_iter(SB), (nb0 + blk) * sb_stride + kt).bitcast(fx.Float32)
                        for blk in sorted(set(sb_blocks))]  # fmt: skip
                 if fx.const_expr(cfg.b_stages == 1):  # this step's B, issued before the A reads from LDS
-                    fx.copy(ld128, gb_src[None, None, None, kt], b_r[None, None, None, 0])
+                    load_b(kt, 0)
                 bs = s if cfg.b_stages == 2 else 0
                 fb = lambda rn: frag_b[None, rn, 0, bs]  # noqa: E731
             else:
-                fx.copy(ld_s32, src_sb[None, 0, None, kt], frag_sb)
+                fx.copy(ld_s32, src_sb[None, 0, None, 0], frag_sb, soffset=fx.Int32(kt) * (sb_stride * 4))
                 fx.copy(lds128, sB_src[None, None, None, s], b_r)
                 fb = lambda rn: frag_b[None, rn, 0]  # noqa: E731
+
+            def promote(rm, rn, sc):  # acc += part * sc, 2-wide FMAs
+                a_s, p_s = acc[None, rm, rn], part[None, rm, rn]
+                pv, av = fx.memref_load_vec(flat(p_s, 4)), fx.memref_load_vec(flat(a_s, 4))
+                lo = fx.fma(pv.shuffle(pv, [0, 1]), sc.shuffle(sc, [0, 1]), av.shuffle(av, [0, 1]))
+                hi = fx.fma(pv.shuffle(pv, [2, 3]), sc.shuffle(sc, [2, 3]), av.shuffle(av, [2, 3]))
+                fx.memref_store_vec(lo.shuffle(hi, [0, 1, 2, 3]), flat(a_s, 4))
+
+            def mma(rm, rn):
+                fx.gemm(atom, flat(part[None, rm, rn], 4), flat(frag_a[None, rm, 0], 32), flat(fb(rn), 32),
+                        flat(zero[None, rm, rn], 4))  # fmt: skip
+
             for rm in fx.range_constexpr(rm_n):
                 fx.copy(lds128, sA_src[None, rm, None, s], a_r[None, rm, None])
                 sa = fx.memref_load_vec(flat(frag_sa[None, rm], 4))  # the lane's 4 rows of this strip
                 if fx.const_expr(pre):
                     sc_blocks = [sa * sb for sb in sbs]  # once per strip and scale block, shared by its N strips
-                for rn in fx.range_constexpr(rn_n):
-                    fx.gemm(atom, flat(part[None, rm, rn], 4), flat(frag_a[None, rm, 0], 32), flat(fb(rn), 32),
-                            flat(zero[None, rm, rn], 4))  # fmt: skip
-                    if fx.const_expr(pre):
-                        sc = sc_blocks[sb_blocks[rn] - min(sb_blocks)]
-                    else:
-                        sbl = fx.memref_load_vec(flat(frag_sb[None, rn], 4))
-                        sc = sa * sbl
-                    a_s, p_s = acc[None, rm, rn], part[None, rm, rn]
-                    pv, av = fx.memref_load_vec(flat(p_s, 4)), fx.memref_load_vec(flat(a_s, 4))
-                    lo = fx.fma(pv.shuffle(pv, [0, 1]), sc.shuffle(sc, [0, 1]), av.shuffle(av, [0, 1]))
-                    hi = fx.fma(pv.shuffle(pv, [2, 3]), sc.shuffle(sc, [2, 3]), av.shuffle(av, [2, 3]))
-                    fx.memref_store_vec(lo.shuffle(hi, [0, 1, 2, 3]), flat(a_s, 4))
+                    scs = [sc_blocks[sb_blocks[rn] - min(sb_blocks)] for rn in range(rn_n)]
+                else:  # 1x128 B: a scale per row and column
+                    scs = [sa * fx.memref_load_vec(flat(frag_sb[None, rn], 4)) for rn in range(rn_n)]
+                if fx.const_expr(cfg.burst):  # the strip's MFMAs back to back, then its promotions
+                    fx.rocdl.sched_barrier(0)
+                    for rn in fx.range_constexpr(rn_n):
+                        mma(rm, rn)
+                    fx.rocdl.sched_barrier(0)
+                    for rn in fx.range_constexpr(rn_n):
+                        promote(rm, rn, scs[rn])
+                else:
+                    for rn in fx.range_constexpr(rn_n):
+                        mma(rm, rn)
+                        promote(rm, rn, scs[rn])
             if fx.const_expr(not last):
                 commit(1 - s)
                 fx.gpu.barrier()
@@ -275,24 +344,38 @@ def build_kernel(cfg: TileConfig, n: int, k: int | None, *, m: int | None = None
                     step(u * i + j, j % 2, False)
             for j in fx.range_constexpr(kt_static % u):
                 step((kt_static // u) * u + j, j % 2, j == kt_static % u - 1)
-        else:  # K (tokens) dynamic, a multiple of 2 * 128
+        else:  # K (tokens) dynamic, a multiple of 128: two steps per trip, an odd last step after the loop
             for i in range(kt_n // 2):
                 step(2 * i, 0, False)
                 step(2 * i + 1, 1, False)
+            if kt_n % 2 == 1:  # its A and B are in stage 0 (the loop's last prefetch, or the prologue's)
+                step(kt_n - 1, 0, True)
 
         store = fx.make_copy_atom(fx.rocdl.BufferCopy16b() if out_bf16 else fx.rocdl.BufferCopy32b(), out_ty)
         copy_out = fx.make_tiled_copy_C(store, mma).get_slice(tid)
         if fx.const_expr(out_bf16):
             out = fx.make_fragment_like(acc, fx.BFloat16)
             out.store(acc.load().to(fx.BFloat16))
-            fx.copy(store, copy_out.retile(out), copy_out.partition_S(gC))
         else:
-            fx.copy(store, copy_out.retile(acc), copy_out.partition_S(gC))
+            out = acc
+        src_c, dst_c = copy_out.retile(out), copy_out.partition_S(gC)
+        if fx.const_expr(pad_cols == 0):
+            fx.copy(store, src_c, dst_c)
+        else:  # the last N tile's strips in the padded columns are not stored (they would wrap to the next row)
+            for rn in fx.range_constexpr(rn_n):
+                if fx.const_expr(rn not in pad_strips):
+                    fx.copy(store, src_c[None, None, rn], dst_c[None, None, rn])
+            if pid_n < num_pid_n - 1:
+                for rn in fx.range_constexpr(rn_n):
+                    if fx.const_expr(rn in pad_strips):
+                        fx.copy(store, src_c[None, None, rn], dst_c[None, None, rn])
 
     @flyc.jit
     def launch(A: fx.Tensor, B: fx.Tensor, C: fx.Tensor, SA: fx.Tensor, SB: fx.Tensor, stream: fx.Stream = fx.Stream(None)):  # noqa: B008
         if fx.const_expr(pre):  # (n, k) -> byte ((n//16)*(K/16) + k//16)*256 + (n%16)*16 + k%16
             B = fx.Tensor(fx.make_view(fx.get_iter(B), fx.make_layout(((16, n // 16), (16, k // 16)), ((16, 16 * k), (1, 256)))))
+        if fx.const_expr(pad_cols):  # C [M, n_valid] seen as [M, n] with row stride n_valid
+            C = fx.Tensor(fx.make_view(fx.get_iter(C), fx.make_layout((fx.get_scalar(C.shape[0]), n), (n_valid, 1))))
         mma_atom = fx.make_mma_atom(fx.rocdl.cdna4.MFMA_Scale(16, 16, 128, f8))
         mma = fx.make_tiled_mma(mma_atom, fx.make_layout((wm, wn, 1), (1, wm, 0)))
         cols = BK // 16  # 16-byte chunks per row
@@ -324,16 +407,22 @@ def dynamic_args(cfg: TileConfig, a, b, c, sa, sb):
             t(c), t(sa).mark_shape_dynamic(0), t(sb).mark_shape_dynamic(0))  # fmt: skip
 
 
-def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
+def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int, n_valid: int | None = None):
     """The kernel's arithmetic in torch, walking its schedule: ``C [M, n_out]`` fp32 from FP8 ``a`` [M, K],
     ``b`` (``cfg.b_layout``: preshuffled bytes [n_out, K] or K-major) and TE-layout scales.
 
     Mirrors the index math, not the lanes: the L2-grouped tile walk (``tile_of``), each wave's 16x16
     strips (wave ``(i, j)`` of ``waves_m x waves_n`` owns rows ``16 (i + waves_m r)`` and columns
-    ``16 (j + waves_n c)`` of its tile), B gathered from the preshuffled bytes at the kernel's
-    addresses, the scale block each strip uses (``strip_scale_block``), and the buffer bounds (reads
-    past an operand's end give 0, rows past M are not stored). Per 128-K step: fp32 partial, then
-    ``acc = fma(partial, sa * sb, acc)`` (the fma in float64, rounded once)."""
+    ``16 (j + waves_n c)`` of its tile), the scale block each strip uses (``strip_scale_block``), and
+    every buffer load's address split as the kernel issues it: a lane address in ``voffset`` plus an SGPR
+    ``soffset`` (B: ``b_soffset`` from the strip-0 / step-0 address; A and a K-major B: the K step
+    ``128 kt``; scales: the K step in ``voffset``, or in ``soffset`` where ``scale_a_split``). The
+    bounds model: a load is masked (reads 0) when its ``voffset`` is past the operand's end (``soffset``
+    is not range-checked), and an unmasked load past the end fails the emulation; rows past M are not
+    stored, nor (``n_valid < n_out``: B's rows past ``n_valid`` are zero padding) the last N tile's
+    ``pad_strip_set`` strips, which must be exactly those past ``n_valid``; the result has ``n_valid``
+    columns. Per 128-K step: fp32 partial, then ``acc = fma(partial, sa * sb, acc)`` (the fma in
+    float64, rounded once)."""
     import torch
 
     from ...preshuffle import preshuffle_offset
@@ -341,12 +430,18 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
     m, k = a.shape
     a_flat, b_flat = a.float().flatten(), b.float().flatten()
     sa_flat, sb_flat = sa.flatten(), sb.flatten()
+    pre = cfg.b_layout == "preshuffle16"
+    sa_split = scale_a_split(cfg, m)
 
-    def gather(flat, idx):  # a bounds-checked buffer load
-        ok = idx < flat.numel()
+    def gather(flat, voff, soff=0):  # a bounds-checked buffer load: voffset checked, soffset added after
+        ok = voff < flat.numel()
+        idx = voff + soff
+        assert not torch.any(ok & (idx >= flat.numel())), "an unmasked load past the operand's end"
         return torch.where(ok, flat[idx.clamp(max=flat.numel() - 1)], torch.zeros((), dtype=flat.dtype))
 
-    out = torch.full((m, n_out), float("nan"))
+    n_valid = n_out if n_valid is None else n_valid
+    pad_strips = pad_strip_set(cfg, n_out - n_valid)
+    out = torch.full((m, n_valid), float("nan"))
     num_pid_m, num_pid_n = -(-m // cfg.bm), n_out // cfg.bn
     seen = set()
     kk = torch.arange(BK)
@@ -356,30 +451,55 @@ def emulate(cfg: TileConfig, a, sa, b, sb, *, n_out: int):
         seen.add((pm, pn))
         for wi in range(cfg.waves_m):
             for wj in range(cfg.waves_n):
+                cols0 = pn * cfg.bn + 16 * wj + torch.arange(16)  # the wave's strip 0
                 for r in range(cfg.rm):
                     rows = pm * cfg.bm + 16 * (wi + cfg.waves_m * r) + torch.arange(16)
                     for c in range(cfg.rn):
-                        cols = pn * cfg.bn + 16 * (wj + cfg.waves_n * c) + torch.arange(16)
+                        cols = cols0 + 16 * cfg.waves_n * c
                         acc = torch.zeros(16, 16, dtype=torch.float32)
                         for kt in range(k // BK):
-                            kg = kt * BK + kk
-                            av = gather(a_flat, rows[:, None] * k + kg[None, :])
-                            if cfg.b_layout == "preshuffle16":
-                                bv = gather(b_flat, preshuffle_offset(cols[:, None], kg[None, :], k))
+                            av = gather(a_flat, rows[:, None] * k + kk[None, :], kt * BK)
+                            if pre:
+                                bv = gather(b_flat, preshuffle_offset(cols0[:, None], kk[None, :], k), b_soffset(cfg, k, kt, c))
                                 blk = (pn * cfg.bn) // SCALE_BLOCK + strip_scale_block(cfg, c)
                                 assert torch.all(cols // SCALE_BLOCK == blk), "strip straddles a scale block"
                                 s_b = gather(sb_flat, torch.tensor([blk * sb.stride(0) + kt])).expand(16)
                             else:
-                                bv = gather(b_flat, cols[:, None] * k + kg[None, :])
-                                s_b = gather(sb_flat, kt * sb.stride(0) + cols)
-                            s_a = gather(sa_flat, kt * sa.stride(0) + rows)
+                                bv = gather(b_flat, cols[:, None] * k + kk[None, :], kt * BK)
+                                s_b = gather(sb_flat, cols, kt * sb.stride(0))
+                            if sa_split:
+                                s_a = gather(sa_flat, rows, kt * sa.stride(0))
+                            else:
+                                s_a = gather(sa_flat, kt * sa.stride(0) + rows)
                             part = (av.double() @ bv.double().t()).float()  # exact for E4M3, as the reference
                             scale = s_a[:, None] * s_b[None, :]
                             acc = (part.double() * scale.double() + acc.double()).float()
+                        if pn == num_pid_n - 1 and c in pad_strips:
+                            assert torch.all(cols >= n_valid), "a skipped strip holds real columns"
+                            continue
+                        assert torch.all(cols < n_valid), "a stored strip holds padded columns"
                         keep = rows < m
                         out[rows[keep][:, None], cols[None, :]] = acc[keep]
     assert len(seen) == num_pid_m * num_pid_n
     return out
+
+
+def dgrad_operands(w):
+    """dgrad's B for a preshuffled weight ``w`` [N, K]: ``(cfg, W^T data, W^T scales, n_valid)``. Where the
+    quantizer left W^T's storage padded to 256-multiple rows (K % 256 == 128: ``preshuffle.padded_rows``)
+    the padded views and the 128x256 tile, with ``n_valid = K``; otherwise the tensors as they are. The
+    padded rows only feed output columns that are never stored, so their content does not matter (a
+    view into a larger storage, such as one expert of a stacked weight, is served correctly too)."""
+    from ...preshuffle import dgrad_padded_rows, padded_rows
+
+    k = w.shape[1]
+    kp = dgrad_padded_rows(k)
+    if kp != k:
+        data = padded_rows(w.columnwise_data, kp)
+        scales = padded_rows(w.columnwise_scale_inv, kp // SCALE_BLOCK)
+        if data is not None and scales is not None:
+            return FWD_128x256, data, scales, k
+    return fwd_config(k), w.columnwise_data, w.columnwise_scale_inv, k
 
 
 def fwd_config(n_out: int) -> TileConfig:
@@ -394,32 +514,59 @@ def weight_fits(n: int, k: int) -> bool:
 
 
 def wgrad_fits(n: int, k: int, tokens: int) -> bool:
-    """Whether wgrad dW [N, K] over ``tokens`` runs the 256x128 LDS kernel (tokens a multiple of 256)."""
-    return n % WGRAD_256x128.bm == 0 and k % WGRAD_256x128.bn == 0 and tokens > 0 and tokens % (2 * BK) == 0
+    """Whether wgrad dW [N, K] over ``tokens`` runs the 256x128 LDS kernel: K (the output columns) a
+    multiple of 128; any N >= 1 (a ragged last M tile is masked) and any token count >= 1 (padded with
+    zeros to a multiple of 128 when it is not one: ``pad_contraction``)."""
+    return n > 0 and tokens > 0 and k > 0 and k % WGRAD_256x128.bn == 0
+
+
+def pad_contraction(t, mult: int = BK):
+    """A K-major FP8 operand ``[R, T]`` with its contraction dim zero-padded to a multiple of ``mult``
+    (``t`` itself when it is one). FP8 zero bytes are +0.0, so the padded columns add nothing; the 1x128
+    scales ``[ceil(T / 128), pad4(R)]`` already cover the partial last block."""
+    import torch
+
+    r, c = t.shape
+    pad = -c % mult
+    if pad == 0:
+        return t
+    out = torch.zeros(r, c + pad, dtype=torch.uint8, device=t.device)
+    out[:, :c] = t.view(torch.uint8)
+    return out.view(t.dtype)
 
 
 _launchers: dict = {}
 
 
-def _launcher(cfg: TileConfig, n: int, k: int | None, m: int | None, out_bf16: bool):
-    key = (cfg, n, k, m, out_bf16)
+def _launcher(cfg: TileConfig, n: int, k: int | None, m: int | None, out_bf16: bool, n_valid: int):
+    key = (cfg, n, k, m, out_bf16, n_valid)
     if key not in _launchers:
-        _launchers[key] = build_kernel(cfg, n, k, m=m, out_bf16=out_bf16)
+        _launchers[key] = build_kernel(cfg, n, k, m=m, out_bf16=out_bf16, n_valid=n_valid)
     return _launchers[key]
 
 
-def blockwise_gemm_lds(a, a_scale_inv, b, b_scale_inv, *, cfg: TileConfig, out_dtype, bias=None, accumulate_into=None):
+def blockwise_gemm_lds(
+    a, a_scale_inv, b, b_scale_inv, *, cfg: TileConfig, out_dtype, bias=None, accumulate_into=None, n_valid=None
+):
     """``C = A @ B^T`` on the LDS kernel ``cfg`` (contract of the Triton ``blockwise_gemm``; B preshuffled
     for ``cfg.b_layout == "preshuffle16"``). One binary per (tile, N, K) for fprop/dgrad (any M) and
-    per (M, N) for wgrad (tokens a multiple of 256)."""
+    per (M, N) for wgrad (any token count: padded to a multiple of 128 when needed). ``n_valid``
+    (preshuffled B only): B's rows past it are zero padding (``preshuffle.padded_rows``); C then has
+    ``n_valid`` columns."""
     import torch
 
+    if cfg.b_layout == "k_major":  # wgrad: tokens (the contraction) to a multiple of 128
+        a, b = pad_contraction(a), pad_contraction(b)
     m, k = a.shape
     n = b.shape[0]
+    n_valid = n if n_valid is None else n_valid
     direct = bias is None and accumulate_into is None and out_dtype in (torch.bfloat16, torch.float32)
-    c = torch.empty(m, n, dtype=out_dtype if direct else torch.float32, device=a.device)
+    c = torch.empty(m, n_valid, dtype=out_dtype if direct else torch.float32, device=a.device)
     bf16 = c.dtype == torch.bfloat16
-    launch = _launcher(cfg, n, k, None, bf16) if cfg.b_layout == "preshuffle16" else _launcher(cfg, n, None, m, bf16)
+    if cfg.b_layout == "preshuffle16":
+        launch = _launcher(cfg, n, k, None, bf16, n_valid)
+    else:
+        launch = _launcher(cfg, n, None, m, bf16, n_valid)
     launch(*dynamic_args(cfg, a, b, c, a_scale_inv, b_scale_inv))
     if direct:
         return c

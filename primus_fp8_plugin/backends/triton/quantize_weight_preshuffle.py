@@ -7,6 +7,10 @@ each FP8 byte twice, at its preshuffled offset in W and in W^T
 are those of ``quantize_weight.py`` (TE's 2D layouts, W^T's the transpose), the FP8 values bit for
 bit those of the K-major kernel and of the reference backend.
 
+W^T's copy for K % 256 == 128 lives in a storage padded to K + 128 rows (zero bytes, scale rows of
+1.0; ``preshuffle.padded_rows``, ``dgrad_padded_rows``) so that dgrad can run 256-wide output tiles
+over it; the tensors themselves keep their shapes.
+
 Shapes: ``N % 32 == 0`` and ``K % 32 == 0`` (both copies must fit the layout; blocks at the edge of a
 dim that is not a multiple of 128 are masked). Others raise ValueError: use the K-major quantizer.
 """
@@ -17,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...preshuffle import PRESHUFFLE16, check_preshuffle_shape
+from ...preshuffle import PRESHUFFLE16, check_preshuffle_shape, dgrad_padded_rows
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
 from .launch import FastLauncher
@@ -74,7 +78,9 @@ def quantize_128x128_preshuffled(w: torch.Tensor, params: QuantParams, *, num_wa
     """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, preshuffled, in one pass.
 
     Returns a ``BlockwiseFp8Tensor`` with ``layout="preshuffle16"``: ``rowwise_data`` [N, K] and
-    ``columnwise_data`` [K, N] in the (16, 16) byte order, scales in TE's layouts."""
+    ``columnwise_data`` [K, N] in the (16, 16) byte order, scales in TE's layouts. For K % 256 == 128,
+    W^T's data and scales sit at the start of storages padded to K + 128 rows (zero bytes; scale rows
+    of 1.0): ``preshuffle.padded_rows(t, K + 128)`` sees them padded."""
     assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
     n, k = w.shape
     check_preshuffle_shape(n, k, "weight W")
@@ -86,9 +92,13 @@ def quantize_128x128_preshuffled(w: torch.Tensor, params: QuantParams, *, num_wa
                          f"grid's second axis (K <= {MAX_GRID_Y})")  # fmt: skip
     dev, f8 = w.device, params.fp8_dtype
     q = torch.empty(n, k, dtype=f8, device=dev)
-    qt = torch.empty(k, n, dtype=f8, device=dev)
+    kp = dgrad_padded_rows(k) if k % BLOCK == 0 else k  # W^T's storage rows (the tail: zero rows)
+    qt_store = torch.empty(kp * n, dtype=torch.uint8, device=dev)
+    if kp != k:
+        qt_store[k * n :].zero_()
+    qt = qt_store[: k * n].view(f8).view(k, n)
     s = torch.ones(scale_inv_shape(n, k, 2), dtype=torch.float32, device=dev)
-    st = torch.ones(scale_inv_shape(k, n, 2), dtype=torch.float32, device=dev)
+    st = torch.ones(scale_inv_shape(kp, n, 2), dtype=torch.float32, device=dev)[: ceil_div(k, BLOCK)]
     grid = (ceil_div(n, BLOCK), ceil_div(k, BLOCK))
     _launch(
         grid, w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
