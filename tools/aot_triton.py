@@ -7,6 +7,7 @@ prove the FP8 path was taken and the resources (registers, spills, scratch, shar
 
     python -m tools.aot_triton [--json FILE] [--dump DIR]                 # the Triton kernels, sm_90 and gfx950
     python -m tools.aot_triton --gluon gemm [--all-configs] [--dump DIR]  # the Hopper Gluon kernels, sm_90
+    python -m tools.aot_triton --gluon grouped                           # the Hopper Gluon grouped GEMMs
     python -m tools.aot_triton --gluon quantize_act
     python -m tools.aot_triton --gluon quantize_weight
 
@@ -336,7 +337,7 @@ def dump_asm(dump_dir: Path, name: str, asm: dict[str, str]) -> None:
 # The Hopper Gluon kernels (sm_90 only)
 # --------------------------------------------------------------------------------------------------
 
-GLUON_KERNELS = ("gemm", "quantize_act", "quantize_weight", "fused_act")  # --gluon NAME
+GLUON_KERNELS = ("gemm", "grouped", "quantize_act", "quantize_weight", "fused_act")  # --gluon NAME
 
 # what the Gluon GEMM's PTX / SASS must contain
 GEMM_EXPECT_SM90 = {
@@ -504,6 +505,94 @@ def check_gemm(dump_dir: Path | None = None, verbose: bool = True, configs: dict
                 print(f"    ptxas: {w}")
         if dump_dir is not None:
             dump_asm(dump_dir, v.name, {"ptx": info["ptx"], "sass": info["sass"]})
+    return ok_all
+
+
+def grouped_gluon_variants() -> list[tuple]:
+    """(name, op, a dtype, out dtype, has_bias, accumulate) of every Gluon grouped GEMM variant the backend
+    launches (gemm_grouped_gluon.py): fwd with and without bias (bf16, fp16), dgrad (E4M3 and HYBRID's E5M2
+    dY), wgrad into main_grad (fp32 accumulate, E4M3 / E5M2 dY) and into new bf16 / fp32 tensors."""
+    e4, e5, bf, f16, f32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32
+    return [
+        ("grouped_fwd:bf16:bias=1", "fwd", e4, bf, True, False), ("grouped_fwd:bf16:bias=0", "fwd", e4, bf, False, False),
+        ("grouped_fwd:fp16:bias=1", "fwd", e4, f16, True, False), ("grouped_dgrad:e5m2:bf16", "fwd", e5, bf, False, False),
+        ("grouped_wgrad:main_grad", "wgrad", e4, f32, False, True),
+        ("grouped_wgrad:e5m2:main_grad", "wgrad", e5, f32, False, True),
+        ("grouped_wgrad:bf16", "wgrad", e4, bf, False, False), ("grouped_wgrad:fp32", "wgrad", e4, f32, False, False),
+    ]  # fmt: skip
+
+
+def compile_grouped_gluon(v: tuple, num_groups: int = 128):
+    """Compile one Gluon grouped GEMM variant (``grouped_gluon_variants``) for sm_90 without a GPU, with the
+    config ``grouped_heuristics`` picks."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+    from primus_fp8_plugin.backends.triton import gemm_grouped_gluon as GG
+    from primus_fp8_plugin.backends.triton import grouped_heuristics as GH
+
+    _, op, a_dtype, out_dtype, has_bias, accumulate = v
+    d = lambda t, box: G._desc(t, list(t.shape), [t.shape[1], 1], box, G._shared_layout(box, t.dtype))  # noqa: E731
+    sd = lambda rows, box: G._scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box)  # noqa: E731
+    a = torch.empty(1024, 1024, dtype=a_dtype)
+    b = torch.empty(1024, 1024, dtype=torch.float8_e4m3fn)
+    if op == "fwd":
+        cfg = GH.FWD_128x256
+        c = torch.empty(1024, 1024, dtype=out_dtype)
+        sig = {"a_desc": mangle_type(d(a, [128, 128])), "b_desc": mangle_type(d(b, [256, 128])),
+               "c_desc": mangle_type(d(c, [64, 64])), "bs_desc": mangle_type(sd(64, list(G._B2D_SCALE_BOX))),
+               "a_s_ptr": "*fp32", "bias_ptr": f"*{sig_type(out_dtype)}", "c_ptr": f"*{sig_type(out_dtype)}",
+               "offsets_ptr": "*i32", "padded_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32", "stride_as": "i32",
+               "stride_cm": "i32", "stride_biase": "i32", "HAS_BIAS": "constexpr", "NUM_STAGES": "constexpr",
+               "GROUP_M": "constexpr", "LOG_E": "constexpr", "CONSUMER_REGS": "constexpr",
+               "PRODUCER_REGS": "constexpr"}  # fmt: skip
+        cons = {"HAS_BIAS": has_bias, "NUM_STAGES": G.stages_that_fit(128, 256, out_dtype, 0, 2),
+                "GROUP_M": cfg.group_m, "LOG_E": GG.log2_experts(num_groups), "CONSUMER_REGS": cfg.consumer_regs,
+                "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
+        fn, div = GG._grouped_fwd_gluon_kernel, ("a_s_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_as", "stride_cm")
+    else:
+        cfg = GH.WGRAD_256x128
+        sig = {"a_desc": mangle_type(d(a, [256, 128])), "b_desc": mangle_type(d(b, [128, 128])),
+               "as_desc": mangle_type(sd(8, [1, 256])), "bs_desc": mangle_type(sd(8, [1, 128])),
+               "c_table_ptr": "*i64" if accumulate else f"*{sig_type(out_dtype)}", "c0_ptr": f"*{sig_type(out_dtype)}",
+               "offsets_ptr": "*i32", "padded_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "stride_ce": "i32",
+               "C_TABLE": "constexpr", "ACCUMULATE": "constexpr", "NUM_STAGES": "constexpr", "GROUP_M": "constexpr",
+               "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}  # fmt: skip
+        cons = {"C_TABLE": accumulate, "ACCUMULATE": accumulate, "NUM_STAGES": GG.wgrad_stages(cfg.num_stages),
+                "GROUP_M": cfg.group_m, "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
+        fn, div = GG._grouped_wgrad_gluon_kernel, ("c0_ptr", "M", "N")
+    names = list(sig)
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in div}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": G.MAXNREG})
+
+
+def check_grouped_gluon(dump_dir: Path | None = None, verbose: bool = True) -> bool:
+    """Compile every Gluon grouped GEMM variant for sm_90 and check it as ``check_gemm`` checks the dense
+    kernel (FP8 wgmma, TMA loads, mbarriers, setmaxnreg, no spills, smem fits, no serialised wgmma);
+    TMA stores only where the kernel has them (fwd/dgrad)."""
+    from primus_fp8_plugin.backends.triton.sm90 import SMEM_LIMIT
+
+    ok_all = True
+    for v in grouped_gluon_variants():
+        try:
+            info = inspect_gemm(compile_grouped_gluon(v))
+        except Exception as e:  # noqa: BLE001
+            ok_all = False
+            print(f"{v[0]:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
+            continue
+        found = {k: c for k, c in info["found"].items() if not (k == "tma_store" and v[1] == "wgrad")}
+        ok = (all(found.values()) and info["stack"] == 0 and info["local"] == 0 and info["smem"] <= SMEM_LIMIT
+              and not any("serializ" in w for w in info["ptxas_warnings"]))  # fmt: skip
+        ok_all &= ok
+        if verbose:
+            print(f"{v[0]:40} {'OK ' if ok else 'BAD'} regs={info['regs']:3} stack={info['stack']} "
+                  f"local={info['local']} smem={info['smem']} setmaxnreg={info['setmaxnreg']} found={found}")  # fmt: skip
+            for w in info["ptxas_warnings"]:
+                print(f"    ptxas: {w}")
+        if dump_dir is not None:
+            dump_asm(dump_dir, v[0], {"ptx": info["ptx"], "sass": info["sass"]})
     return ok_all
 
 
@@ -681,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.all_configs:
             from tools.gemm_variants import VARIANTS as configs
         return 0 if check_gemm(args.dump, configs=configs) else 1
+    if args.gluon == "grouped":
+        return 0 if check_grouped_gluon(args.dump) else 1
     if args.gluon:
         if args.gluon == "fused_act":
             return 0 if check_fused_act_quant() else 1
