@@ -133,38 +133,47 @@ def test_fwd_dgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt):
 
 
 @requires_hopper
+@pytest.mark.parametrize("span", [True, False], ids=["one-buffer", "separate"])
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 @pytest.mark.parametrize("name, counts, k, n", ROUTINGS, ids=[r[0] for r in ROUTINGS])
-def test_wgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt):
+def test_wgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt, span):
+    """main_grads as views of one buffer (as Megatron's gradient buffer holds them: the TMA-stored epilogue)
+    or separately allocated (stores from registers), and new bf16 outputs."""
     x, dy, ws, _, p = _case(counts, k, n, fmt, seed=7)
     layout, xq, dyq, _ = _quantized(x, dy, ws, counts, p, device_counts=True)
     args = (dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, layout)
     g = torch.Generator("cuda").manual_seed(5)
-    start = [torch.randn(n, k, device="cuda", generator=g) for _ in counts]
-    mg = [s.clone() for s in start]
+    if span:  # reversed, with a gap of one row between experts: addresses a whole number of rows apart
+        buf = torch.randn((n + 1) * len(counts), k, device="cuda", generator=g)
+        start = [buf[(n + 1) * i : (n + 1) * i + n] for i in reversed(range(len(counts)))]
+    else:
+        start = [torch.randn(n, k, device="cuda", generator=g) for _ in counts]
+    keep = [s.clone() for s in start]
     mg_portable = [s.clone() for s in start]
-    grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=mg)
     grouped_wgrad(*args, out_dtype=torch.float32, accumulate_into=mg_portable)
+    mg = grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=start)
+    assert all(a is b for a, b in zip(mg, start)), "accumulate_into is updated in place and returned"
     dw = grouped_wgrad_gluon(*args, out_dtype=torch.bfloat16)
     dw_portable = grouped_wgrad(*args, out_dtype=torch.bfloat16)
-    dw32 = grouped_wgrad_gluon(*args, out_dtype=torch.float32)
-    dw32_portable = grouped_wgrad(*args, out_dtype=torch.float32)
     for e, c, _, poff, pc in _segments(counts):
         assert same(mg[e], mg_portable[e]), f"main_grad, expert {e} (count {c}) vs the portable grouped kernel"
         assert same(dw[e], dw_portable[e]), f"bf16 dW, expert {e} (count {c}) vs the portable grouped kernel"
-        assert same(dw32[e], dw32_portable[e]), f"fp32 dW, expert {e} (count {c}) vs the portable grouped kernel"
         if c == 0:
-            assert same(mg[e], start[e]) and not dw[e].any() and not dw32[e].any(), f"empty expert {e}"
+            assert same(mg[e], keep[e]) and not dw[e].any(), f"empty expert {e}"
             continue
         # the dense kernel on the expert's padded segment (zero columns past its count: the masked loads)
         seg = (dyq.columnwise_data[:, poff : poff + pc].contiguous(),
                dyq.columnwise_scale_inv[poff // BLOCK : (poff + pc) // BLOCK].contiguous(),
                xq.columnwise_data[:, poff : poff + pc].contiguous(),
                xq.columnwise_scale_inv[poff // BLOCK : (poff + pc) // BLOCK].contiguous())  # fmt: skip
-        dense_mg = blockwise_gemm_gluon(*seg, b_block_dim=1, out_dtype=torch.float32, accumulate_into=start[e].clone())
+        dense_mg = blockwise_gemm_gluon(*seg, b_block_dim=1, out_dtype=torch.float32, accumulate_into=keep[e].clone())
         dense_dw = blockwise_gemm_gluon(*seg, b_block_dim=1, out_dtype=torch.bfloat16)
         assert same(mg[e], dense_mg), f"main_grad, expert {e} (count {c}) vs the dense loop"
         assert same(dw[e], dense_dw), f"bf16 dW, expert {e} (count {c}) vs the dense loop"
+    if span:  # the gap rows between the experts' main_grads are untouched
+        gaps = torch.stack([buf[(n + 1) * i + n] for i in range(len(counts))])
+        assert same(gaps, torch.randn((n + 1) * len(counts), k, device="cuda",
+                                      generator=torch.Generator("cuda").manual_seed(5))[n :: n + 1])  # fmt: skip
 
 
 @requires_hopper
@@ -175,9 +184,15 @@ def test_unsupported_inputs_raise_gluon_unsupported():
     with pytest.raises(GluonUnsupported):
         grouped_gemm_gluon(xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout,
                            out_dtype=torch.bfloat16)  # fmt: skip
-    with pytest.raises(GluonUnsupported):
+    counts, k, n = [3, 5], 512, 256
+    x, dy, ws, _, p = _case(counts, k, n, "E4M3")
+    layout, xq, dyq, wq = _quantized(x, dy, ws, counts, p, device_counts=False)
+    with pytest.raises(GluonUnsupported):  # fp32 fwd output: the 128x256 tile spills
         grouped_gemm_gluon(xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout,
                            out_dtype=torch.float32)  # fmt: skip
+    with pytest.raises(GluonUnsupported):  # plain fp32 wgrad output
+        grouped_wgrad_gluon(dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data,
+                            xq.columnwise_scale_inv, layout, out_dtype=torch.float32)  # fmt: skip
 
 
 @requires_hopper

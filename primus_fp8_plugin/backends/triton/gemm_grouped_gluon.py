@@ -351,21 +351,56 @@ def _wgrad_piece(acc, c_e, offs_m, M, off_n, cols, N, ACCUMULATE: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_out(c_table_ptr, c0_ptr, e, stride_ce, C_TABLE: gl.constexpr):
-    """Expert ``e``'s output: its entry of the pointer table, or its slice of the stacked buffer."""
+def _wgrad_out(c_table_ptr, c0_ptr, e, M, stride_ce, span_base, row_bytes, C_TABLE: gl.constexpr):
+    """Expert ``e``'s output (its entry of the pointer table, or its slice of the stacked buffer) and its
+    first row in the span descriptor (``(address - span_base) / row_bytes``; ``e * M`` when stacked)."""
     if C_TABLE:
-        c_e = gl.load(c_table_ptr + e).to(gl.pointer_type(c0_ptr.dtype.element_ty))
+        addr = gl.load(c_table_ptr + e)
+        c_e = addr.to(gl.pointer_type(c0_ptr.dtype.element_ty))
+        row0 = ((addr - span_base) // row_bytes).to(gl.int32)
     else:
         c_e = c0_ptr + e.to(gl.int64) * stride_ce
-    return c_e
+        row0 = e * M
+    return c_e, row0
 
 
 @gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_table_ptr, c0_ptr, offsets_ptr, padded_ptr, E, M,
-                    N, stride_ce, WG: gl.constexpr, C_TABLE: gl.constexpr, ACCUMULATE: gl.constexpr,
-                    GROUP_M: gl.constexpr):  # fmt: skip
+def _wgrad_epilogue(acc0, acc1, acc2, acc3, c_desc, c_bufs, c_e, row0, off_m, off_n, M, N, WG: gl.constexpr,
+                    H: gl.constexpr, Q: gl.constexpr, row_layout: gl.constexpr, col_layout: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, STORE_TMA: gl.constexpr):  # fmt: skip
+    """The four [64, 64] pieces (rows h, columns q) = acc0 (0, 0), acc1 (0, 1), acc2 (1, 0), acc3 (1, 1) of the
+    warpgroup's 128 rows at (``off_m``, ``off_n``) of the expert's output ``c_e`` [M, N]: ``+= C`` when
+    accumulating; STORE_TMA: the dense ``_store_piece`` (TMA store at row ``row0 + off_m`` of the span
+    descriptor ``c_desc``), else masked stores from registers."""
+    offs_m0 = off_m + gl.arange(0, H, layout=row_layout)
+    offs_m1 = offs_m0 + H
+    cols = gl.arange(0, Q, layout=col_layout)
+    if STORE_TMA:  # (pieces from row M on would reach the next output: skipped; M % 64 == 0)
+        if off_m < M:
+            _store_piece(acc0, 0, row0 + off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_e, c_e, N, N, WG,
+                         False, ACCUMULATE)  # fmt: skip
+            if off_n + Q < N:
+                _store_piece(acc1, 1, row0 + off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_e, c_e, N,
+                             N, WG, False, ACCUMULATE)  # fmt: skip
+        if off_m + H < M:  # (piece 0 again: piece 1 may have been skipped, see the dense epilogue)
+            _store_piece(acc2, 0, row0 + off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_e, c_e, N, N,
+                         WG, False, ACCUMULATE)  # fmt: skip
+            if off_n + Q < N:
+                _store_piece(acc3, 3, row0 + off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_e,
+                             c_e, N, N, WG, False, ACCUMULATE)  # fmt: skip
+    else:
+        _wgrad_piece(acc0, c_e, offs_m0, M, off_n, cols, N, ACCUMULATE)
+        _wgrad_piece(acc1, c_e, offs_m0, M, off_n + Q, cols, N, ACCUMULATE)
+        _wgrad_piece(acc2, c_e, offs_m1, M, off_n, cols, N, ACCUMULATE)
+        _wgrad_piece(acc3, c_e, offs_m1, M, off_n + Q, cols, N, ACCUMULATE)
+
+
+@gluon.jit
+def _wgrad_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, c_bufs, c_table_ptr, c0_ptr, offsets_ptr,
+                    padded_ptr, E, M, N, stride_ce, span_base, row_bytes, WG: gl.constexpr, C_TABLE: gl.constexpr,
+                    ACCUMULATE: gl.constexpr, STORE_TMA: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
     """Warpgroup ``WG`` (rows WG*128 .. +127) of each 256 x 128 tile: the dense ``_consumer_256x128``'s K
-    loop over the expert's K blocks; epilogue into the expert's output."""
+    loop over the expert's K blocks; epilogue into the expert's output (``_wgrad_epilogue``)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -407,35 +442,34 @@ def _wgrad_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_table_ptr,
                 it += 1
             acc3 = _promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, True)
             mbarrier.arrive(empty.index(s_prev))
-            c_e = _wgrad_out(c_table_ptr, c0_ptr, e, stride_ce, C_TABLE)
-            offs_m0 = off_m + gl.arange(0, H, layout=row_layout)  # (formed here: not live across the K loop)
-            cols = gl.arange(0, Q, layout=col_layout)
-            # pieces (rows h, columns q) = acc0 (0, 0), acc1 (0, 1), acc2 (1, 0), acc3 (1, 1)
-            _wgrad_piece(acc0, c_e, offs_m0, M, off_n, cols, N, ACCUMULATE)
-            _wgrad_piece(acc1, c_e, offs_m0, M, off_n + Q, cols, N, ACCUMULATE)
-            _wgrad_piece(acc2, c_e, offs_m0 + H, M, off_n, cols, N, ACCUMULATE)
-            _wgrad_piece(acc3, c_e, offs_m0 + H, M, off_n + Q, cols, N, ACCUMULATE)
+            c_e, row0 = _wgrad_out(c_table_ptr, c0_ptr, e, M, stride_ce, span_base, row_bytes, C_TABLE)
+            _wgrad_epilogue(acc0, acc1, acc2, acc3, c_desc, c_bufs, c_e, row0, off_m, off_n, M, N, WG, H, Q, row_layout,
+                            col_layout, ACCUMULATE, STORE_TMA)  # fmt: skip
         elif not ACCUMULATE:  # an empty expert: a plain output is zero (main_grad is left as it is)
-            c_e = _wgrad_out(c_table_ptr, c0_ptr, e, stride_ce, C_TABLE)
-            offs_m0 = off_m + gl.arange(0, H, layout=row_layout)  # (formed here: not live across the K loop)
-            cols = gl.arange(0, Q, layout=col_layout)
-            _wgrad_piece(zero, c_e, offs_m0, M, off_n, cols, N, False)
-            _wgrad_piece(zero, c_e, offs_m0, M, off_n + Q, cols, N, False)
-            _wgrad_piece(zero, c_e, offs_m0 + H, M, off_n, cols, N, False)
-            _wgrad_piece(zero, c_e, offs_m0 + H, M, off_n + Q, cols, N, False)
+            c_e, row0 = _wgrad_out(c_table_ptr, c0_ptr, e, M, stride_ce, span_base, row_bytes, C_TABLE)
+            _wgrad_epilogue(zero, zero, zero, zero, c_desc, c_bufs, c_e, row0, off_m, off_n, M, N, WG, H, Q,
+                            row_layout, col_layout, False, STORE_TMA)  # fmt: skip
+    tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _grouped_wgrad_gluon_kernel(
-    a_desc, b_desc, as_desc, bs_desc, c_table_ptr, c0_ptr, offsets_ptr, padded_ptr, E, M, N, stride_ce,
-    C_TABLE: gl.constexpr, ACCUMULATE: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    a_desc, b_desc, as_desc, bs_desc, c_desc, c_table_ptr, c0_ptr, offsets_ptr, padded_ptr, E, M, N, stride_ce,
+    span_base, row_bytes, C_TABLE: gl.constexpr, ACCUMULATE: gl.constexpr, STORE_TMA: gl.constexpr,
+    NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
+    # c_desc: a TMA descriptor over the span of memory holding every expert's output (rows of N), or None
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BK], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BK], b_desc.layout)
+    if STORE_TMA:  # two [64, 64] output buffers per consumer warpgroup, as in the dense kernel
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [4] + c_desc.block_type.shape, c_desc.layout)
+        c_src = c_desc
+    else:
+        c_bufs = a_bufs
+        c_src = a_desc
     as_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_M], as_desc.layout)
     bs_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 1, BLOCK_N], bs_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -445,12 +479,14 @@ def _grouped_wgrad_gluon_kernel(
         mbarrier.init(empty.index(i), count=2)
     fence_async_shared()
     gl.warp_specialize([
-        (_wgrad_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_table_ptr, c0_ptr, offsets_ptr, padded_ptr,
-                           E, M, N, stride_ce, 0, C_TABLE, ACCUMULATE, GROUP_M)),
-        (_wgrad_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_table_ptr, c0_ptr, offsets_ptr, padded_ptr,
-                           E, M, N, stride_ce, 1, C_TABLE, ACCUMULATE, GROUP_M)),
-        (_wgrad_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, offsets_ptr,
-                           padded_ptr, E, M, N, ACCUMULATE, GROUP_M)),
+        (_wgrad_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_src, c_bufs, c_table_ptr, c0_ptr,
+                           offsets_ptr, padded_ptr, E, M, N, stride_ce, span_base, row_bytes, 0, C_TABLE, ACCUMULATE,
+                           STORE_TMA, GROUP_M)),
+        (_wgrad_consumer, (a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_src, c_bufs, c_table_ptr, c0_ptr,
+                           offsets_ptr, padded_ptr, E, M, N, stride_ce, span_base, row_bytes, 1, C_TABLE, ACCUMULATE,
+                           STORE_TMA, GROUP_M)),
+        (_wgrad_producer, (a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty,
+                           offsets_ptr, padded_ptr, E, M, N, ACCUMULATE, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])  # fmt: skip
 
 
@@ -467,15 +503,32 @@ def log2_experts(num_groups: int) -> int:
     return max(num_groups - 1, 0).bit_length()
 
 
-def wgrad_stages(requested: int = 0) -> int:
-    """Pipeline stages of the 256x128 wgrad tile: its epilogue stores from registers, so the ring has all of
-    shared memory (at most 6)."""
+def wgrad_stages(out_dtype: torch.dtype, store_tma: bool, requested: int = 0) -> int:
+    """Pipeline stages of the 256x128 wgrad tile beside its output buffers (four [64, 64] of ``out_dtype``
+    with TMA stores, none without), at most 6."""
     stage = (256 + 128) * BLOCK_K + (256 + 128) * 4
-    fit = (SMEM_LIMIT - 512) // stage
+    c_bytes = 4 * 64 * 64 * out_dtype.itemsize if store_tma else 0
+    fit = (SMEM_LIMIT - c_bytes - 512) // stage
     stages = min(fit, 6) if requested <= 0 else requested
     if not 2 <= stages <= fit:
         raise ValueError(f"{stages} stages of a 256x128 wgrad tile do not fit in shared memory (max {fit})")
     return stages
+
+
+def output_span(outs: Sequence[torch.Tensor], m: int, n: int) -> tuple[torch.Tensor, int, int] | None:
+    """(base tensor, rows, row bytes) of one TMA descriptor that reaches every ``[m, n]`` output in ``outs``
+    as rows of ``n`` elements, or None where none does: each output's address must lie a whole number of rows
+    past the lowest (Megatron's gradient buffer holds an expert linear's main_grads so), rows 16-byte aligned,
+    ``m % 64 == 0`` (a 64-row piece never crosses into the next output), rows within int32."""
+    row_bytes = n * outs[0].element_size()
+    addrs = [o.data_ptr() for o in outs]
+    base = min(addrs)
+    if m % 64 or row_bytes % 16 or base % 16 or any((a - base) % row_bytes for a in addrs):
+        return None
+    rows = (max(addrs) - base) // row_bytes + m
+    if rows >= 2**31:
+        return None
+    return outs[addrs.index(base)], rows, row_bytes
 
 
 def _check_gluon_operands(*ts: torch.Tensor) -> None:
@@ -571,6 +624,9 @@ def grouped_wgrad_gluon(
         raise ValueError(f"a is {tuple(a.shape)}, b {tuple(b.shape)}; both need the layout's {layout.capacity} token columns")
     if m % 16 or n % 16:
         raise GluonUnsupported(f"M={m} and N={n} must be multiples of 16 (TMA boxes of the scales)")
+    if accumulate_into is None and out_dtype not in (torch.bfloat16, torch.float16):
+        raise GluonUnsupported(f"the Gluon grouped wgrad writes bf16/fp16 or accumulates into fp32, not {out_dtype} "
+                               "(a plain fp32 output spills registers, as the dense 256x128 tile's)")  # fmt: skip
     if accumulate_into is not None:
         outs = list(accumulate_into)
         if len(outs) != e or any(o.shape != (m, n) or o.dtype != torch.float32 or not o.is_contiguous() for o in outs):
@@ -584,18 +640,26 @@ def grouped_wgrad_gluon(
         return outs
     cfg = config or wgrad_config(m, n, e, cap)
     bm, bn = cfg.block_m, cfg.block_n
+    span = output_span(outs, m, n)
+    store_tma = span is not None
     a_scale_inv = _tma_ready_scale(a_scale_inv, m)
     b_scale_inv = _tma_ready_scale(b_scale_inv, n)
     a_desc = _desc(a, [m, cap], [cap, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
     b_desc = _desc(b, [n, cap], [cap, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
     as_desc = _desc(a_scale_inv, [a_scale_inv.shape[0], m], [a_scale_inv.stride(0), 1], [1, bm], _SCALE_SMEM_LAYOUT)
     bs_desc = _desc(b_scale_inv, [b_scale_inv.shape[0], n], [b_scale_inv.stride(0), 1], [1, bn], _SCALE_SMEM_LAYOUT)
+    c_desc, span_base, row_bytes = None, 0, 1
+    if store_tma:
+        base_t, rows, row_bytes = span
+        c_desc = _desc(base_t, [rows, n], [n, 1], [64, 64], _shared_layout([64, 64], base_t.dtype))
+        span_base = base_t.data_ptr()
     tiles = e * ceil_div(m, bm) * ceil_div(n, bn)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (max(1, min(tiles, cfg.ctas or num_sms(dev))),)
     _launch_wgrad(
-        grid, a_desc, b_desc, as_desc, bs_desc, table, c0, layout.offsets, layout.padded_offsets, e, m, n, stride_ce,
-        accumulate_into is not None, accumulate_into is not None, wgrad_stages(cfg.num_stages), cfg.group_m,
-        cfg.consumer_regs, cfg.producer_regs, num_warps=4, maxnreg=MAXNREG,
+        grid, a_desc, b_desc, as_desc, bs_desc, c_desc, table, c0, layout.offsets, layout.padded_offsets, e, m, n,
+        stride_ce, span_base, row_bytes, accumulate_into is not None, accumulate_into is not None, store_tma,
+        wgrad_stages(c0.dtype, store_tma, cfg.num_stages), cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
+        num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return outs

@@ -40,7 +40,7 @@ class TritonGrouped:
     def gemm_wgrad_grouped(self, dy, x, out_dtype, accumulate_into):
         args = (dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv, x.layout)
         m, n = dy.columnwise_data.shape[0], x.columnwise_data.shape[0]
-        if use_gluon(dy.columnwise_data.device, "wgrad", out_dtype, (m, n)):
+        if use_gluon(dy.columnwise_data.device, "wgrad", out_dtype, (m, n), accumulate_into is not None):
             try:
                 return grouped_wgrad_gluon(*args, out_dtype=out_dtype, accumulate_into=accumulate_into)
             except GluonUnsupported:

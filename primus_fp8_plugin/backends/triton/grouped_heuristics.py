@@ -37,10 +37,11 @@ class GroupedConfig:
     ctas: int | None = None  # persistent CTAs (None: one per SM)
 
 
-# fwd/dgrad: 232 / 40 registers, not the dense tile's 240 / 24: the producer's device-side tile schedule
-# (the expert search) spills at 24 (AOT check: tools/aot_triton.py --gluon grouped)
-FWD_128x256 = GroupedConfig(block_m=128, block_n=256, consumer_regs=232, producer_regs=40)
+# fwd/dgrad: 224 / 56 registers, not the dense tile's 240 / 24: the producer's device-side tile schedule
+# (the expert search) spills below 56 (AOT check: tools/aot_triton.py --gluon grouped)
+FWD_128x256 = GroupedConfig(block_m=128, block_n=256, consumer_regs=224, producer_regs=56)
 WGRAD_256x128 = GroupedConfig(block_m=256, block_n=128)
+WGRAD_128x256 = GroupedConfig(block_m=128, block_n=256)
 
 
 def fwd_config(n: int, k: int, num_groups: int, capacity: int) -> GroupedConfig:
@@ -48,7 +49,7 @@ def fwd_config(n: int, k: int, num_groups: int, capacity: int) -> GroupedConfig:
     padded token rows."""
     del k, num_groups, capacity  # one tile config fits every MoE shape measured (docs/PERFORMANCE.md)
     n_tiles = -(-n // FWD_128x256.block_n)
-    return FWD_128x256 if n_tiles > 4 else GroupedConfig(block_m=128, block_n=256, group_m=4, consumer_regs=232, producer_regs=40)
+    return FWD_128x256 if n_tiles > 4 else GroupedConfig(block_m=128, block_n=256, group_m=4, consumer_regs=224, producer_regs=56)
 
 
 def wgrad_config(m: int, n: int, num_groups: int, capacity: int) -> GroupedConfig:
@@ -57,9 +58,10 @@ def wgrad_config(m: int, n: int, num_groups: int, capacity: int) -> GroupedConfi
     return WGRAD_256x128
 
 
-def use_gluon(device: torch.device, op: str, out_dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
+def use_gluon(device: torch.device, op: str, out_dtype: torch.dtype, dims: tuple[int, ...], accumulate: bool = False) -> bool:
     """Whether the Gluon kernel runs ``op`` ('fwd', 'dgrad', 'wgrad') on ``device``: an sm_90 GPU, and dims
-    TMA takes (fwd/dgrad ``(N, K)``: K % 16 == 0, N % 8 == 0, output bf16/fp16; wgrad ``(M, N)``: both % 16).
+    TMA takes (fwd/dgrad ``(N, K)``: K % 16 == 0, N % 8 == 0, output bf16/fp16; wgrad ``(M, N)``: both % 16,
+    into ``accumulate_into`` or a bf16/fp16 output).
     The wrappers check the same and raise ``GluonUnsupported`` otherwise."""
     if not runs_on(device):
         return False
@@ -67,4 +69,4 @@ def use_gluon(device: torch.device, op: str, out_dtype: torch.dtype, dims: tuple
         n, k = dims
         return k % 16 == 0 and n % 8 == 0 and out_dtype in (torch.bfloat16, torch.float16)
     m, n = dims
-    return m % 16 == 0 and n % 16 == 0
+    return m % 16 == 0 and n % 16 == 0 and (accumulate or out_dtype in (torch.bfloat16, torch.float16))
