@@ -188,9 +188,14 @@ def main(argv=None) -> int:
                             for i, c in enumerate(timing.order(fns[op], len(rows))):
                                 if c == "loop" and args.no_loop:
                                     continue
-                                row[f"{c} ms"] = timing.ms(fns[op][c], row, c)
+                                try:
+                                    row[f"{c} ms"] = timing.ms(fns[op][c], row, c)
+                                except Exception as err:  # noqa: BLE001 - one contender's failure ends no run
+                                    print(f"{name} {op} {c}: {type(err).__name__}: {str(err)[:300]}", flush=True)
                                 del i
-                            g = row["gluon ms"]
+                            g = row.get("gluon ms")
+                            if g is None:
+                                continue
                             row["TF"] = 2.0 * t * kk * nn / g / 1e9
                             row["ceil ms"] = ceiling_ms(op, t, kk, nn, e)
                             row["% ceil"] = 100.0 * row["ceil ms"] / g
