@@ -133,8 +133,8 @@ def test_fwd_dgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt):
 
 
 @requires_hopper
-@pytest.mark.parametrize("span", [True, False], ids=["one-buffer", "separate"])
-@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+@pytest.mark.parametrize("fmt, span", [("E4M3", True), ("E4M3", False), ("HYBRID", True)],
+                         ids=["E4M3-one-buffer", "E4M3-separate", "HYBRID-one-buffer"])  # fmt: skip
 @pytest.mark.parametrize("name, counts, k, n", ROUTINGS, ids=[r[0] for r in ROUTINGS])
 def test_wgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt, span):
     """main_grads as views of one buffer (as Megatron's gradient buffer holds them: the TMA-stored epilogue)
