@@ -58,6 +58,14 @@ def wgrad_config(m: int, n: int, num_groups: int, capacity: int) -> GroupedConfi
     return WGRAD_256x128
 
 
+# wgrad accumulated into main_grad through the Gluon kernel: off in the backend for now. The kernel equals the
+# dense Gluon loop and the portable grouped kernel bit for bit in tests/gpu/test_gpu_grouped_gluon.py (both
+# epilogues) and in isolation on the routings of tests/gpu/test_gpu_grouped.py, but that file's loop test saw
+# main_grad differ from the portable dense kernel in a few experts (skewed-64, qwen-like-128; H200, 2026-12-02),
+# not yet explained. The plain (bf16) wgrad, fwd and dgrad run the Gluon kernels.
+GLUON_MAIN_GRAD = False
+
+
 def use_gluon(device: torch.device, op: str, out_dtype: torch.dtype, dims: tuple[int, ...], accumulate: bool = False) -> bool:
     """Whether the Gluon kernel runs ``op`` ('fwd', 'dgrad', 'wgrad') on ``device``: an sm_90 GPU, and dims
     TMA takes (fwd/dgrad ``(N, K)``: K % 16 == 0, N % 8 == 0, output bf16/fp16; wgrad ``(M, N)``: both % 16,
@@ -69,4 +77,6 @@ def use_gluon(device: torch.device, op: str, out_dtype: torch.dtype, dims: tuple
         n, k = dims
         return k % 16 == 0 and n % 8 == 0 and out_dtype in (torch.bfloat16, torch.float16)
     m, n = dims
-    return m % 16 == 0 and n % 16 == 0 and (accumulate or out_dtype in (torch.bfloat16, torch.float16))
+    if accumulate:
+        return GLUON_MAIN_GRAD and m % 16 == 0 and n % 16 == 0
+    return m % 16 == 0 and n % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16)
