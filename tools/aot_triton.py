@@ -7,6 +7,7 @@ prove the FP8 path was taken and the resources (registers, spills, scratch, shar
 
     python -m tools.aot_triton [--json FILE] [--dump DIR]                 # the Triton kernels, sm_90 and gfx950
     python -m tools.aot_triton --gluon gemm [--all-configs] [--dump DIR]  # the Hopper Gluon kernels, sm_90
+    python -m tools.aot_triton --gluon grouped                           # the Hopper Gluon grouped GEMMs
     python -m tools.aot_triton --gluon quantize_act
     python -m tools.aot_triton --gluon quantize_weight
 
@@ -336,7 +337,7 @@ def dump_asm(dump_dir: Path, name: str, asm: dict[str, str]) -> None:
 # The Hopper Gluon kernels (sm_90 only)
 # --------------------------------------------------------------------------------------------------
 
-GLUON_KERNELS = ("gemm", "quantize_act", "quantize_weight", "fused_act")  # --gluon NAME
+GLUON_KERNELS = ("gemm", "grouped", "quantize_act", "quantize_weight", "fused_act")  # --gluon NAME
 
 # what the Gluon GEMM's PTX / SASS must contain
 GEMM_EXPECT_SM90 = {
@@ -504,6 +505,126 @@ def check_gemm(dump_dir: Path | None = None, verbose: bool = True, configs: dict
                 print(f"    ptxas: {w}")
         if dump_dir is not None:
             dump_asm(dump_dir, v.name, {"ptx": info["ptx"], "sass": info["sass"]})
+    return ok_all
+
+
+def grouped_gluon_variants() -> list[tuple]:
+    """(name, op, a dtype, out dtype, has_bias, accumulate) of every Gluon grouped GEMM variant the backend
+    launches (gemm_grouped_gluon.py): fwd with and without bias (bf16, fp16), dgrad (E4M3 and HYBRID's E5M2
+    dY), wgrad into main_grad (fp32 accumulate, E4M3 / E5M2 dY) and into new bf16 tensors (TMA-stored: the
+    outputs in one span of memory, ``gemm_grouped_gluon.output_span``)."""
+    e4, e5, bf, f16, f32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32
+    return [
+        ("grouped_fwd:bf16:bias=1", "fwd", e4, bf, True, False), ("grouped_fwd:bf16:bias=0", "fwd", e4, bf, False, False),
+        ("grouped_fwd:fp16:bias=1", "fwd", e4, f16, True, False), ("grouped_dgrad:e5m2:bf16", "fwd", e5, bf, False, False),
+        ("grouped_wgrad:main_grad", "wgrad", e4, f32, False, True),
+        ("grouped_wgrad:e5m2:main_grad", "wgrad", e5, f32, False, True),
+        ("grouped_wgrad:bf16", "wgrad", e4, bf, False, False),
+    ]  # fmt: skip
+
+
+def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store_tma: bool = True):
+    """Compile one Gluon grouped GEMM variant (``grouped_gluon_variants``) for sm_90 without a GPU, with the
+    config ``grouped_heuristics`` picks."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+    from primus_fp8_plugin.backends.triton import gemm_grouped_gluon as GG
+    from primus_fp8_plugin.backends.triton import grouped_heuristics as GH
+
+    _, op, a_dtype, out_dtype, has_bias, accumulate = v
+    d = lambda t, box: G._desc(t, list(t.shape), [t.shape[1], 1], box, G._shared_layout(box, t.dtype))  # noqa: E731
+    sd = lambda rows, box: G._scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box)  # noqa: E731
+    a = torch.empty(1024, 1024, dtype=a_dtype)
+    b = torch.empty(1024, 1024, dtype=torch.float8_e4m3fn)
+    if op == "fwd":
+        cfg = GH.FWD_128x256
+        c = torch.empty(1024, 1024, dtype=out_dtype)
+        sig = {"a_desc": mangle_type(d(a, [128, 128])), "b_desc": mangle_type(d(b, [256, 128])),
+               "c_desc": mangle_type(d(c, [64, 64])), "bs_desc": mangle_type(sd(64, list(G._B2D_SCALE_BOX))),
+               "a_s_ptr": "*fp32", "bias_ptr": f"*{sig_type(out_dtype)}", "c_ptr": f"*{sig_type(out_dtype)}",
+               "offsets_ptr": "*i32", "padded_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32", "stride_as": "i32",
+               "stride_cm": "i32", "stride_biase": "i32", "HAS_BIAS": "constexpr", "NUM_STAGES": "constexpr",
+               "GROUP_M": "constexpr", "LOG_E": "constexpr", "CONSUMER_REGS": "constexpr",
+               "PRODUCER_REGS": "constexpr"}  # fmt: skip
+        cons = {"HAS_BIAS": has_bias, "NUM_STAGES": G.stages_that_fit(128, 256, out_dtype, 0, 2),
+                "GROUP_M": cfg.group_m, "LOG_E": GG.log2_experts(num_groups), "CONSUMER_REGS": cfg.consumer_regs,
+                "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
+        fn, div = GG._grouped_fwd_gluon_kernel, ("a_s_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_as", "stride_cm")
+    else:
+        cfg = wgrad_cfg or GH.wgrad_config(1024, 1024, num_groups, 1024)
+        bm, bn = cfg.block_m, cfg.block_n
+        c = torch.empty(1024, 1024, dtype=out_dtype)
+        sig = {"a_desc": mangle_type(d(a, [bm, 128])), "b_desc": mangle_type(d(b, [bn, 128])),
+               "as_desc": mangle_type(sd(8, [1, bm])), "bs_desc": mangle_type(sd(8, [1, bn])),
+               "c_desc": mangle_type(d(c, [64, 64])),
+               "c_table_ptr": "*i64" if accumulate else f"*{sig_type(out_dtype)}", "c0_ptr": f"*{sig_type(out_dtype)}",
+               "offsets_ptr": "*i32", "padded_ptr": "*i32", "E": "i32", "M": "i32", "N": "i32", "stride_ce": "i32",
+               "span_base": "i64", "row_bytes": "i32", "C_TABLE": "constexpr", "ACCUMULATE": "constexpr",
+               "STORE_TMA": "constexpr", "NUM_STAGES": "constexpr", "GROUP_M": "constexpr",
+               "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}  # fmt: skip
+        cons = {"C_TABLE": accumulate, "ACCUMULATE": accumulate, "STORE_TMA": store_tma,
+                "NUM_STAGES": GG.wgrad_stages(out_dtype, store_tma, cfg.num_stages), "GROUP_M": cfg.group_m,
+                "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
+        if not store_tma:
+            sig["c_desc"] = "constexpr"
+            cons["c_desc"] = None
+        fn, div = GG._grouped_wgrad_gluon_kernel, ("c0_ptr", "M", "N")
+    names = list(sig)
+    attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in div}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": G.MAXNREG})
+
+
+GROUPED_WGRAD_STACK = 16
+
+
+def spills_in_k_loop(sass: str) -> bool:
+    """Whether any local-memory access (STL/LDL) lies inside an innermost loop of the SASS that issues wgmma
+    (QGMMA): the K loops (a backward branch's range that holds no other such range)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, text in ins:
+        targets = re.findall(r"0x([0-9a-f]+)", text) if "BRA" in text else []
+        if targets and int(targets[-1], 16) < addr and any(lo <= a <= addr and "QGMMA" in t for a, t in ins
+                                                           for lo in (int(targets[-1], 16),)):  # fmt: skip
+            loops.append((int(targets[-1], 16), addr))
+    inner = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+    local = re.compile(r"(^|\s)(STL|LDL)(\.|\s)")
+    return any(lo <= a <= hi and local.search(t) for lo, hi in inner for a, t in ins)
+
+
+def check_grouped_gluon(dump_dir: Path | None = None, verbose: bool = True) -> bool:
+    """Compile every Gluon grouped GEMM variant for sm_90 and check it as ``check_gemm`` checks the dense
+    kernel (FP8 wgmma, TMA loads, mbarriers, setmaxnreg, no spills, smem fits, no serialised wgmma);
+    TMA stores only where the kernel has them (fwd/dgrad)."""
+    from primus_fp8_plugin.backends.triton.sm90 import SMEM_LIMIT
+
+    ok_all = True
+    for v in grouped_gluon_variants():
+        try:
+            info = inspect_gemm(compile_grouped_gluon(v))
+        except Exception as e:  # noqa: BLE001
+            ok_all = False
+            print(f"{v[0]:40} COMPILE FAILED: {type(e).__name__}: {str(e)[:3000]}")
+            continue
+        found = dict(info["found"])
+        # wgrad: ptxas keeps one or a few thread-index words (a row offset of the epilogue, formed before the
+        # warp specialisation's setmaxnreg) on the stack, reloaded once per tile, outside the K loop: tolerated
+        # up to GROUPED_WGRAD_STACK bytes; none in the K loop (the SASS check below)
+        stack_ok = info["stack"] == 0 or (v[1] == "wgrad" and info["stack"] <= GROUPED_WGRAD_STACK
+                                          and not spills_in_k_loop(info["sass"]))  # fmt: skip
+        ok = (all(found.values()) and stack_ok and info["local"] == 0 and info["smem"] <= SMEM_LIMIT
+              and not any("serializ" in w for w in info["ptxas_warnings"]))  # fmt: skip
+        ok_all &= ok
+        if verbose:
+            print(f"{v[0]:40} {'OK ' if ok else 'BAD'} regs={info['regs']:3} stack={info['stack']} "
+                  f"local={info['local']} smem={info['smem']} setmaxnreg={info['setmaxnreg']} found={found}")  # fmt: skip
+            for w in info["ptxas_warnings"]:
+                print(f"    ptxas: {w}")
+        if dump_dir is not None:
+            dump_asm(dump_dir, v[0], {"ptx": info["ptx"], "sass": info["sass"]})
     return ok_all
 
 
@@ -681,6 +802,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.all_configs:
             from tools.gemm_variants import VARIANTS as configs
         return 0 if check_gemm(args.dump, configs=configs) else 1
+    if args.gluon == "grouped":
+        return 0 if check_grouped_gluon(args.dump) else 1
     if args.gluon:
         if args.gluon == "fused_act":
             return 0 if check_fused_act_quant() else 1

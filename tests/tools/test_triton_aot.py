@@ -66,7 +66,7 @@ def test_no_register_spills_and_resources_fit(reports, target):
 # All: no spills, shared memory fits.
 # The Hopper fused quantizer (norm / SwiGLU producer + the act quantizer), 12 variants: the same checks,
 # and no FMA contracted in its PTX.
-GLUON_KERNELS = [("gemm", 19), ("quantize_act", 36), ("quantize_weight", 24), ("fused_act", 12)]
+GLUON_KERNELS = [("gemm", 19), ("grouped", 7), ("quantize_act", 36), ("quantize_weight", 24), ("fused_act", 12)]
 
 
 @pytest.mark.parametrize("module, variants", GLUON_KERNELS, ids=[m for m, _ in GLUON_KERNELS])

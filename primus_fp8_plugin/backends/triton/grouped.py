@@ -1,10 +1,23 @@
 """The Triton backend's grouped (mixture-of-experts) operations: one launch per operation for all experts
-(``quantize_grouped.py``, ``gemm_grouped.py``); portable Triton on every device the backend runs on."""
+(``quantize_grouped.py``; GEMMs: ``gemm_grouped_gluon.py`` on Hopper where ``grouped_heuristics`` picks it,
+else the portable ``gemm_grouped.py``: the same bits either way)."""
 
 from __future__ import annotations
 
 from .gemm_grouped import grouped_gemm, grouped_wgrad
+from .gemm_grouped_gluon import grouped_gemm_gluon, grouped_wgrad_gluon
+from .grouped_heuristics import use_gluon
 from .quantize_grouped import quantize_128x128_batched, quantize_grouped_1x128
+from .sm90 import GluonUnsupported
+
+
+def _gemm(op, a, a_s, b, b_s, layout, out_dtype, bias=None):
+    if use_gluon(a.device, op, out_dtype, (b.shape[1], b.shape[2])):
+        try:
+            return grouped_gemm_gluon(a, a_s, b, b_s, layout, out_dtype=out_dtype, bias=bias)
+        except GluonUnsupported:
+            pass
+    return grouped_gemm(a, a_s, b, b_s, layout, out_dtype=out_dtype, bias=bias)
 
 
 class TritonGrouped:
@@ -17,13 +30,19 @@ class TritonGrouped:
         return quantize_128x128_batched(weights, params, out)
 
     def gemm_fwd_grouped(self, x, w, bias, out_dtype):
-        return grouped_gemm(x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv, x.layout,
-                            out_dtype=out_dtype, bias=bias)  # fmt: skip
+        return _gemm("fwd", x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv, x.layout,
+                     out_dtype, bias)  # fmt: skip
 
     def gemm_dgrad_grouped(self, dy, w, out_dtype):
-        return grouped_gemm(dy.rowwise_data, dy.rowwise_scale_inv, w.columnwise_data, w.columnwise_scale_inv, dy.layout,
-                            out_dtype=out_dtype)  # fmt: skip
+        return _gemm("dgrad", dy.rowwise_data, dy.rowwise_scale_inv, w.columnwise_data, w.columnwise_scale_inv,
+                     dy.layout, out_dtype)  # fmt: skip
 
     def gemm_wgrad_grouped(self, dy, x, out_dtype, accumulate_into):
-        return grouped_wgrad(dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
-                             x.layout, out_dtype=out_dtype, accumulate_into=accumulate_into)  # fmt: skip
+        args = (dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv, x.layout)
+        m, n = dy.columnwise_data.shape[0], x.columnwise_data.shape[0]
+        if use_gluon(dy.columnwise_data.device, "wgrad", out_dtype, (m, n), accumulate_into is not None):
+            try:
+                return grouped_wgrad_gluon(*args, out_dtype=out_dtype, accumulate_into=accumulate_into)
+            except GluonUnsupported:
+                pass
+        return grouped_wgrad(*args, out_dtype=out_dtype, accumulate_into=accumulate_into)

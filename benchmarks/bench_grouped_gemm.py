@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Grouped (MoE) FP8 GEMMs alone, on a Hopper GPU: the Gluon grouped kernels (gemm_grouped_gluon.py) vs the
+portable Triton grouped kernels (gemm_grouped.py) vs a loop of dense Gluon GEMMs (one per expert) vs BF16
+(``torch._grouped_mm`` where this torch has it, else a loop of BF16 matmuls), for fwd, dgrad and wgrad (into
+fp32 main_grads), all contenders in one run.
+
+    python benchmarks/bench_grouped_gemm.py [--models mixtral qwen3 dsv3] [--tokens 8192 32768]
+        [--routing balanced skewed] [--ops fwd dgrad wgrad] [--sustained S] [--json out.json] [--plot out.png]
+
+Shapes (one expert linear of SwiGLU experts per row: ``fc1`` [hidden -> 2 x ffn], ``fc2`` [ffn -> hidden]):
+``mixtral`` (8 experts, hidden 4096, ffn 14336), ``qwen3`` (128 experts, hidden 2048, ffn 768), ``dsv3``
+(DeepSeek-V3's local experts at EP=8: 32 experts, hidden 7168, ffn 2048). ``--tokens``: routed tokens (tokens x
+top-k); ``balanced``: equal counts, ``skewed``: Zipf 1.2 shares permuted over the experts (bench_grouped.routing);
+counts are multiples of 16.
+
+Columns: ``ms`` per contender; ``TF`` 2 T N K / the Gluon time; ``ceil ms`` the roofline bound of the GEMM,
+``max(2 T N K / 1979 TF/s, bytes / 4.8 TB/s)`` (H200 dense FP8 peak and HBM bandwidth; bytes: FP8 operands, scales,
+the output (bf16; wgrad: fp32 main_grad read and written)), and ``% ceil`` the Gluon time's share of it;
+ratios ``x portable``, ``x loop``, ``x bf16`` = that contender's time / the Gluon time (above 1: Gluon faster).
+Geometric means end the table. Timing: triton's do_bench (median, L2 flushed) by default, or ``--sustained S``
+seconds per contender back to back (benchlib.Timing).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).resolve().parent
+for _d in (_HERE, _HERE.parent):
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
+
+from bench_grouped import MODELS, routing  # noqa: E402
+from benchlib import Timing, bench_parser, environment, report, require_cuda, save_figure  # noqa: E402
+
+PEAK_TFLOPS = 1979.0  # H200 / H100 SXM dense FP8
+HBM_TBPS = 4.8  # H200
+
+
+def linears(model: str) -> list[tuple[str, int, int, int]]:
+    e, hidden, ffn = MODELS[model]
+    return [(f"{model}.fc1", e, hidden, 2 * ffn), (f"{model}.fc2", e, ffn, hidden)]
+
+
+def ceiling_ms(op: str, t: int, k: int, n: int, e: int) -> float:
+    flops = 2.0 * t * n * k
+    kb = -(-k // 128)
+    if op == "wgrad":  # dY^T [N, T], X^T [K, T] fp8 + 1x128 scales; E fp32 [N, K] read + written
+        nbytes = t * (n + k) + 4 * (t // 128 + e) * (n + k) + 8 * e * n * k
+    else:  # A [T, K] fp8 + scales, W [E, N, K] fp8, C [T, N] bf16
+        out_n = n
+        nbytes = t * k + 4 * kb * t + e * n * k + 2 * t * out_n
+    return max(flops / (PEAK_TFLOPS * 1e12), nbytes / (HBM_TBPS * 1e12)) * 1e3
+
+
+def _bf16_fns(x, dy, w, counts, offs, grouped: bool):
+    if grouped:
+        return {
+            "fwd": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+            "dgrad": lambda: torch._grouped_mm(dy, w, offs=offs),
+            "wgrad": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+        }
+    xs, dys = torch.split(x, counts), torch.split(dy, counts)
+    return {
+        "fwd": lambda: [a @ b.t() for a, b in zip(xs, w.unbind(0))],
+        "dgrad": lambda: [a @ b for a, b in zip(dys, w.unbind(0))],
+        "wgrad": lambda: [a.t() @ b for a, b in zip(dys, xs)],
+    }
+
+
+def grouped_mm_works() -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(2, 128, 128, device="cuda", dtype=torch.bfloat16)
+        offs = torch.tensor([32, 64], device="cuda", dtype=torch.int32)
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        torch._grouped_mm(x.t(), x, offs=offs)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def contenders(e, k, n, counts, bf16_grouped):
+    """op -> {name: fn} for one expert linear and routing."""
+    from primus_fp8_plugin import BlockwiseRecipe, TensorRole
+    from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon
+    from primus_fp8_plugin.backends.triton.gemm_grouped import grouped_gemm, grouped_wgrad
+    from primus_fp8_plugin.backends.triton.gemm_grouped_gluon import grouped_gemm_gluon, grouped_wgrad_gluon
+    from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped, quantize_weight_grouped
+
+    t = sum(counts)
+    recipe = BlockwiseRecipe()
+    p_in, p_w, p_g = (recipe.params(r) for r in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.GRAD_OUTPUT))
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+    layout = group_layout(torch.tensor(counts, device="cuda", dtype=torch.int32), t, "cuda")
+    xq = quantize_activation_grouped(x, layout, p_in, backend="triton")
+    dyq = quantize_activation_grouped(dy, layout, p_g, backend="triton")
+    wq = quantize_weight_grouped(w, p_w, backend="triton")
+    # main_grads as views of one buffer, as Megatron's gradient buffer holds them
+    mg = list(torch.zeros(e, n, k, device="cuda").unbind(0))
+    mg_sep = [torch.zeros(n, k, device="cuda") for _ in range(e)]  # separately allocated: no TMA-stored epilogue
+    fwd = (xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout)
+    dgrad = (dyq.rowwise_data, dyq.rowwise_scale_inv, wq.columnwise_data, wq.columnwise_scale_inv, layout)
+    wgrad = (dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, layout)
+    xs, dys = xq.split(), dyq.split()
+    ws = [wq.expert(i) for i in range(e)]
+    live = [i for i, c in enumerate(counts) if c]
+
+    def loop(op):
+        if op == "fwd":
+            return lambda: [blockwise_gemm_gluon(xs[i].rowwise_data, xs[i].rowwise_scale_inv, ws[i].rowwise_data,
+                                                 ws[i].rowwise_scale_inv, b_block_dim=2, out_dtype=torch.bfloat16)
+                            for i in live]  # fmt: skip
+        if op == "dgrad":
+            return lambda: [blockwise_gemm_gluon(dys[i].rowwise_data, dys[i].rowwise_scale_inv, ws[i].columnwise_data,
+                                                 ws[i].columnwise_scale_inv, b_block_dim=2, out_dtype=torch.bfloat16)
+                            for i in live]  # fmt: skip
+        return lambda: [blockwise_gemm_gluon(dys[i].columnwise_data, dys[i].columnwise_scale_inv, xs[i].columnwise_data,
+                                             xs[i].columnwise_scale_inv, b_block_dim=1, out_dtype=torch.float32,
+                                             accumulate_into=mg[i]) for i in live]  # fmt: skip
+
+    offs = layout.offsets[1:].contiguous()
+    bf = _bf16_fns(x, dy, w, counts, offs, bf16_grouped)
+    return {
+        "fwd": {"gluon": lambda: grouped_gemm_gluon(*fwd, out_dtype=torch.bfloat16),
+                "portable": lambda: grouped_gemm(*fwd, out_dtype=torch.bfloat16), "loop": loop("fwd"), "bf16": bf["fwd"]},
+        "dgrad": {"gluon": lambda: grouped_gemm_gluon(*dgrad, out_dtype=torch.bfloat16),
+                  "portable": lambda: grouped_gemm(*dgrad, out_dtype=torch.bfloat16), "loop": loop("dgrad"),
+                  "bf16": bf["dgrad"]},
+        "wgrad": {"gluon": lambda: grouped_wgrad_gluon(*wgrad, out_dtype=torch.float32, accumulate_into=mg),
+                  "gluon-sep": lambda: grouped_wgrad_gluon(*wgrad, out_dtype=torch.float32, accumulate_into=mg_sep),
+                  "portable": lambda: grouped_wgrad(*wgrad, out_dtype=torch.float32, accumulate_into=mg),
+                  "loop": loop("wgrad"), "bf16": bf["wgrad"]},
+    }  # fmt: skip
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.35), 4))
+    labels = [f"{r['shape']} {r['op']} {r['tokens']} {r['routing'][:4]}" for r in rows]
+    for i, key in enumerate(("x portable", "x loop", "x bf16")):
+        ax.bar([j + i * 0.27 for j in range(len(rows))], [r.get(key) or 0 for r in rows], 0.27, label=key)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("contender time / Gluon grouped time")
+    ax.legend()
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__, "unused (use --models / --tokens)")
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--tokens", nargs="*", type=int, default=[8192, 32768])
+    ap.add_argument("--routing", nargs="*", default=["balanced", "skewed"], choices=["balanced", "skewed"])
+    ap.add_argument("--ops", nargs="*", default=["fwd", "dgrad", "wgrad"], choices=["fwd", "dgrad", "wgrad"])
+    ap.add_argument("--no-loop", action="store_true", help="skip the dense per-expert loop")
+    ap.add_argument("--sustained", type=float, default=0.0, help="seconds per contender (0: do_bench)")
+    args = ap.parse_args(argv)
+    if not require_cuda("bench_grouped_gemm"):
+        return 1
+    bf16_grouped = grouped_mm_works()
+    rows = []
+    with Timing(args.sustained) as timing:
+        for model in args.models:
+            for name, e, k, n in linears(model):
+                for tokens in args.tokens:
+                    for kind in args.routing:
+                        counts = routing(kind, e, tokens, 16)
+                        fns = contenders(e, k, n, counts, bf16_grouped)
+                        t = sum(counts)
+                        for op in args.ops:
+                            # dgrad: [T, N] x [N, K] (the same FLOPs, K and N swapped)
+                            kk, nn = (n, k) if op == "dgrad" else (k, n)
+                            row = {"shape": name, "op": op, "tokens": t, "routing": kind, "E": e, "K": kk, "N": nn,
+                                   "max count": max(counts)}  # fmt: skip
+                            for i, c in enumerate(timing.order(fns[op], len(rows))):
+                                if c == "loop" and args.no_loop:
+                                    continue
+                                try:
+                                    row[f"{c} ms"] = timing.ms(fns[op][c], row, c)
+                                except Exception as err:  # noqa: BLE001 - one contender's failure ends no run
+                                    print(f"{name} {op} {c}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+                                del i
+                            g = row.get("gluon ms")
+                            if g is None:
+                                continue
+                            row["TF"] = 2.0 * t * kk * nn / g / 1e9
+                            row["ceil ms"] = ceiling_ms(op, t, kk, nn, e)
+                            row["% ceil"] = 100.0 * row["ceil ms"] / g
+                            for c in ("portable", "loop", "bf16", "gluon-sep"):
+                                if f"{c} ms" in row:
+                                    row[f"x {c}"] = row[f"{c} ms"] / g
+                            rows.append(row)
+                            print({k_: (round(v, 3) if isinstance(v, float) else v) for k_, v in row.items()
+                                   if "MHz" not in k_ and " W" not in k_ and "throttle" not in k_}, flush=True)  # fmt: skip
+                        del fns
+                        torch.cuda.empty_cache()
+    geo = {"shape": "geomean", "op": "", "tokens": None, "routing": ""}
+    for key in ("x portable", "x loop", "x bf16", "% ceil"):
+        vals = [r[key] for r in rows if r.get(key)]
+        if vals:
+            geo[key] = math.exp(sum(math.log(v) for v in vals) / len(vals))
+    columns = [("shape", ""), ("op", ""), ("tokens", ""), ("routing", ""), ("E", ""), ("K", ""), ("N", ""),
+               ("max count", ""), ("gluon ms", ".3f"),
+               ("gluon-sep ms", ".3f"), ("portable ms", ".3f"), ("loop ms", ".3f"), ("bf16 ms", ".3f"),
+               ("TF", ".0f"), ("ceil ms", ".3f"), ("% ceil", ".0f"), ("x portable", ".2f"), ("x loop", ".2f"),
+               ("x bf16", ".2f")]  # fmt: skip
+    notes = [f"timing: {timing.describe()}; bf16: {'torch._grouped_mm' if bf16_grouped else 'a loop of matmuls'}",
+             f"ceiling: max(FLOPs / {PEAK_TFLOPS:g} TF/s, bytes / {HBM_TBPS:g} TB/s)"]  # fmt: skip
+    report("bench_grouped_gemm", environment(), rows + [geo], columns, args, plot, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
