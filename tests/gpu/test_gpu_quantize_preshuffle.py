@@ -28,6 +28,10 @@ def test_preshuffled_copies_bit_exact(n, k, dtype, fp8):
     w = make_input((n, k), dtype=dtype, seed=n * k)
     w[5, 7] = float("nan")
     p = QuantParams(fp8, 2)
+    if dtype == torch.float32:  # refused on a GPU until its W^T copy is bit-exact there (see the quantizer)
+        with pytest.raises(NotImplementedError, match="fp32 weights"):
+            quantize_128x128_preshuffled(w.cuda(), p)
+        return
     ours, ref = quantize_128x128_preshuffled(w.cuda(), p), REF.quantize_weight(w, p)
     u8 = lambda t: t.cpu().view(torch.uint8)  # noqa: E731
     assert torch.equal(u8(ours.rowwise_data), preshuffle(ref.rowwise_data).view(torch.uint8))

@@ -51,7 +51,9 @@ class FlydslBackend(Backend):
         return self.triton.quantize_act(x, params, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_weight(self, w, params):
-        if params.fp8_dtype == E4M3 and gemm_lds.weight_fits(*w.shape):
+        # fp32 weights on a GPU take the K-major copy (same numerics): the preshuffled quantizer refuses them
+        fp32_gpu = w.dtype == torch.float32 and w.is_cuda
+        if params.fp8_dtype == E4M3 and gemm_lds.weight_fits(*w.shape) and not fp32_gpu:
             return quantize_128x128_preshuffled(w, params)
         return self.triton.quantize_weight(w, params)
 

@@ -90,6 +90,13 @@ def quantize_128x128_preshuffled(w: torch.Tensor, params: QuantParams, *, num_wa
     if k > MAX_GRID_Y:
         raise ValueError(f"weight is [{n}, {k}]: K's {ceil_div(k, BLOCK)} blocks exceed the 65535 programs of a "
                          f"grid's second axis (K <= {MAX_GRID_Y})")  # fmt: skip
+    if w.dtype == torch.float32 and w.is_cuda:
+        # on an H200 the W^T copy of an fp32 block holding NaN came out finite where the reference is NaN
+        # (bf16 bit-exact; the CPU interpreter bit-exact for both): refuse rather than risk silent garbage
+        raise NotImplementedError(
+            "quantize_128x128_preshuffled: fp32 weights on a GPU are not verified bit-exact (the W^T copy of a block "
+            "with NaN differed on an H200); pass bf16 weights, or use the K-major quantizer (quantize_weight.py)"
+        )
     dev, f8 = w.device, params.fp8_dtype
     q = torch.empty(n, k, dtype=f8, device=dev)
     kp = dgrad_padded_rows(k) if k % BLOCK == 0 else k  # W^T's storage rows (the tail: zero rows)
