@@ -553,7 +553,7 @@ def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store
                 "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
         fn, div = GG._grouped_fwd_gluon_kernel, ("a_s_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_as", "stride_cm")
     else:
-        cfg = wgrad_cfg or GH.wgrad_config(1024, 1024, num_groups, 1024)
+        cfg = wgrad_cfg or GH.wgrad_config(1024, 1024, num_groups, 1024, accumulate)
         bm, bn = cfg.block_m, cfg.block_n
         c = torch.empty(1024, 1024, dtype=out_dtype)
         sig = {"a_desc": mangle_type(d(a, [bm, 128])), "b_desc": mangle_type(d(b, [bn, 128])),

@@ -21,10 +21,11 @@ that crosses the end by masked stores from registers.
 columnwise copies (``[M, C]``, ``[N, C]``, scales ``[C/128, >=M]``, ``[C/128, >=N]``): 256x128 tiles, the
 dense ``CONFIG_256x128`` K block (``_k_block_256x128``, scales by TMA: every box starts at a multiple
 of 128) over ``ceil(c_e/128)`` K blocks (the zero padding of the last one stands for the dense
-kernel's masked loads). Output: masked stores from registers into ``E`` fp32 tensors reached through
-a pointer table (``accumulate_into``: Megatron's ``main_grad``, ``acc += C`` before the one store) or
-into one ``[E, M, N]`` buffer; an empty expert leaves its ``main_grad`` untouched and writes zeros
-otherwise (what the dense call with K = 0 returns).
+kernel's masked loads). Output: ``acc += C`` into ``E`` fp32 ``main_grad`` tensors lying in one span
+of memory (Megatron's gradient buffer; reached through a pointer table, TMA-stored through one
+descriptor over the span; ``GluonUnsupported`` otherwise) or into one ``[E, M, N]`` buffer; an empty
+expert leaves its ``main_grad`` untouched and writes zeros otherwise (what the dense call with K = 0
+returns).
 
 Tile schedule (device side, from the ``GroupLayout``): fwd/dgrad, expert ``e`` owns tiles
 ``padded[e]/128 * NT .. padded[e+1]/128 * NT`` (``NT = ceil(N/256)``), walked in the dense kernel's
@@ -638,10 +639,14 @@ def grouped_wgrad_gluon(
         c0, table, stride_ce = stacked, stacked, m * n
     if m == 0 or n == 0:
         return outs
-    cfg = config or wgrad_config(m, n, e, cap)
+    cfg = config or wgrad_config(m, n, e, cap, accumulate_into is not None)
     bm, bn = cfg.block_m, cfg.block_n
     span = output_span(outs, m, n)
     store_tma = span is not None
+    if accumulate_into is not None and not store_tma:
+        raise GluonUnsupported("accumulating into main_grads that do not lie in one span of memory (whole rows apart, "
+                               "m % 64 == 0) is not supported: that epilogue (stores from registers) gave wrong tiles "
+                               "on the H200; use the portable kernel (gemm_grouped.grouped_wgrad)")  # fmt: skip
     a_scale_inv = _tma_ready_scale(a_scale_inv, m)
     b_scale_inv = _tma_ready_scale(b_scale_inv, n)
     a_desc = _desc(a, [m, cap], [cap, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
