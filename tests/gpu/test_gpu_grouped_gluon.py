@@ -137,22 +137,37 @@ def test_fwd_dgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt):
                          ids=["E4M3-one-buffer", "E4M3-separate", "HYBRID-one-buffer"])  # fmt: skip
 @pytest.mark.parametrize("name, counts, k, n", ROUTINGS, ids=[r[0] for r in ROUTINGS])
 def test_wgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt, span):
-    """main_grads as views of one buffer (as Megatron's gradient buffer holds them: the TMA-stored epilogue)
-    or separately allocated (stores from registers), and new bf16 outputs."""
+    """main_grads as views of one buffer (as Megatron's gradient buffer holds them: the TMA-stored epilogue;
+    ones not a whole number of rows apart are refused; one expert alone always lies in a span), and new bf16
+    outputs. Accumulation runs 8 times (its wrong tiles
+    came from run to run under another register split)."""
     x, dy, ws, _, p = _case(counts, k, n, fmt, seed=7)
     layout, xq, dyq, _ = _quantized(x, dy, ws, counts, p, device_counts=True)
     args = (dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, layout)
     g = torch.Generator("cuda").manual_seed(5)
     if span:  # reversed, with a gap of one row between experts: addresses a whole number of rows apart
         buf = torch.randn((n + 1) * len(counts), k, device="cuda", generator=g)
-        start = [buf[(n + 1) * i : (n + 1) * i + n] for i in reversed(range(len(counts)))]
-    else:
-        start = [torch.randn(n, k, device="cuda", generator=g) for _ in counts]
+        views = lambda b: [b[(n + 1) * i : (n + 1) * i + n] for i in reversed(range(len(counts)))]  # noqa: E731
+        start = views(buf)
+    else:  # every other one 16 bytes off: never a whole number of rows apart
+        buf = torch.randn(len(counts), n * k + 4, device="cuda", generator=g)
+        views = lambda b: [b[i, 4 * (i % 2) : 4 * (i % 2) + n * k].view(n, k) for i in range(len(counts))]  # noqa: E731
+        start = views(buf)
     keep = [s.clone() for s in start]
     mg_portable = [s.clone() for s in start]
     grouped_wgrad(*args, out_dtype=torch.float32, accumulate_into=mg_portable)
-    mg = grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=start)
-    assert all(a is b for a, b in zip(mg, start)), "accumulate_into is updated in place and returned"
+    if not span and len(counts) > 1:
+        with pytest.raises(GluonUnsupported, match="one span of memory"):
+            grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=start)
+        mg = mg_portable
+    else:
+        for rep in range(8):
+            again = views(buf.clone())
+            grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=again)
+            bad = [e for e in range(len(counts)) if not same(again[e], mg_portable[e])]
+            assert not bad, f"run {rep}: main_grad of experts {bad} differs from the portable kernel"
+        mg = grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=start)
+        assert all(a is b for a, b in zip(mg, start)), "accumulate_into is updated in place and returned"
     dw = grouped_wgrad_gluon(*args, out_dtype=torch.bfloat16)
     dw_portable = grouped_wgrad(*args, out_dtype=torch.bfloat16)
     for e, c, _, poff, pc in _segments(counts):
