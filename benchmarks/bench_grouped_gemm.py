@@ -106,7 +106,6 @@ def contenders(e, k, n, counts, bf16_grouped):
     wq = quantize_weight_grouped(w, p_w, backend="triton")
     # main_grads as views of one buffer, as Megatron's gradient buffer holds them
     mg = list(torch.zeros(e, n, k, device="cuda").unbind(0))
-    mg_sep = [torch.zeros(n, k, device="cuda") for _ in range(e)]  # separately allocated: no TMA-stored epilogue
     fwd = (xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout)
     dgrad = (dyq.rowwise_data, dyq.rowwise_scale_inv, wq.columnwise_data, wq.columnwise_scale_inv, layout)
     wgrad = (dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, layout)
@@ -136,7 +135,6 @@ def contenders(e, k, n, counts, bf16_grouped):
                   "portable": lambda: grouped_gemm(*dgrad, out_dtype=torch.bfloat16), "loop": loop("dgrad"),
                   "bf16": bf["dgrad"]},
         "wgrad": {"gluon": lambda: grouped_wgrad_gluon(*wgrad, out_dtype=torch.float32, accumulate_into=mg),
-                  "gluon-sep": lambda: grouped_wgrad_gluon(*wgrad, out_dtype=torch.float32, accumulate_into=mg_sep),
                   "portable": lambda: grouped_wgrad(*wgrad, out_dtype=torch.float32, accumulate_into=mg),
                   "loop": loop("wgrad"), "bf16": bf["wgrad"]},
     }  # fmt: skip
@@ -199,7 +197,7 @@ def main(argv=None) -> int:
                             row["TF"] = 2.0 * t * kk * nn / g / 1e9
                             row["ceil ms"] = ceiling_ms(op, t, kk, nn, e)
                             row["% ceil"] = 100.0 * row["ceil ms"] / g
-                            for c in ("portable", "loop", "bf16", "gluon-sep"):
+                            for c in ("portable", "loop", "bf16"):
                                 if f"{c} ms" in row:
                                     row[f"x {c}"] = row[f"{c} ms"] / g
                             rows.append(row)
@@ -214,7 +212,7 @@ def main(argv=None) -> int:
             geo[key] = math.exp(sum(math.log(v) for v in vals) / len(vals))
     columns = [("shape", ""), ("op", ""), ("tokens", ""), ("routing", ""), ("E", ""), ("K", ""), ("N", ""),
                ("max count", ""), ("gluon ms", ".3f"),
-               ("gluon-sep ms", ".3f"), ("portable ms", ".3f"), ("loop ms", ".3f"), ("bf16 ms", ".3f"),
+               ("portable ms", ".3f"), ("loop ms", ".3f"), ("bf16 ms", ".3f"),
                ("TF", ".0f"), ("ceil ms", ".3f"), ("% ceil", ".0f"), ("x portable", ".2f"), ("x loop", ".2f"),
                ("x bf16", ".2f")]  # fmt: skip
     notes = [f"timing: {timing.describe()}; bf16: {'torch._grouped_mm' if bf16_grouped else 'a loop of matmuls'}",
