@@ -275,3 +275,51 @@ def test_padded_capacity_bound_holds_for_any_routing():
         bound = group_layout(counts, t)
         assert exact.capacity == sum(ceil_div(int(c), 128) * 128 for c in counts) <= bound.capacity
         assert torch.equal(exact.padded_offsets, bound.padded_offsets) and torch.equal(exact.offsets, bound.offsets)
+
+
+def test_few_experts_take_the_dense_kernel_per_expert_with_the_batched_bits(monkeypatch):
+    """The per-expert weight path's wiring (the heuristic, each expert's slice of the stacked buffers, ``out``
+    reused, the batched kernel past the expert limit or where the dense Gluon kernel refuses a weight), with
+    the dense Gluon kernel, which needs an H200 (tests/gpu/test_gpu_grouped.py runs it), stood in for by the
+    portable dense kernel writing into ``out``: the same bits as the batched kernel."""
+    if not backend_availability("triton", "cpu"):
+        pytest.skip("the Triton interpreter is not active")
+    import primus_fp8_plugin.backends.triton.grouped as tg
+    import primus_fp8_plugin.backends.triton.quantize_grouped_gluon as qg
+    from primus_fp8_plugin.backends import get_backend
+    from primus_fp8_plugin.backends.triton.grouped_heuristics import WEIGHT_PER_EXPERT_MAX_GROUPS
+    from primus_fp8_plugin.backends.triton.quantize_grouped import quantize_128x128_batched
+    from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
+
+    launches = []
+
+    def dense_into(w, params, out):
+        launches.append(w.data_ptr())
+        t = quantize_128x128(w, params)
+        for part in COPIES:
+            getattr(out, part).copy_(getattr(t, part))
+        return out
+
+    refuse = set()
+    monkeypatch.setattr(qg, "quantize_128x128_gluon", dense_into)
+    monkeypatch.setattr(qg, "unsupported_reason", lambda w, p: "refused" if w.data_ptr() in refuse else None)
+    monkeypatch.setattr(tg, "weight_quant_per_expert", lambda dev, e: 0 < e <= WEIGHT_PER_EXPERT_MAX_GROUPS)
+    p = QuantParams(torch.float8_e4m3fn, 2)
+    ws = [make_input((144, 272), seed=20 + e) for e in range(5)]  # ragged blocks on both axes
+    ws[3][5, 7] = float("nan")
+    batched = quantize_128x128_batched(ws, p)
+    got = quantize_weight_grouped(ws, p, backend="triton")
+    assert launches == [w.data_ptr() for w in ws], "one dense launch per expert, in order"
+    assert all(same(getattr(got, part), getattr(batched, part)) for part in COPIES)
+    stacked = torch.stack(ws)
+    again = get_backend("triton", torch.device("cpu")).quantize_weight_grouped(stacked, p, out=got)
+    assert again is got and len(launches) == 2 * len(ws), "a stacked [E, N, K] goes per expert into out"
+    assert all(same(getattr(got, part), getattr(batched, part)) for part in COPIES)
+    launches.clear()
+    many = [make_input((16, 128), seed=e) for e in range(WEIGHT_PER_EXPERT_MAX_GROUPS + 1)]
+    assert all(same(getattr(a, part), getattr(b, part))
+               for a, b in [(quantize_weight_grouped(many, p, backend="triton"), quantize_128x128_batched(many, p))]
+               for part in COPIES) and not launches, "past the expert limit: the batched kernel"  # fmt: skip
+    refuse.add(ws[2].data_ptr())
+    assert all(same(getattr(quantize_weight_grouped(ws, p, backend="triton"), part), getattr(batched, part))
+               for part in COPIES) and not launches, "one weight the Gluon kernel refuses: the batched kernel"  # fmt: skip

@@ -21,6 +21,8 @@ from ..conftest import make_input
 
 pytestmark = pytest.mark.gpu
 
+COPIES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
 
 def _hopper() -> bool:
     if not torch.cuda.is_available() or torch.version.hip:
@@ -228,3 +230,29 @@ def test_backend_runs_the_gluon_grouped_kernels():
         assert same(gemm_fwd_grouped(xq, wq, bias, backend=backend), want), backend
         got_dw = gemm_wgrad_grouped(dyq, xq, backend=backend, out_dtype=torch.bfloat16)
         assert all(same(a, b) for a, b in zip(got_dw, want_dw)), backend
+
+
+WEIGHT_CASES = [(1, 144, 272, torch.bfloat16), (8, 400, 528, torch.bfloat16), (5, 256, 2048, torch.float32),
+                (32, 1536, 2048, torch.bfloat16)]  # fmt: skip
+
+
+@requires_hopper
+@pytest.mark.parametrize("num_experts, n, k, dtype", WEIGHT_CASES)
+def test_weight_per_expert_gluon_equals_the_batched_kernel(num_experts, n, k, dtype):
+    """One dense Gluon launch per expert into the stacked buffers (what the triton backend runs for a few
+    experts on Hopper) against the portable batched kernel, bit for bit: ragged blocks, a NaN, W stacked or as a
+    list, ``out`` reused; a misfit ``out`` is refused."""
+    from primus_fp8_plugin.backends.triton.quantize_grouped import quantize_128x128_batched
+    from primus_fp8_plugin.backends.triton.quantize_grouped_gluon import quantize_128x128_per_expert_gluon
+    from primus_fp8_plugin.backends.triton.quantize_weight_gluon import quantize_128x128_gluon
+
+    p = BlockwiseRecipe().params(TensorRole.WEIGHT)
+    ws = [make_input((n, k), dtype=dtype, seed=30 + e, device="cuda") for e in range(num_experts)]
+    ws[-1][n // 2, k - 1] = float("nan")
+    want = quantize_128x128_batched(ws, p)
+    got = quantize_128x128_per_expert_gluon(ws, p)
+    assert all(same(getattr(got, c), getattr(want, c)) for c in COPIES)
+    again = quantize_128x128_per_expert_gluon(torch.stack(ws), p, out=got)
+    assert again is got and all(same(getattr(got, c), getattr(want, c)) for c in COPIES)
+    with pytest.raises(ValueError, match="needs contiguous"):
+        quantize_128x128_gluon(ws[0], p, out=quantize_128x128_gluon(ws[0][:, :-16].contiguous(), p))

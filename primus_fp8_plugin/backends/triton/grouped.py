@@ -1,13 +1,17 @@
 """The Triton backend's grouped (mixture-of-experts) operations: one launch per operation for all experts
 (``quantize_grouped.py``; GEMMs: ``gemm_grouped_gluon.py`` on Hopper where ``grouped_heuristics`` picks it,
-else the portable ``gemm_grouped.py``: the same bits either way)."""
+else the portable ``gemm_grouped.py``: the same bits either way), except the weight quantization of a few
+experts on Hopper, one dense Gluon launch per expert (``quantize_grouped_gluon.py``; same bits)."""
 
 from __future__ import annotations
 
+import torch
+
 from .gemm_grouped import grouped_gemm, grouped_wgrad
 from .gemm_grouped_gluon import grouped_gemm_gluon, grouped_wgrad_gluon
-from .grouped_heuristics import use_gluon
+from .grouped_heuristics import use_gluon, weight_quant_per_expert
 from .quantize_grouped import quantize_128x128_batched, quantize_grouped_1x128
+from .quantize_grouped_gluon import per_expert_unsupported_reason, quantize_128x128_per_expert_gluon
 from .sm90 import GluonUnsupported
 
 
@@ -27,6 +31,9 @@ class TritonGrouped:
         return quantize_grouped_1x128(x, layout, params, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_weight_grouped(self, weights, params, out=None):
+        e = weights.shape[0] if isinstance(weights, torch.Tensor) else len(weights)
+        if weight_quant_per_expert(weights[0].device, e) and per_expert_unsupported_reason(weights, params) is None:
+            return quantize_128x128_per_expert_gluon(weights, params, out)
         return quantize_128x128_batched(weights, params, out)
 
     def gemm_fwd_grouped(self, x, w, bias, out_dtype):

@@ -85,3 +85,19 @@ def use_gluon(device: torch.device, op: str, out_dtype: torch.dtype, dims: tuple
     if accumulate:
         return GLUON_MAIN_GRAD and m % 16 == 0 and n % 16 == 0
     return m % 16 == 0 and n % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16)
+
+
+# Weight quantization (W and W^T of E experts): per expert through the dense Gluon kernel (one read of each
+# 128x128 block, one launch per expert) where the experts are few, else the batched portable kernel in one
+# launch (it reads each block three times). H200, benchmarks/bench_grouped.py, 2026-12-03, the quantization's
+# share of a fresh step (fresh minus cached): 8 x [28672, 4096] 2.43 ms batched against 0.86 ms per expert
+# (the SequentialMLP contender, the same 3.8 GB moved: ~4.4 TB/s) and 0.92 ms for TE; 128 x [1536, 2048]
+# 0.73 ms batched against 1.87 ms per expert (host-bound: 128 launches).
+WEIGHT_PER_EXPERT_MAX_GROUPS = 32
+
+
+def weight_quant_per_expert(device: torch.device, num_groups: int) -> bool:
+    """Whether ``num_groups`` expert weights on ``device`` are quantized one dense Gluon launch per expert
+    (an sm_90 GPU, at most ``WEIGHT_PER_EXPERT_MAX_GROUPS`` experts); the wrapper also needs shapes the
+    Gluon kernel takes (``quantize_grouped_gluon.per_expert_unsupported_reason``)."""
+    return runs_on(device) and 0 < num_groups <= WEIGHT_PER_EXPERT_MAX_GROUPS

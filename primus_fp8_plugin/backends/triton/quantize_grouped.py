@@ -213,6 +213,18 @@ def _quantize_128x128_batched_kernel(
 _launch_weight = FastLauncher(_quantize_128x128_batched_kernel)
 
 
+def grouped_weight_out(
+    num_groups: int, first: torch.Tensor, params: QuantParams, out: GroupedFp8Weight | None
+) -> GroupedFp8Weight:
+    """``out`` checked against ``num_groups`` weights shaped and placed as ``first`` (allocated when None)."""
+    e, (n, k) = num_groups, first.shape
+    out = out or GroupedFp8Weight.empty(e, (n, k), params.fp8_dtype, first.dtype, first.device)
+    if out.num_groups != e or out.shape != (n, k) or out.fp8_dtype != params.fp8_dtype or out.device != first.device:
+        raise ValueError(f"out holds {out.num_groups} x {out.shape} {out.fp8_dtype} on {out.device}, expected "
+                         f"{e} x {(n, k)} {params.fp8_dtype} on {first.device}")  # fmt: skip
+    return out
+
+
 def quantize_128x128_batched(
     weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, out: GroupedFp8Weight | None = None
 ) -> GroupedFp8Weight:
@@ -228,10 +240,7 @@ def quantize_128x128_batched(
     if k > MAX_GRID_Y or e > 65535:
         raise ValueError(f"{e} weights [{n}, {k}]: K's blocks and the experts run on CUDA grid axes of at most 65535 "
                          f"programs (K <= {MAX_GRID_Y}, E <= 65535)")  # fmt: skip
-    out = out or GroupedFp8Weight.empty(e, (n, k), params.fp8_dtype, first.dtype, first.device)
-    if out.num_groups != e or out.shape != (n, k) or out.fp8_dtype != params.fp8_dtype or out.device != first.device:
-        raise ValueError(f"out holds {out.num_groups} x {out.shape} {out.fp8_dtype} on {out.device}, expected "
-                         f"{e} x {(n, k)} {params.fp8_dtype} on {first.device}")  # fmt: skip
+    out = grouped_weight_out(e, first, params, out)
     table = weights if stacked else pointer_table(weights)  # any tensor serves as the unused table when stacked
     s, st = out.rowwise_scale_inv, out.columnwise_scale_inv
     _launch_weight(

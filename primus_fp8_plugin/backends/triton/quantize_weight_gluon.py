@@ -104,22 +104,33 @@ def unsupported_reason(w: torch.Tensor, params: QuantParams) -> str | None:
 _launch = FastLauncher(_quantize_128x128_gluon_kernel)
 
 
-def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8Tensor:
+def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams, out: BlockwiseFp8Tensor | None = None) -> BlockwiseFp8Tensor:
     """Same contract and bits as :func:`.quantize_weight.quantize_128x128`: ``w [N, K]`` (bf16, fp16
     or fp32, contiguous) -> W [N, K] and W^T [K, N] in ``params.fp8_dtype`` with 128x128-block
-    scale_inv ``[ceil(N/128), pad4(ceil(K/128))]`` and its transpose layout (TE's). Raises
-    ``GluonUnsupported`` before launching anything where ``unsupported_reason`` says so."""
+    scale_inv ``[ceil(N/128), pad4(ceil(K/128))]`` and its transpose layout (TE's), into ``out``'s
+    four buffers (contiguous, on ``w``'s device: e.g. one expert of a ``GroupedFp8Weight``) when given,
+    every entry written. Raises ``GluonUnsupported`` before launching anything where
+    ``unsupported_reason`` says so."""
     why = unsupported_reason(w, params)
     if why is not None:
         raise GluonUnsupported(why)
     assert params.block_dim == 2
     n, k = w.shape
     dev, f8 = w.device, params.fp8_dtype
-    q = torch.empty(n, k, dtype=f8, device=dev)
-    qt = torch.empty(k, n, dtype=f8, device=dev)
-    # the kernel writes every entry, padding included
-    s = torch.empty(scale_inv_shape(n, k, 2), dtype=torch.float32, device=dev)
-    st = torch.empty(scale_inv_shape(k, n, 2), dtype=torch.float32, device=dev)
+    if out is None:
+        q = torch.empty(n, k, dtype=f8, device=dev)
+        qt = torch.empty(k, n, dtype=f8, device=dev)
+        # the kernel writes every entry, padding included
+        s = torch.empty(scale_inv_shape(n, k, 2), dtype=torch.float32, device=dev)
+        st = torch.empty(scale_inv_shape(k, n, 2), dtype=torch.float32, device=dev)
+    else:
+        q, s, qt, st = out.rowwise_data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv
+        want = ((n, k), scale_inv_shape(n, k, 2), (k, n), scale_inv_shape(k, n, 2))
+        for part, shape, dt in zip((q, s, qt, st), want, (f8, torch.float32, f8, torch.float32)):
+            if tuple(part.shape) != tuple(shape) or part.dtype != dt or part.device != dev or not part.is_contiguous():
+                raise ValueError(f"out holds a {part.dtype} {list(part.shape)} buffer on {part.device} (contiguous: "
+                                 f"{part.is_contiguous()}); W [{n}, {k}] needs contiguous {dt} {list(shape)} "
+                                 f"on {dev}")  # fmt: skip
     if n and k:
         lay, lay_n, lay_t, t_smem = transpose_tile_layouts()
         row_first = n > k
@@ -136,6 +147,8 @@ def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams) -> BlockwiseFp8
             pow2, row_first, lay, lay_n, lay_t, t_smem,  # POW2, ROW_FIRST, L, LN, LT, T_SMEM
             num_warps=NUM_WARPS,
         )  # fmt: skip
+    if out is not None:
+        return out
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st
     )

@@ -1,0 +1,48 @@
+"""Grouped weight quantization on Hopper: each expert's ``[N, K]`` through the dense Gluon 128x128 kernel
+(``quantize_weight_gluon.py``: one read of each block) into its slice of the stacked ``GroupedFp8Weight``
+buffers, one launch per expert. Every expert's slice of those buffers has the dense layout (W ``[N, K]``,
+scales ``[ceil(N/128), pad4(ceil(K/128))]``, and the transposed pair), so the bits are the dense kernel's,
+which are the portable batched kernel's (``quantize_grouped.quantize_128x128_batched``). Which of the two
+runs: ``grouped_heuristics.weight_quant_per_expert``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...grouped_tensor import GroupedFp8Weight
+from ...recipe import QuantParams
+from .quantize_grouped import grouped_weight_out
+from .quantize_weight_gluon import quantize_128x128_gluon, unsupported_reason
+from .sm90 import GluonUnsupported
+
+
+def per_expert_unsupported_reason(weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams) -> str | None:
+    """Why the dense Gluon kernel does not take every expert's weight (the batched kernel then runs), or None."""
+    experts = weights.unbind(0) if isinstance(weights, torch.Tensor) else weights
+    for w in experts:
+        why = unsupported_reason(w, params)
+        if why is not None:
+            return why
+    return None
+
+
+def quantize_128x128_per_expert_gluon(
+    weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, out: GroupedFp8Weight | None = None
+) -> GroupedFp8Weight:
+    """Both copies of ``E`` weights (contiguous ``[N, K]`` tensors of one shape, or one contiguous
+    ``[E, N, K]``) quantized with 128x128 blocks, one dense Gluon launch per expert, into ``out``
+    (allocated when None). Raises ``GluonUnsupported`` before launching where the Gluon kernel does not
+    take an expert's weight."""
+    experts = weights.unbind(0) if isinstance(weights, torch.Tensor) else list(weights)
+    if any(w.shape != experts[0].shape for w in experts):
+        raise ValueError(f"the experts' weights differ in shape: {sorted({tuple(w.shape) for w in experts})}")
+    why = per_expert_unsupported_reason(experts, params)
+    if why is not None:
+        raise GluonUnsupported(why)
+    out = grouped_weight_out(len(experts), experts[0], params, out)
+    for e, w in enumerate(experts):
+        quantize_128x128_gluon(w, params, out=out.expert(e))
+    out.orig_dtype = experts[0].dtype
+    return out
