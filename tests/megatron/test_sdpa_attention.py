@@ -234,3 +234,52 @@ def test_refuses_head_counts_that_do_not_group(groups, value_groups):
     attn = SdpaAttention(attn_config(), 1, AttnMaskType.causal, "self")
     with pytest.raises(ValueError, match=r"SdpaAttention: 4 query heads"):
         attn(q, k, v[:, :, :value_groups], None)
+
+
+def _saved_storages(module, q, k, v, mask_type):
+    """Bytes of each distinct storage SDPA saves for backward, and the output and gradients."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(q, k, v, None, attn_mask_type=mask_type, attention_bias=None, packed_seq_params=None)
+    return seen, out
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "no-rope"])
+def test_value_view_of_the_qkv_output_is_saved_alone_after_rope(rope):
+    """Megatron's fused QKV output split into views (GQA: 4 query heads, 2 groups, as Megatron lays them out):
+    after RoPE (new query and key tensors) SDPA saves the value's own bytes, not the whole projection output;
+    without RoPE the buffer is needed anyway and is saved as it is. Output and gradients bit for bit those of
+    the same attention on a separate copy of the value."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_fp8_plugin.megatron.attention import SdpaAttention
+
+    groups, per = 2, HEADS // 2
+    g = torch.Generator().manual_seed(3)
+    start = torch.randn(SQ, B, groups, (per + 2) * HN, generator=g)
+    dy = torch.randn(SQ, B, HEADS * HN, generator=g)
+    module = SdpaAttention(config=attn_config(num_query_groups=groups), layer_number=1, attn_mask_type=AttnMaskType.causal)
+
+    def split(x):
+        q, k, v = torch.split(x, [per * HN, HN, HN], dim=3)
+        q = q.reshape(SQ, B, HEADS, HN)
+        return (q * 1.0, k * 1.0, v) if rope else (q, k, v)  # "* 1.0": RoPE's new tensors
+
+    mixed = start.clone().requires_grad_()
+    q, k, v = split(mixed)
+    seen, out = _saved_storages(module, q, k, v, AttnMaskType.causal)
+    out.backward(dy)
+    assert (mixed.untyped_storage().data_ptr() in seen) != rope, "the QKV buffer is saved iff query and key view it"
+    if rope:
+        assert max(seen.values()) <= max(t.numel() * t.element_size() for t in (q, out)), "nothing larger than q"
+    twin = start.clone().requires_grad_()
+    q2, k2, v2 = split(twin)
+    out2 = module(q2, k2, v2.contiguous(), None, attn_mask_type=AttnMaskType.causal, attention_bias=None,
+                  packed_seq_params=None)  # fmt: skip
+    out2.backward(dy)
+    assert torch.equal(out, out2) and torch.equal(mixed.grad, twin.grad)
