@@ -257,7 +257,7 @@ def test_value_view_of_the_qkv_output_is_saved_alone_after_rope(rope):
     the same attention on a separate copy of the value."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from primus_fp8_plugin.megatron.attention import SdpaAttention
+    from primus_fp8_plugin.megatron.attention import SdpaAttention, own_storage
 
     groups, per = 2, HEADS // 2
     g = torch.Generator().manual_seed(3)
@@ -283,3 +283,6 @@ def test_value_view_of_the_qkv_output_is_saved_alone_after_rope(rope):
                   packed_seq_params=None)  # fmt: skip
     out2.backward(dy)
     assert torch.equal(out, out2) and torch.equal(mixed.grad, twin.grad)
+    with torch.no_grad():
+        q3, k3, v3 = split(start)
+        assert own_storage(v3, q3, k3) is v3, "no gradient, nothing saved: no copy"
