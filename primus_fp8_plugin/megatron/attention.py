@@ -31,8 +31,8 @@ def own_storage(value: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     after RoPE (new query and key tensors) the value view is all that keeps that buffer alive, so SDPA saving
     it for backward would keep the whole projection output, ``(np + 2 ng) / ng`` times the value's bytes (6x
     at Llama-3-8B's 32 heads / 8 groups). The copy holds the same values; without RoPE (query and key are views
-    of the buffer too) nothing is copied, nor where nothing is saved (no gradient: inference, KV caches)."""
-    if not (torch.is_grad_enabled() and value.requires_grad):
+    of the buffer too) nothing is copied, nor where autograd saves nothing (no gradient wanted: inference, KV caches)."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (value, *others))):
         return value
     st = value.untyped_storage()
     if st.nbytes() <= value.numel() * value.element_size():
