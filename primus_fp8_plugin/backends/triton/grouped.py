@@ -11,7 +11,7 @@ from .gemm_grouped import grouped_gemm, grouped_wgrad
 from .gemm_grouped_gluon import grouped_gemm_gluon, grouped_wgrad_gluon
 from .grouped_heuristics import use_gluon, weight_quant_per_expert
 from .quantize_grouped import quantize_128x128_batched, quantize_grouped_1x128
-from .quantize_grouped_gluon import per_expert_unsupported_reason, quantize_128x128_per_expert_gluon
+from .quantize_grouped_gluon import quantize_128x128_per_expert_gluon
 from .sm90 import GluonUnsupported
 
 
@@ -32,8 +32,11 @@ class TritonGrouped:
 
     def quantize_weight_grouped(self, weights, params, out=None):
         e = weights.shape[0] if isinstance(weights, torch.Tensor) else len(weights)
-        if weight_quant_per_expert(weights[0].device, e) and per_expert_unsupported_reason(weights, params) is None:
-            return quantize_128x128_per_expert_gluon(weights, params, out)
+        if weight_quant_per_expert(weights[0].device, e):
+            try:
+                return quantize_128x128_per_expert_gluon(weights, params, out)
+            except GluonUnsupported:  # raised before any launch
+                pass
         return quantize_128x128_batched(weights, params, out)
 
     def gemm_fwd_grouped(self, x, w, bias, out_dtype):

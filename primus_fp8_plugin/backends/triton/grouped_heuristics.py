@@ -98,6 +98,6 @@ WEIGHT_PER_EXPERT_MAX_GROUPS = 32
 
 def weight_quant_per_expert(device: torch.device, num_groups: int) -> bool:
     """Whether ``num_groups`` expert weights on ``device`` are quantized one dense Gluon launch per expert
-    (an sm_90 GPU, at most ``WEIGHT_PER_EXPERT_MAX_GROUPS`` experts); the wrapper also needs shapes the
-    Gluon kernel takes (``quantize_grouped_gluon.per_expert_unsupported_reason``)."""
+    (an sm_90 GPU, at most ``WEIGHT_PER_EXPERT_MAX_GROUPS`` experts); where the Gluon kernel refuses a
+    weight, ``quantize_grouped_gluon`` raises ``GluonUnsupported`` before launching and the batched one runs."""
     return runs_on(device) and 0 < num_groups <= WEIGHT_PER_EXPERT_MAX_GROUPS

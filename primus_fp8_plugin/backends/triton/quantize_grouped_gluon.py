@@ -18,16 +18,6 @@ from .quantize_weight_gluon import quantize_128x128_gluon, unsupported_reason
 from .sm90 import GluonUnsupported
 
 
-def per_expert_unsupported_reason(weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams) -> str | None:
-    """Why the dense Gluon kernel does not take every expert's weight (the batched kernel then runs), or None."""
-    experts = weights.unbind(0) if isinstance(weights, torch.Tensor) else weights
-    for w in experts:
-        why = unsupported_reason(w, params)
-        if why is not None:
-            return why
-    return None
-
-
 def quantize_128x128_per_expert_gluon(
     weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, out: GroupedFp8Weight | None = None
 ) -> GroupedFp8Weight:
@@ -38,9 +28,10 @@ def quantize_128x128_per_expert_gluon(
     experts = weights.unbind(0) if isinstance(weights, torch.Tensor) else list(weights)
     if any(w.shape != experts[0].shape for w in experts):
         raise ValueError(f"the experts' weights differ in shape: {sorted({tuple(w.shape) for w in experts})}")
-    why = per_expert_unsupported_reason(experts, params)
-    if why is not None:
-        raise GluonUnsupported(why)
+    for i, w in enumerate(experts):
+        why = unsupported_reason(w, params)
+        if why is not None:
+            raise GluonUnsupported(f"expert {i}: {why}")
     out = grouped_weight_out(len(experts), experts[0], params, out)
     for e, w in enumerate(experts):
         quantize_128x128_gluon(w, params, out=out.expert(e))
