@@ -36,7 +36,8 @@ def test_fast_spec_inventory_is_attributed_and_saves_no_qkv_buffer(world):
     qkv_bytes = tokens * (hidden + 2 * 2 * (hidden // 4)) * 2  # the fused QKV projection's bf16 output
     assert all(r["bytes"] != qkv_bytes for r in rows), "SDPA's value view keeps the QKV output alive"
     fp8 = sum(r["bytes"] for r in rows if r["dtype"].startswith("float8"))
-    assert fp8 >= tokens * (3 * hidden + 512), "the FP8 columnwise inputs of the four linears"
+    assert fp8 == tokens * (3 * hidden + 512), "exactly the FP8 columnwise inputs of the four linears (ffn 512)"
+    assert any(r["bytes"] == tokens * 2 * 512 * 2 and r["dtype"] == "bfloat16" for r in rows), "fc1's bf16 output"
 
 
 def test_cli_prints_both_specs_and_their_difference(world, capsys, tmp_path):
