@@ -29,6 +29,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from tools.sp_saved_bytes import SavedBytes
+
 MIB = 2**20
 
 
@@ -65,29 +67,20 @@ def _node_tensors(node):
 def inventory(layer, x, *, context=None, **call) -> dict:
     """Saved storages of one ``layer(x, **call)`` forward (under ``context`` when given), then its backward."""
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved: dict[int, dict] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        key = st.data_ptr()
-        if key not in params and not isinstance(t, torch.nn.Parameter) and st.nbytes() > 0:
-            row = saved.setdefault(key, {"bytes": st.nbytes(), "dtype": str(t.dtype).replace("torch.", ""),
-                                         "saved_as": list(t.shape), "held_by": set()})  # fmt: skip
-            row["bytes"] = max(row["bytes"], st.nbytes())
-        return t
-
-    with context or contextlib.nullcontext(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with context or contextlib.nullcontext(), SavedBytes(exclude=params) as saved:
         out = layer(x, **call)
     out = out[0] if isinstance(out, tuple) else out
+    held = {key: set() for key in saved.storages}
     for node in _nodes(out.grad_fn):
         for t in _node_tensors(node):
             key = t.untyped_storage().data_ptr()
-            if key in saved:
-                saved[key]["held_by"].add(type(node).__name__)
+            if key in held:
+                held[key].add(type(node).__name__)
     out.backward(torch.randn_like(out))
-    rows = sorted(saved.values(), key=lambda r: -r["bytes"])
-    for r in rows:
-        r["held_by"] = sorted(r["held_by"]) or ["?"]
+    rows = [{"bytes": nbytes, "dtype": str(saved.saved_as[key][0]).replace("torch.", ""),
+             "saved_as": list(saved.saved_as[key][1]), "held_by": sorted(held[key]) or ["?"]}
+            for key, nbytes in saved.storages.items() if nbytes > 0]  # fmt: skip
+    rows.sort(key=lambda r: -r["bytes"])
     return {"rows": rows, "total_bytes": sum(r["bytes"] for r in rows)}
 
 

@@ -38,15 +38,21 @@ COLUMNS = ("megatron_bf16", "plugin", "plugin_bf16_gather")
 
 
 class SavedBytes:
-    """Unique storages saved by autograd inside the context, parameters left out (``nbytes``)."""
+    """Unique storages saved by autograd inside the context (``storages``: address -> bytes; ``saved_as``: address
+    -> the dtype and shape of the first tensor saved from it), parameters left out, and any storage whose
+    address is in ``exclude`` (e.g. views of a module's parameters) (``nbytes``: their total)."""
 
-    def __init__(self):
+    def __init__(self, exclude=()):
+        self.exclude = set(exclude)
         self.storages: dict[int, int] = {}
+        self.saved_as: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}
 
     def _pack(self, t):
-        if not isinstance(t, torch.nn.Parameter):
-            s = t.untyped_storage()
-            self.storages[s.data_ptr()] = s.nbytes()
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if not isinstance(t, torch.nn.Parameter) and key not in self.exclude:
+            self.storages[key] = s.nbytes()
+            self.saved_as.setdefault(key, (t.dtype, tuple(t.shape)))
         return t
 
     def __enter__(self):
