@@ -323,3 +323,16 @@ def test_few_experts_take_the_dense_kernel_per_expert_with_the_batched_bits(monk
     refuse.add(ws[2].data_ptr())
     assert all(same(getattr(quantize_weight_grouped(ws, p, backend="triton"), part), getattr(batched, part))
                for part in COPIES) and not launches, "one weight the Gluon kernel refuses: the batched kernel"  # fmt: skip
+
+
+def test_per_expert_gluon_path_refuses_before_launching():
+    """Weights of different shapes are a ValueError; a weight the dense Gluon kernel refuses (here: not on an
+    sm_90 GPU) is a GluonUnsupported naming the expert, which the backend answers with the batched kernel."""
+    from primus_fp8_plugin.backends.triton.quantize_grouped_gluon import quantize_128x128_per_expert_gluon
+    from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported
+
+    p = QuantParams(torch.float8_e4m3fn, 2)
+    with pytest.raises(ValueError, match="differ in shape"):
+        quantize_128x128_per_expert_gluon([make_input((128, 128), seed=1), make_input((128, 256), seed=2)], p)
+    with pytest.raises(GluonUnsupported, match="expert 0: .*sm_90"):
+        quantize_128x128_per_expert_gluon([make_input((128, 128), seed=1)] * 2, p)
