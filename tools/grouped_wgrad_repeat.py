@@ -18,15 +18,18 @@ import torch
 import primus_fp8_plugin.backends.triton.gemm_grouped_gluon as gg
 from primus_fp8_plugin.backends.triton import grouped_heuristics as gh
 from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
+from primus_fp8_plugin.backends.triton.sm90 import runs_on
 from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped
 from tests.gpu.test_gpu_grouped import ROUTINGS, _case, same
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--splits", nargs="*", default=["24:240", "40:232", "56:224"], help="PRODUCER:CONSUMER registers")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not (torch.cuda.is_available() and runs_on(torch.device("cuda"))):
+        raise SystemExit("grouped_wgrad_repeat runs the Gluon grouped kernel: it needs an NVIDIA sm_90 GPU")
     _, counts, k, n = ROUTINGS[2]
     _, x, dy, _, _, p = _case(counts, k, n, "E4M3")
     layout = group_layout(torch.tensor(counts, device="cuda"), x.shape[0], "cuda")
