@@ -43,7 +43,8 @@ FWD_128x256 = GroupedConfig(block_m=128, block_n=256, consumer_regs=224, produce
 WGRAD_256x128 = GroupedConfig(block_m=256, block_n=128)
 # wgrad accumulated into main_grad: 232 / 40 registers. At 240 / 24 the kernel's results were wrong now and then
 # on the H200 (a few experts per call came out with whole-tile errors, differing from run to run; never with one
-# CTA); at 232 / 40 and 224 / 56 none in 20 calls per routing. Root cause not found (see GLUON_MAIN_GRAD).
+# CTA); at 232 / 40 and 224 / 56 none in 20 calls on the qwen-like-128 routing (tools/grouped_wgrad_repeat.py).
+# Root cause not found (see GLUON_MAIN_GRAD).
 WGRAD_MAIN_GRAD_256x128 = GroupedConfig(block_m=256, block_n=128, consumer_regs=232, producer_regs=40)
 WGRAD_128x256 = GroupedConfig(block_m=128, block_n=256)
 
