@@ -21,6 +21,8 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 * ``te_bf16``     TE's spec in BF16;
 * ``te_hybrid``   ``fp8_te_gpt_layer_spec``: TE's spec (attention, RoPE) with the plugin's fused FP8 linears
   (``--transformer-impl transformer_engine``, no ``--fp8-format``);
+* ``plugin_fast_cudnn``: ``plugin_fast`` with ``PRIMUS_FP8_SDPA_KERNELS=cudnn,flash,efficient`` (SDPA's cuDNN
+  attention kernel first; PyTorch's own order puts flash first);
 * ``plugin_fast_graph``, ``te_bf16_graph``, ``te_fp8_graph``: those arms under Megatron's own per-layer CUDA
   graphs, ``--cuda-graph-impl local`` (``CudaGraphManager``: every ``TransformerLayer``'s forward and backward
   captured at the end of the first iteration, after ``--cuda-graph-warmup-steps`` eager runs, and replayed from
@@ -159,6 +161,9 @@ def summarize(parsed: dict, seq_length: int, warmup: int) -> dict:
 
 GRAPH_ARMS = ("plugin_fast", "te_bf16", "te_fp8")  # the arms that have a ``NAME_graph`` twin
 
+# arms that are another arm's flags run with extra environment: SdpaAttention's SDPA kernel order
+ARM_ENV = {"plugin_fast_cudnn": ("plugin_fast", {"PRIMUS_FP8_SDPA_KERNELS": "cudnn,flash,efficient"})}
+
 
 def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
     spec = f"--spec primus_fp8_plugin.megatron {model['spec']}"
@@ -174,6 +179,8 @@ def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
     }
     for base in GRAPH_ARMS:
         arms[f"{base}_graph"] = f"{arms[base]} {GRAPH}"
+    for name, (base, _) in ARM_ENV.items():
+        arms[name] = arms[base]
     if arm not in arms:
         raise SystemExit(f"unknown arm {arm!r}: choose from {sorted(arms)} or give --extra-arm {arm}='ARGS'")
     return arms[arm]
@@ -190,14 +197,16 @@ def spec_of(args_str: str) -> tuple[str, str] | None:
     return toks[i + 1], toks[i + 2]
 
 
-def arm_env() -> dict:
-    """The environment the arms (and the spec check) run in: this repository first on PYTHONPATH."""
+def arm_env(arm: str | None = None) -> dict:
+    """The environment an arm (and its spec check) runs in: this repository first on PYTHONPATH, and the arm's
+    own variables (``ARM_ENV``)."""
     env = dict(os.environ)
+    env.update(ARM_ENV.get(arm, (None, {}))[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
 
-def check_spec(args_str: str, model_args: str = "") -> str | None:
+def check_spec(args_str: str, model_args: str = "", arm: str | None = None) -> str | None:
     """Import and build an arm's ``--spec MODULE NAME`` for its flags first, in a fresh interpreter with the
     arms' environment (``python -m primus_fp8_plugin.megatron.check_spec``): Megatron would log one line and
     train its default spec. Returns the check's summary line (None without ``--spec``); exits on failure."""
@@ -206,7 +215,7 @@ def check_spec(args_str: str, model_args: str = "") -> str | None:
         return None
     cmd = [sys.executable, "-W", "ignore", "-m", "primus_fp8_plugin.megatron.check_spec", *spec,
            *shlex.split(model_args), *shlex.split(args_str)]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, env=arm_env())
+    res = subprocess.run(cmd, capture_output=True, text=True, env=arm_env(arm))
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise SystemExit(f"--spec {' '.join(spec)}: the spec check failed (rc={res.returncode}): {why}")
@@ -217,7 +226,7 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(HERE / "megatron_lm_entry.py"), str(args.megatron_lm), *shlex.split(COMMON),
            *shlex.split(model["args"]), "--train-iters", str(args.iters), *shlex.split(extra)]  # fmt: skip
-    env = arm_env()
+    env = arm_env(name)
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if (spec_of(extra) or ("",))[0].startswith("primus_fp8_plugin"):
         env["PRIMUS_FP8_CHECK_MODEL"] = "1"  # the entry shim stops the run if the model holds no FP8 layer
@@ -310,7 +319,7 @@ def main(argv=None) -> int:
     names = [a for a in args.arms.split(",") if a] + [n for n in extra if n not in args.arms.split(",")]
     plans = [(n, extra[n] if n in extra else arm_args(n, model, args.plugin_grouped)) for n in names]
     for name, flags in plans:
-        summary = check_spec(flags, model["args"])
+        summary = check_spec(flags, model["args"], name)
         if summary:
             print(f"[megatron_lm] {name}: {summary}", flush=True)
     args.log_dir.mkdir(parents=True, exist_ok=True)

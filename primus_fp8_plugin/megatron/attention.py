@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,37 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 _TORCH_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
+
+KERNELS_ENV = "PRIMUS_FP8_SDPA_KERNELS"
+_KERNEL_NAMES = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}  # fmt: skip
+
+
+def kernel_priority(spec: str | None = None) -> list | None:
+    """The SDPA kernels ``SdpaAttention`` lets PyTorch choose from on a GPU, in priority order, from
+    ``spec`` (default: the environment variable ``PRIMUS_FP8_SDPA_KERNELS``), a comma-separated list of
+    ``cudnn``, ``flash``, ``efficient``, ``math``; ``None`` (unset or empty) leaves PyTorch's own order
+    (flash first). PyTorch skips a listed kernel that cannot run the call (and says why in a warning if
+    none can). A name outside the list raises ``ValueError``."""
+    spec = os.environ.get(KERNELS_ENV, "") if spec is None else spec
+    names = [n.strip().lower() for n in spec.split(",") if n.strip()]
+    if not names:
+        return None
+    bad = [n for n in names if n not in _KERNEL_NAMES]
+    if bad:
+        raise ValueError(f"{KERNELS_ENV}={spec!r}: unknown SDPA kernel(s) {bad}; use a comma-separated list of "
+                         f"{', '.join(_KERNEL_NAMES)}")  # fmt: skip
+    from torch.nn.attention import SDPBackend
+
+    return [getattr(SDPBackend, _KERNEL_NAMES[n]) for n in names]
+
+
+def _kernel_context(priority: list | None, device: torch.device):
+    if priority is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(priority, set_priority=True)
 
 
 def own_storage(value: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
@@ -73,6 +105,8 @@ class SdpaAttention(MegatronModule):
       multiplies them back inside it, for fp16 range only: the product is unchanged, so it is ignored here.
     * dropout on the probabilities: ``attention_dropout`` (else ``config.attention_dropout``) in training mode
       only, under Megatron's model-parallel RNG (as ``DotProductAttention``, unless sequence parallel).
+    * kernel: PyTorch's choice, from the priority order ``PRIMUS_FP8_SDPA_KERNELS`` gives (``kernel_priority``),
+      read when the module is built.
 
     Refused with ``NotImplementedError``: context parallelism, sliding-window layers, softmax types other than
     ``vanilla``, ``qk_clip`` / ``log_max_attention_logit`` (they need the max logit), ``attention_bias``,
@@ -106,6 +140,7 @@ class SdpaAttention(MegatronModule):
         self.attention_type = attention_type
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.kernels = kernel_priority()  # read once: a bad value fails at model build, not at the first step
 
     def forward(
         self,
@@ -157,7 +192,7 @@ class SdpaAttention(MegatronModule):
         # [s, b, heads, hn] -> [b, heads, s, hn] (views; SDPA needs only the last dimension contiguous)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        with self._rng(dropout_p):
+        with self._rng(dropout_p), _kernel_context(self.kernels, q.device):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale, **gqa
             )

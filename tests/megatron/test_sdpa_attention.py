@@ -286,3 +286,18 @@ def test_value_view_of_the_qkv_output_is_saved_alone_after_rope(rope):
     with torch.no_grad():
         q3, k3, v3 = split(start)
         assert own_storage(v3, q3, k3) is v3, "no gradient, nothing saved: no copy"
+
+
+def test_kernel_priority_reads_the_environment_and_refuses_unknown_names(monkeypatch):
+    from torch.nn.attention import SDPBackend
+
+    from primus_fp8_plugin.megatron.attention import KERNELS_ENV, kernel_priority
+
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    assert kernel_priority() is None
+    assert kernel_priority(" cudnn, Flash ,efficient") == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                                          SDPBackend.EFFICIENT_ATTENTION]  # fmt: skip
+    monkeypatch.setenv(KERNELS_ENV, "math")
+    assert kernel_priority() == [SDPBackend.MATH]
+    with pytest.raises(ValueError, match="unknown SDPA kernel.*'fa3'.*cudnn, flash, efficient, math"):
+        kernel_priority("cudnn,fa3")
