@@ -3,7 +3,9 @@
 Forward:  X --quantize (rowwise for the GEMM, columnwise kept for wgrad)--> Y = X W^T (+ b)
           W --weight cache (W and W^T, once per weight version)
 Saved:    the columnwise FP8 copy of X and its scales (about 0.52x the bytes of a bf16 X), and the
-          cached quantized weight. Never the high-precision X.
+          cached quantized weight. The high-precision X only where another node saves its storage
+          anyway (``mark_saved_elsewhere``: the attention output feeding the output projection); the
+          columnwise copy is then quantized from it in backward, the same bits, and no byte is added.
 Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W   (W^T copy)
           dW = dY^T X (columnwise copies), or main_grad += dW in fp32 (Megatron's gradient-
           accumulation fusion) when the weight has a ``main_grad``; db = sum of dY over rows.
@@ -51,6 +53,20 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             raise TypeError(f"bias has dtype {bias.dtype}; FP8 blockwise linear takes bfloat16, float16 or float32 biases")
 
 
+SAVED_ELSEWHERE = "_primus_fp8_saved_elsewhere"
+
+
+def mark_saved_elsewhere(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a view into storage another autograd node already saves for its backward (SDPA saves its
+    output; ``t`` is that output reshaped for the output projection). An FP8 linear whose input is ``t`` (the
+    same tensor object, contiguous, weight gradient wanted) then saves ``t`` itself, which holds no new bytes,
+    instead of its columnwise FP8 copy (0.52x a bf16 ``t``), and quantizes that copy from ``t`` in backward:
+    the same bits, one more read of ``t``. Returns ``t``. The caller vouches for the sharing; a tensor that
+    replaces ``t`` (activation offloading, a copy) carries no mark, and its linear saves the FP8 copy."""
+    setattr(t, SAVED_ELSEWHERE, True)
+    return t
+
+
 def weight_gradient(backend: Backend, dyq: BlockwiseFp8Tensor, xq: BlockwiseFp8Tensor, weight: torch.Tensor):
     """The weight's gradient from the columnwise copies of dY and X: ``dW = dY^T X`` in the weight's
     dtype, or, when the weight has a ``main_grad`` (Megatron), accumulated into it in fp32 and what
@@ -63,14 +79,15 @@ def weight_gradient(backend: Backend, dyq: BlockwiseFp8Tensor, xq: BlockwiseFp8T
 
 class _Fp8BlockwiseLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe, backend, cache, refresh_cache):
+    def forward(ctx, x, weight, bias, recipe, backend, cache, refresh_cache, input_saved_elsewhere=False):
         k, n = weight.shape[1], weight.shape[0]
         lead = x.shape[:-1]
         x2d = x.reshape(-1, k)
         if not x2d.is_contiguous():
             x2d = x2d.contiguous()
         need_wgrad = weight.requires_grad
-        xq = backend.quantize_act(x2d, recipe.params(TensorRole.INPUT), rowwise=True, columnwise=need_wgrad)
+        keep_x = need_wgrad and input_saved_elsewhere and x.is_contiguous()  # x2d is then a view of x
+        xq = backend.quantize_act(x2d, recipe.params(TensorRole.INPUT), rowwise=True, columnwise=need_wgrad and not keep_x)
         p_w = recipe.params(TensorRole.WEIGHT)
         if cache is not None:
             wq = cache.get(weight, p_w, backend, refresh=refresh_cache)
@@ -79,10 +96,13 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
                 wq = backend.quantize_weight(weight.detach().contiguous(), p_w)
         y = backend.gemm_fwd(xq, wq, bias, x.dtype)
 
-        if need_wgrad:  # keep only what wgrad reads: X's columnwise copy
+        if keep_x:  # X's storage stays alive for another node's backward: keep X, quantize it again there
+            ctx.save_for_backward(x2d, None)
+        elif need_wgrad:  # keep only what wgrad reads: X's columnwise copy
             ctx.save_for_backward(xq.columnwise_data, xq.columnwise_scale_inv)
         else:
             ctx.save_for_backward(None, None)
+        ctx.requantize_x = keep_x
         keep_weight(ctx, weight)
         ctx.x_meta = (tuple(xq.shape), xq.fp8_dtype, x.dtype, lead)
         ctx.wq = wq  # owned by the weight cache (or by this call); weight-sized, not activation-sized
@@ -108,14 +128,17 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
         dx = backend.gemm_dgrad(dyq, ctx.wq, x_dtype).view(*lead, k) if need_dx else None
         dw = None
         if need_dw:
-            xq = BlockwiseFp8Tensor((m, k), 1, x_fp8, x_dtype, columnwise_data=x_col, columnwise_scale_inv=x_col_scale)
+            if ctx.requantize_x:  # x_col is X itself [m, k]: the columnwise copy forward did not keep, same bits
+                xq = backend.quantize_act(x_col, ctx.recipe.params(TensorRole.INPUT), rowwise=False, columnwise=True)
+            else:
+                xq = BlockwiseFp8Tensor((m, k), 1, x_fp8, x_dtype, columnwise_data=x_col, columnwise_scale_inv=x_col_scale)
             dw = weight_gradient(backend, dyq, xq, weight)
         # TE's own bias gradient under Float8BlockScaling (unfused): a sum in dY's dtype, which torch
         # accumulates in fp32 and rounds once, without an fp32 copy of dY.
         db = dy2d.sum(0) if (ctx.has_bias and need_db) else None
         if not _keeps_graph():
             ctx.wq = None  # the graph is freed after this backward: so is the quantized weight
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def keep_weight(ctx, weight: torch.Tensor) -> None:
@@ -210,7 +233,9 @@ def _linear(x, weight, bias, recipe, backend, weight_cache, refresh_weight_cache
                 "this forward under torch.no_grad() or torch.inference_mode()"
             )
     impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
-    return _Fp8BlockwiseLinearFn.apply(x, weight, bias, recipe or BlockwiseRecipe(), impl, weight_cache, refresh_weight_cache)
+    shared = bool(getattr(x, SAVED_ELSEWHERE, False))
+    return _Fp8BlockwiseLinearFn.apply(x, weight, bias, recipe or BlockwiseRecipe(), impl, weight_cache, refresh_weight_cache,
+                                       shared)  # fmt: skip
 
 
 @torch.compiler.disable

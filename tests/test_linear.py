@@ -348,3 +348,51 @@ def test_promotion_range_limit(backend):
             assert torch.isfinite(y).all() and rel_frobenius(y, truth) < 0.08
         else:
             assert not torch.isfinite(y).any(), "the documented overflow did not happen"
+
+
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_an_input_saved_elsewhere_is_kept_and_requantized_with_the_same_bits(backend, main_grad):
+    """``mark_saved_elsewhere``: the op keeps the input (no bytes of its own) instead of its columnwise FP8
+    copy and quantizes that copy in backward: outputs and every gradient bit-identical to the unmarked op."""
+    from primus_fp8_plugin.linear import mark_saved_elsewhere
+
+    k, n = 384, 256
+    dy = make_input((3, 100, n), seed=7)
+
+    def run(mark):
+        x = make_input((3, 100, k), seed=5).requires_grad_(True)
+        w = (make_input((n, k), seed=6) / 16).requires_grad_(True)
+        b = make_input((n,), seed=8).requires_grad_(True)
+        if main_grad:
+            w.main_grad = torch.full((n, k), 0.5)
+            w.grad_added_to_main_grad = False
+        h = x * 1.0  # the marked tensor is the op's own input object, as the attention output is
+        if mark:
+            mark_saved_elsewhere(h)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = fp8_blockwise_linear(h, w, b, backend=backend)
+        y.backward(dy)
+        wgrad = w.main_grad if main_grad else w.grad
+        return y, x.grad, wgrad, b.grad, saved, h
+
+    plain, marked = run(False), run(True)
+    for a, b_ in zip(plain[:4], marked[:4]):
+        assert torch.equal(a, b_)
+    h = marked[5]
+    assert [t.untyped_storage().data_ptr() for t in marked[4]] == [h.untyped_storage().data_ptr()]
+    assert not any(t.dtype == h.dtype for t in plain[4])  # unmarked: FP8 data and fp32 scales only
+
+
+def test_a_marked_input_that_must_be_copied_saves_the_fp8_copy(backend):
+    """A non-contiguous marked input is copied before quantization: keeping it would add bytes, so the op
+    saves its columnwise FP8 copy as usual."""
+    from primus_fp8_plugin.linear import mark_saved_elsewhere
+
+    x = make_input((256, 128), seed=1).t()  # [128, 256], non-contiguous
+    w = (make_input((64, 256), seed=2) / 16).requires_grad_(True)
+    mark_saved_elsewhere(x)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8_blockwise_linear(x, w, backend=backend)
+    assert saved and not any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in saved)

@@ -23,6 +23,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from ..linear import mark_saved_elsewhere
+
 _TORCH_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
 
 KERNELS_ENV = "PRIMUS_FP8_SDPA_KERNELS"
@@ -199,13 +201,28 @@ class SdpaAttention(MegatronModule):
         if dead is not None:  # Megatron's -10000 fill makes a fully masked row uniform: the mean of the values
             out = torch.where(dead, v.mean(dim=2, keepdim=True).to(out.dtype), out)
         # [b, np, sq, hn_v] -> [sq, b, np * hn_v]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        result = out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        if _saves_its_output(out, result):
+            mark_saved_elsewhere(result)  # the FP8 output projection keeps it instead of an FP8 copy
+        return result
 
     def _rng(self, dropout_p: float):
         """Megatron's model-parallel RNG for the dropout (different heads on different TP ranks)."""
         if dropout_p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+def _saves_its_output(out: torch.Tensor, result: torch.Tensor) -> bool:
+    """Whether the SDPA node that made ``out`` saves ``out`` for its backward (the flash, cuDNN and
+    memory-efficient kernels do; the math fallback does not) and ``result`` is a view of all of it (the kernels
+    lay ``out`` out as the query, ``[s, b, heads, hn]`` in memory here, so the reshape copies nothing)."""
+    saved = getattr(out.grad_fn, "_saved_output", None) if out.grad_fn is not None else None
+    if saved is None:
+        return False
+    st = out.untyped_storage()
+    return (saved.untyped_storage().data_ptr() == st.data_ptr() == result.untyped_storage().data_ptr()
+            and st.nbytes() == result.numel() * result.element_size())  # fmt: skip
 
 
 def _is_window_layer(config, layer_number: int) -> bool:

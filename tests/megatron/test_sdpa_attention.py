@@ -288,6 +288,32 @@ def test_value_view_of_the_qkv_output_is_saved_alone_after_rope(rope):
         assert own_storage(v3, q3, k3) is v3, "no gradient, nothing saved: no copy"
 
 
+def test_output_is_marked_for_the_projection_only_where_sdpa_saves_it():
+    """The output is marked ``saved elsewhere`` (the FP8 output projection then keeps it instead of an FP8 copy)
+    only where it is a view of all of the tensor SDPA's node saves: a training causal call; not without a
+    gradient, not after the fully-masked-row fix-up (a new tensor), not from the math kernel (it saves no
+    output)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from primus_fp8_plugin.linear import SAVED_ELSEWHERE
+    from primus_fp8_plugin.megatron.attention import SdpaAttention
+
+    module = SdpaAttention(config=attn_config(), layer_number=1, attn_mask_type=AttnMaskType.causal)
+    q, k, v, _ = inputs()
+
+    def marked(mask=None, grad=True, mask_type=AttnMaskType.causal):
+        x = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        out = module(*x, mask, attn_mask_type=mask_type, attention_bias=None, packed_seq_params=None)
+        return bool(getattr(out, SAVED_ELSEWHERE, False))
+
+    assert marked()
+    assert not marked(grad=False)
+    assert not marked(padding_mask(), mask_type=AttnMaskType.padding)  # dead rows: torch.where's new tensor
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert not marked()
+
+
 def test_kernel_priority_reads_the_environment_and_refuses_unknown_names(monkeypatch):
     from torch.nn.attention import SDPBackend
 
