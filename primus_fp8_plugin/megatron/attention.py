@@ -213,16 +213,23 @@ class SdpaAttention(MegatronModule):
         return contextlib.nullcontext()
 
 
+# SDPA's autograd nodes that save the kernel's output for backward (derivatives.yaml: the flash, cuDNN and
+# memory-efficient kernels, and the CPU flash kernel; the math fallback is a composition and saves no output)
+_NODES_SAVING_OUTPUT = frozenset({
+    "ScaledDotProductFlashAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0",
+    "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
+})  # fmt: skip
+
+
 def _saves_its_output(out: torch.Tensor, result: torch.Tensor) -> bool:
-    """Whether the SDPA node that made ``out`` saves ``out`` for its backward (the flash, cuDNN and
-    memory-efficient kernels do; the math fallback does not) and ``result`` is a view of all of it (the kernels
-    lay ``out`` out as the query, ``[s, b, heads, hn]`` in memory here, so the reshape copies nothing)."""
-    saved = getattr(out.grad_fn, "_saved_output", None) if out.grad_fn is not None else None
-    if saved is None:
+    """Whether the SDPA node that made ``out`` saves ``out`` for its backward and ``result`` is a view of all of
+    it (the kernels lay ``out`` out as the query, ``[s, b, heads, hn]`` in memory here, so the reshape copies
+    nothing). Read from the node's type, not by unpacking its saved output: under saved-tensor hooks (activation
+    offloading) an unpack would copy it back."""
+    if out.grad_fn is None or type(out.grad_fn).__name__ not in _NODES_SAVING_OUTPUT:
         return False
     st = out.untyped_storage()
-    return (saved.untyped_storage().data_ptr() == st.data_ptr() == result.untyped_storage().data_ptr()
-            and st.nbytes() == result.numel() * result.element_size())  # fmt: skip
+    return st.data_ptr() == result.untyped_storage().data_ptr() and st.nbytes() == result.numel() * result.element_size()
 
 
 def _is_window_layer(config, layer_number: int) -> bool:
