@@ -66,3 +66,54 @@ def test_sdpa_attention_uses_fused_kernels_and_matches_megatron(nccl_world, head
     errors = [_ulps(a, r) for a, r in zip(ours, ref, strict=True)]
     print(f"heads {heads} groups {groups} masked {masked} ({kernel.name}): ulps out, dq, dk, dv = {errors}")
     assert all(math.isfinite(e) and e <= 8 for e in errors), errors
+
+
+@pytest.mark.parametrize("kernels", ["flash", "cudnn,flash,efficient"])
+def test_kernel_order_output_marking_and_cuda_graph_replay(nccl_world, monkeypatch, kernels):
+    """With ``PRIMUS_FP8_SDPA_KERNELS`` (PyTorch's flash kernel, or cuDNN's first), grouped-query causal attention
+    at Llama-3-8B's head shape: the output is a view of what SDPA's node saves and is marked for the FP8 output
+    projection, the node is the expected kernel's, and a CUDA graph of forward+backward replays eager's forward bits
+    and its gradients within 2 bf16 ulps (backward kernels may accumulate in another order)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_fp8_plugin.linear import SAVED_ELSEWHERE
+    from primus_fp8_plugin.megatron.attention import KERNELS_ENV, SdpaAttention
+
+    monkeypatch.setenv(KERNELS_ENV, kernels)
+    s, b, heads, groups, hd = 1024, 2, 32, 8, 128
+    module = SdpaAttention(_config(heads, groups, hd), 1, AttnMaskType.causal, "self")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(s, b, heads, hd, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(s, b, groups, hd, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    dy = torch.randn(s, b, heads * hd, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        out = module(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+        out.backward(dy)
+        return out
+
+    out = step()
+    fn = out.grad_fn  # back through the reshape and permute to SDPA's node
+    while fn is not None and not type(fn).__name__.startswith("ScaledDotProduct"):
+        fn = fn.next_functions[0][0]
+    expected = "Cudnn" if kernels.startswith("cudnn") else "Flash"
+    print(f"{kernels}: {type(fn).__name__}, marked {getattr(out, SAVED_ELSEWHERE, False)}")
+    assert fn is not None and expected in type(fn).__name__
+    assert getattr(out, SAVED_ELSEWHERE, False), "SDPA's output is not marked for the projection"
+    eager = [out.detach().clone()] + [t.grad.clone() for t in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [static_out.detach()] + [t.grad for t in (q, k, v)]
+    assert torch.equal(replayed[0], eager[0]), "the forward replays bit for bit"
+    errors = [_ulps(a.float(), r.float()) for a, r in zip(replayed[1:], eager[1:], strict=True)]
+    assert all(e <= 2 for e in errors), errors  # backward kernels may accumulate in another order
