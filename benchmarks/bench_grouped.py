@@ -42,7 +42,7 @@ for _d in (_HERE, _HERE.parent / "scripts", _HERE.parent):  # benchlib lives in 
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 
-from benchlib import SETTLE_S, Timing, environment, report, require_cuda, save_figure, try_import_te  # noqa: E402
+from benchlib import SETTLE_S, Timing, environment, report, require_cuda, save_figure, step_peak_mib, try_import_te  # noqa: E402
 
 from primus_fp8_plugin import Fp8BlockwiseLinear, Fp8GroupedLinear, backend_availability  # noqa: E402
 
@@ -158,16 +158,6 @@ def step_fns(module, call, x, dy, te_style: bool):
     return (lambda: fwd_bwd(None if te_style else True)), (lambda: fwd_bwd(False)), (lambda: fwd_bwd(True))
 
 
-def peak_mib(fn) -> float:
-    """MiB that one call of ``fn`` allocates at its peak above what was allocated before it."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 SETUP_S = 2.0  # per shape: inputs, modules, first calls (kernels compiled once per shape)
 
 
@@ -263,7 +253,7 @@ def _run(args, te, timing) -> list[dict]:
                         for p in module.parameters():  # the peak then includes the new weight gradients
                             p.grad = None
                         x.grad = None
-                        peaks[name] = peak_mib(fresh)
+                        peaks[name] = step_peak_mib(fresh)
                     i_shape += 1
                     flops = 6 * t * n * k
                     bf16 = next(v for key, v in times.items() if key.startswith("bf16"))
