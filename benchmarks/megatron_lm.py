@@ -5,7 +5,9 @@ megatron-core wheel ships ``megatron.training`` but not ``pretrain_gpt.py``, ``g
 ``model_provider.py``) on mock data, once per arm, one GPU, and prints per arm the median
 ms/iteration after warm-up, tokens/s, Megatron's TFLOP/s/GPU, the first and last ``lm loss``, the
 peak allocated memory over the run and (plugin arms) how many of the plugin's FP8 layers the built model
-holds, with ratios against a chosen arm (default ``te_fp8``)::
+holds, with ratios against a chosen arm (default ``te_fp8``). ``--rounds R`` runs every arm R times, the order
+reversed every other round, and reports the median of its rounds (each round's figure in the table): one arm's
+iterations vary by ~10% and whole runs by several percent across a call on the H200, so 1-2% claims want R >= 2::
 
     python benchmarks/megatron_lm.py --megatron-lm ~/Megatron-LM --model llama8b_4l \\
         --arms plugin_fast,plugin,local_bf16,te_fp8,te_bf16,te_hybrid --iters 20 --json out.json --plot out.png
@@ -222,7 +224,36 @@ def check_spec(args_str: str, model_args: str = "", arm: str | None = None) -> s
     return res.stdout.strip().splitlines()[-1]
 
 
-def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The arms' order in each round: as given, then reversed, alternating, so that no arm always runs first or
+    last (the GPU's clock and temperature drift over a call)."""
+    return [list(names) if r % 2 == 0 else list(reversed(names)) for r in range(rounds)]
+
+
+def combine_rounds(runs: list[dict]) -> dict:
+    """One arm's row from its rounds' rows: ms/iteration the median of the rounds' medians (tokens/s and TFLOP/s
+    with it), each round's figure in ``ms_rounds``, the peak memory the highest, losses from the first round.
+    A failed round makes the row the failure."""
+    failed = [r for r in runs if "ms_per_iter" not in r]
+    if failed:
+        return failed[0]
+    row = dict(runs[0])
+    ms = [r["ms_per_iter"] for r in runs]
+    mid = statistics.median(ms)
+    row["ms_per_iter"] = mid
+    row["ms_rounds"] = ms
+    row["ms_spread"] = [min(r["ms_spread"][0] for r in runs), max(r["ms_spread"][1] for r in runs)]
+    if runs[0]["tokens_per_s"]:
+        row["tokens_per_s"] = runs[0]["tokens_per_s"] * runs[0]["ms_per_iter"] / mid
+    tfl = [r["tflops_per_gpu"] for r in runs if r.get("tflops_per_gpu")]
+    row["tflops_per_gpu"] = statistics.median(tfl) if tfl else None
+    mem = [r["max_allocated_mb"] for r in runs if r.get("max_allocated_mb") is not None]
+    row["max_allocated_mb"] = max(mem) if mem else None
+    row["wall_s"] = round(sum(r["wall_s"] for r in runs), 1)
+    return row
+
+
+def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = "") -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(HERE / "megatron_lm_entry.py"), str(args.megatron_lm), *shlex.split(COMMON),
            *shlex.split(model["args"]), "--train-iters", str(args.iters), *shlex.split(extra)]  # fmt: skip
@@ -230,7 +261,7 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if (spec_of(extra) or ("",))[0].startswith("primus_fp8_plugin"):
         env["PRIMUS_FP8_CHECK_MODEL"] = "1"  # the entry shim stops the run if the model holds no FP8 layer
-    log = log_dir / f"megatron_lm_{name}.log"
+    log = log_dir / f"megatron_lm_{name}{tag}.log"
     print(f"[megatron_lm] {name}: {shlex.join(cmd[6:])}", flush=True)
     t0 = time.time()
     with log.open("w") as f:
@@ -251,6 +282,9 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path) -> dict:
 def print_table(rows: list[dict], ref: str) -> None:
     base = next((r for r in rows if r["arm"] == ref and "ms_per_iter" in r), None)
     cols = ["arm", "ms/iter", f"vs {ref}", "tokens/s", "TFLOP/s", "first loss", "last loss", "max alloc MB", "FP8 layers"]
+    rounds = any(len(r.get("ms_rounds", ())) > 1 for r in rows)
+    if rounds:
+        cols.append("rounds ms/iter")
     print(" | ".join(cols))
     print(" | ".join("---" for _ in cols))
     for r in rows:
@@ -262,9 +296,12 @@ def print_table(rows: list[dict], ref: str) -> None:
         def fmt(v, spec):
             return "-" if v is None else format(v, spec)
 
-        print(" | ".join([r["arm"], f"{r['ms_per_iter']:.1f}", ratio, fmt(r["tokens_per_s"], ".0f"),
-                          fmt(r["tflops_per_gpu"], ".1f"), fmt(r["first_loss"], ".6f"), fmt(r["last_loss"], ".6f"),
-                          fmt(r["max_allocated_mb"], ".0f"), fmt(r.get("fp8_layers"), "d")]))  # fmt: skip
+        cells = [r["arm"], f"{r['ms_per_iter']:.1f}", ratio, fmt(r["tokens_per_s"], ".0f"),
+                 fmt(r["tflops_per_gpu"], ".1f"), fmt(r["first_loss"], ".6f"), fmt(r["last_loss"], ".6f"),
+                 fmt(r["max_allocated_mb"], ".0f"), fmt(r.get("fp8_layers"), "d")]  # fmt: skip
+        if rounds:
+            cells.append(" / ".join(f"{m:.1f}" for m in r.get("ms_rounds", [r["ms_per_iter"]])))
+        print(" | ".join(cells))
     print(f"(ratio = {ref}'s ms/iter over the arm's: above 1 is faster than {ref})")
 
 
@@ -301,6 +338,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the median")
     ap.add_argument("--ref", default="te_fp8", help="the arm the ratios compare with")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every arm this many times, the order reversed every other round; median of the rounds")  # fmt: skip
     ap.add_argument("--log-dir", type=Path, default=Path("outputs/megatron_lm"))
     ap.add_argument("--json")
     ap.add_argument("--plot")
@@ -309,6 +348,8 @@ def main(argv=None) -> int:
         ap.error(f"{args.megatron_lm} has no pretrain_gpt.py: give the root of a Megatron-LM checkout")
     if args.iters <= args.warmup:
         ap.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup})")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     model = MODELS[args.model]
     extra = {}
     for item in args.extra_arm:
@@ -323,12 +364,19 @@ def main(argv=None) -> int:
         if summary:
             print(f"[megatron_lm] {name}: {summary}", flush=True)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    rows = [run_arm(n, flags, args, model, args.log_dir) for n, flags in plans]
-    print(f"\nMegatron-LM pretrain_gpt.py, model {args.model}, {args.iters} iterations (median after {args.warmup}):")
+    flags_of = dict(plans)
+    runs: dict[str, list[dict]] = {n: [] for n in flags_of}
+    for r, order in enumerate(round_orders(list(flags_of), args.rounds)):
+        for n in order:
+            tag = f"_r{r + 1}" if args.rounds > 1 else ""
+            runs[n].append(run_arm(n, flags_of[n], args, model, args.log_dir, tag))
+    rows = [combine_rounds(runs[n]) for n in flags_of]
+    rounds = f", median of {args.rounds} rounds in alternating order" if args.rounds > 1 else ""
+    print(f"\nMegatron-LM pretrain_gpt.py, model {args.model}, {args.iters} iterations (median after {args.warmup}){rounds}:")
     print_table(rows, args.ref)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "model_args": model["args"], "common": COMMON,
-                                               "rows": rows}, indent=1))  # fmt: skip
+                                               "rounds": args.rounds, "rows": rows, "runs": runs}, indent=1))  # fmt: skip
     if args.plot:
         plot(rows, args.plot, f"pretrain_gpt.py, {args.model}")
     return 0 if all("ms_per_iter" in r for r in rows) else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import shlex
 import statistics
@@ -205,3 +206,43 @@ def test_the_cudnn_arm_is_the_fast_arm_with_sdpas_cudnn_kernel_first(monkeypatch
     assert mlm.arm_args("plugin_fast_cudnn", model, False) == mlm.arm_args("plugin_fast", model, False)
     assert mlm.arm_env("plugin_fast_cudnn")[KERNELS_ENV] == "cudnn,flash,efficient"
     assert KERNELS_ENV not in mlm.arm_env("plugin_fast") and KERNELS_ENV not in mlm.arm_env()
+
+
+def test_rounds_alternate_the_order_and_combine_into_medians(tmp_path, monkeypatch, capsys):
+    assert mlm.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+    def row(arm, ms, mem, lo, hi):
+        return {"arm": arm, "rc": 0, "wall_s": 10.0, "log": "x", "ms_per_iter": ms, "ms_spread": [lo, hi],
+                "tokens_per_s": 32768 / (ms / 1000), "tflops_per_gpu": 1000 / ms, "first_loss": 11.0,
+                "last_loss": 1.0, "max_allocated_mb": mem, "fp8_layers": 16, "timed_iterations": 5}  # fmt: skip
+
+    combined = mlm.combine_rounds([row("a", 300.0, 100.0, 290, 310), row("a", 360.0, 120.0, 350, 420),
+                                   row("a", 330.0, 110.0, 320, 340)])  # fmt: skip
+    assert combined["ms_per_iter"] == 330.0 and combined["ms_rounds"] == [300.0, 360.0, 330.0]
+    assert combined["tokens_per_s"] == pytest.approx(32768 / 0.330)  # recomputed from the median
+    assert combined["tflops_per_gpu"] == pytest.approx(1000 / 330.0)
+    assert combined["max_allocated_mb"] == 120.0 and combined["ms_spread"] == [290, 420] and combined["wall_s"] == 30.0
+    failed = {"arm": "a", "rc": 1, "wall_s": 3.0, "log": "y"}
+    assert mlm.combine_rounds([row("a", 300.0, 1.0, 1, 2), failed]) is failed
+
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    calls = []
+
+    def fake_run(name, flags, args, model, log_dir, tag=""):
+        calls.append((name, tag))
+        return row(name, {"te_fp8": 350.0, "plugin_fast": 340.0}[name] + len(calls), 1.0, 1, 2)
+
+    monkeypatch.setattr(mlm, "run_arm", fake_run)
+    monkeypatch.setattr(mlm, "check_spec", lambda *a, **k: None)
+    out = tmp_path / "r.json"
+    argv = ["--megatron-lm", str(tmp_path), "--arms", "plugin_fast,te_fp8", "--rounds", "2", "--log-dir",
+            str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
+    assert mlm.main(argv) == 0
+    assert calls == [("plugin_fast", "_r1"), ("te_fp8", "_r1"), ("te_fp8", "_r2"), ("plugin_fast", "_r2")]
+    data = json.loads(out.read_text())
+    assert data["rounds"] == 2 and [r["arm"] for r in data["rows"]] == ["plugin_fast", "te_fp8"]
+    assert data["rows"][0]["ms_rounds"] == [341.0, 344.0] and data["rows"][0]["ms_per_iter"] == 342.5
+    text = capsys.readouterr().out
+    assert "median of 2 rounds" in text and "341.0 / 344.0" in text
+    with pytest.raises(SystemExit):
+        mlm.main([*argv[:6], "0"])
