@@ -128,8 +128,9 @@ class _Fp8BlockwiseLinearFn(torch.autograd.Function):
         dx = backend.gemm_dgrad(dyq, ctx.wq, x_dtype).view(*lead, k) if need_dx else None
         dw = None
         if need_dw:
-            if ctx.requantize_x:  # x_col is X itself [m, k]: the columnwise copy forward did not keep, same bits
-                xq = backend.quantize_act(x_col, ctx.recipe.params(TensorRole.INPUT), rowwise=False, columnwise=True)
+            if ctx.requantize_x:  # x_col is X itself [m, k]: the columnwise copy forward did not keep
+                # forward's own call (both copies; the rowwise one is dropped): the same kernel, so the same bits
+                xq = backend.quantize_act(x_col, ctx.recipe.params(TensorRole.INPUT), rowwise=True, columnwise=True)
             else:
                 xq = BlockwiseFp8Tensor((m, k), 1, x_fp8, x_dtype, columnwise_data=x_col, columnwise_scale_inv=x_col_scale)
             dw = weight_gradient(backend, dyq, xq, weight)

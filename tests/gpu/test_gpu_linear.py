@@ -106,3 +106,31 @@ def test_cuda_graph_replays_see_every_optimizer_step(gpu_backend):
         with torch.no_grad():
             expected = uncached(x)
         assert torch.equal(y, expected), f"replay after optimizer step {step + 1} used a stale weight copy"
+
+
+def test_an_input_saved_elsewhere_gives_the_same_bits_on_the_gpu():
+    """``mark_saved_elsewhere`` on the GPU (``auto``: the Hopper kernels): the linear keeps the bf16 input and
+    quantizes its columnwise copy in backward; output, input, weight (into ``main_grad``) and bias gradients are
+    bit-identical to the unmarked linear's, at a ragged token count."""
+    from primus_fp8_plugin import fp8_blockwise_linear
+    from primus_fp8_plugin.linear import mark_saved_elsewhere
+
+    k, n, m = 4096, 1536, 2 * 999
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x0 = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16)
+    w0 = torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) / 64
+    b0 = torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    def run(mark):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        w.main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
+        h = x * 1.0
+        if mark:
+            mark_saved_elsewhere(h)
+        y = fp8_blockwise_linear(h, w, b)
+        y.backward(dy)
+        return y, x.grad, w.main_grad, b.grad
+
+    for a, b_ in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b_)
