@@ -23,8 +23,8 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 * ``te_bf16``     TE's spec in BF16;
 * ``te_hybrid``   ``fp8_te_gpt_layer_spec``: TE's spec (attention, RoPE) with the plugin's fused FP8 linears
   (``--transformer-impl transformer_engine``, no ``--fp8-format``);
-* ``plugin_fast_cudnn``: ``plugin_fast`` with ``PRIMUS_FP8_SDPA_KERNELS=cudnn,flash,efficient`` (SDPA's cuDNN
-  attention kernel first; PyTorch's own order puts flash first);
+* ``plugin_fast_flash``: ``plugin_fast`` with ``PRIMUS_FP8_SDPA_KERNELS=flash,efficient,math`` (PyTorch's flash
+  attention kernel first; ``plugin_fast`` puts cuDNN's first on Hopper);
 * ``plugin_fast_graph``, ``te_bf16_graph``, ``te_fp8_graph``: those arms under Megatron's own per-layer CUDA
   graphs, ``--cuda-graph-impl local`` (``CudaGraphManager``: every ``TransformerLayer``'s forward and backward
   captured at the end of the first iteration, after ``--cuda-graph-warmup-steps`` eager runs, and replayed from
@@ -164,7 +164,7 @@ def summarize(parsed: dict, seq_length: int, warmup: int) -> dict:
 GRAPH_ARMS = ("plugin_fast", "te_bf16", "te_fp8")  # the arms that have a ``NAME_graph`` twin
 
 # arms that are another arm's flags run with extra environment: SdpaAttention's SDPA kernel order
-ARM_ENV = {"plugin_fast_cudnn": ("plugin_fast", {"PRIMUS_FP8_SDPA_KERNELS": "cudnn,flash,efficient"})}
+ARM_ENV = {"plugin_fast_flash": ("plugin_fast", {"PRIMUS_FP8_SDPA_KERNELS": "flash,efficient,math"})}
 
 
 def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:

@@ -320,10 +320,56 @@ def test_kernel_priority_reads_the_environment_and_refuses_unknown_names(monkeyp
     from primus_fp8_plugin.megatron.attention import KERNELS_ENV, kernel_priority
 
     monkeypatch.delenv(KERNELS_ENV, raising=False)
-    assert kernel_priority() is None
+    assert kernel_priority() is None  # no device: PyTorch's order
+    assert kernel_priority(device=torch.device("cpu")) is None
     assert kernel_priority(" cudnn, Flash ,efficient") == [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                                                           SDPBackend.EFFICIENT_ATTENTION]  # fmt: skip
+    assert kernel_priority("torch", torch.device("cuda", 0)) is None
     monkeypatch.setenv(KERNELS_ENV, "math")
     assert kernel_priority() == [SDPBackend.MATH]
-    with pytest.raises(ValueError, match="unknown SDPA kernel.*'fa3'.*cudnn, flash, efficient, math"):
+    with pytest.raises(ValueError, match="unknown SDPA kernel.*'fa3'.*'torch'.*cudnn, flash, efficient, math"):
         kernel_priority("cudnn,fa3")
+    with pytest.raises(ValueError, match="unknown SDPA kernel.*'torch'"):
+        kernel_priority("torch,flash")  # 'torch' stands alone
+
+
+@pytest.mark.parametrize("capability, hip, first", [((9, 0), None, "CUDNN_ATTENTION"), ((8, 0), None, None),
+                                                    ((10, 0), None, None), ((9, 5), "6.4", None)])  # fmt: skip
+def test_unset_kernel_order_puts_cudnn_first_on_nvidia_hopper_only(monkeypatch, capability, hip, first):
+    from primus_fp8_plugin.megatron import attention
+
+    monkeypatch.delenv(attention.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    kernels = attention.kernel_priority(device=torch.device("cuda", 0))
+    assert (kernels[0].name if kernels else None) == first
+    if first:
+        assert [k.name for k in kernels] == ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+
+
+def test_sdpa_attention_reads_the_kernel_order_at_build(monkeypatch):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from primus_fp8_plugin.megatron.attention import KERNELS_ENV, SdpaAttention
+
+    monkeypatch.setenv(KERNELS_ENV, "cudnn,fa3")
+    with pytest.raises(ValueError, match="fa3"):
+        SdpaAttention(attn_config(), 1, AttnMaskType.causal, "self")
+
+
+def test_kernel_order_keeps_an_enclosing_restriction():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from primus_fp8_plugin.megatron.attention import _kernel_context, kernel_priority
+
+    cuda = torch.device("cuda", 0)  # only the flags are touched: no GPU needed
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        with _kernel_context(kernel_priority("cudnn,flash,efficient,math"), cuda):
+            on = [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+                  torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()]  # fmt: skip
+        assert on == [False, True, False, True]  # re-ordered within the caller's choice, nothing re-enabled
+        with _kernel_context(kernel_priority("cudnn"), cuda):
+            assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    with _kernel_context(kernel_priority("cudnn"), cuda):
+        assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored on exit

@@ -198,13 +198,13 @@ def test_entry_shim_usage(tmp_path, monkeypatch):
         entry.main()
 
 
-def test_the_cudnn_arm_is_the_fast_arm_with_sdpas_cudnn_kernel_first(monkeypatch):
+def test_the_flash_arm_is_the_fast_arm_with_sdpas_flash_kernel_first(monkeypatch):
     from primus_fp8_plugin.megatron.attention import KERNELS_ENV
 
     monkeypatch.delenv(KERNELS_ENV, raising=False)
     model = mlm.MODELS["llama8b_4l"]
-    assert mlm.arm_args("plugin_fast_cudnn", model, False) == mlm.arm_args("plugin_fast", model, False)
-    assert mlm.arm_env("plugin_fast_cudnn")[KERNELS_ENV] == "cudnn,flash,efficient"
+    assert mlm.arm_args("plugin_fast_flash", model, False) == mlm.arm_args("plugin_fast", model, False)
+    assert mlm.arm_env("plugin_fast_flash")[KERNELS_ENV] == "flash,efficient,math"
     assert KERNELS_ENV not in mlm.arm_env("plugin_fast") and KERNELS_ENV not in mlm.arm_env()
 
 
