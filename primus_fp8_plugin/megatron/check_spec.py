@@ -150,7 +150,8 @@ def check(module: str, name: str, flags: list[str] = ()) -> str:
     mods = {getattr(m, "__name__", type(m).__name__) for m in spec_modules(spec)}
     counts = ", ".join(f"{k} x{v}" for k, v in sorted(collections.Counter(fp8).items()))
     attn = next((m for m in ("Fp8FastSelfAttention", "SelfAttention") if m in mods), "?")
-    core = next((m for m in ("SdpaAttention", "TEDotProductAttention", "DotProductAttention") if m in mods), "?")
+    core = next((m for m in ("SdpaAttention", "Fp8TEDotProductAttention", "TEDotProductAttention", "DotProductAttention")
+                 if m in mods), "?")  # fmt: skip
     return (f"check_spec: OK --spec {module} {name} -> {type(spec).__name__}; FP8 layers: {counts}; "
             f"attention {attn}/{core}; normalization {config.normalization}")  # fmt: skip
 

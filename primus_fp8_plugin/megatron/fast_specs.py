@@ -43,7 +43,7 @@ from .fast_attention import Fp8FastSelfAttention
 from .fused_layers import Fp8FusedNormColumnParallelLinear, Fp8FusedSwigluMLP, Fp8SwigluRowParallelLinear
 from .layers import Fp8LayerNormColumnParallelLinear
 from .norm import TorchNorm
-from .specs import _fp8_module, apply_fp8_blockwise, get_gpt_layer_spec
+from .specs import _fp8_module, _with_attention_submodules, apply_fp8_blockwise, get_gpt_layer_spec
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -155,8 +155,23 @@ def get_te_gpt_layer_spec(
 
     te = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(moe_grouped_gemm),
                                                     qk_layernorm=qk_layernorm)  # fmt: skip
-    spec = apply_fp8_blockwise(te, recipe=recipe, backend=backend)
+    spec = apply_fp8_blockwise(_with_marking_te_attention(te), recipe=recipe, backend=backend)
     return _fuse(spec, dense=num_experts is None, recipe=recipe, backend=backend)
+
+
+def _with_marking_te_attention(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with TE's core attention swapped for ``Fp8TEDotProductAttention`` (the same module, its output
+    marked for the FP8 output projection where TE saves it anyway: te_attention.py)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    from .te_attention import Fp8TEDotProductAttention
+
+    attn = spec.submodules.self_attention
+    if getattr(attn.submodules, "core_attention", None) is not TEDotProductAttention:
+        return spec
+    attn = _with_attention_submodules(attn, core_attention=Fp8TEDotProductAttention)
+    return ModuleSpec(module=spec.module, params=spec.params,
+                      submodules=dataclasses.replace(spec.submodules, self_attention=attn))  # fmt: skip
 
 
 def spec_options(config) -> dict:

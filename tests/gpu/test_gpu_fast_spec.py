@@ -129,8 +129,10 @@ def te():
 def test_te_hybrid_spec_matches_te_spec_with_the_plugins_linears(nccl_world, te):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
+    from primus_fp8_plugin.linear import SAVED_ELSEWHERE
     from primus_fp8_plugin.megatron import apply_fp8_blockwise, fp8_te_gpt_layer_spec
     from primus_fp8_plugin.megatron.fused_layers import Fp8FusedNormColumnParallelLinear, Fp8FusedSwigluMLP
+    from primus_fp8_plugin.megatron.te_attention import Fp8TEDotProductAttention
     from primus_fp8_plugin.validate import rel_frobenius
 
     cfg = config()
@@ -139,9 +141,15 @@ def test_te_hybrid_spec_matches_te_spec_with_the_plugins_linears(nccl_world, te)
     assert sum(isinstance(m, Fp8FusedNormColumnParallelLinear) for m in hybrid.modules()) == 2 * cfg.num_layers
     assert all(m.fused_swiglu for m in hybrid.modules() if isinstance(m, Fp8FusedSwigluMLP))
     copy_params(unfused, hybrid)
+    cores = [m for m in hybrid.modules() if isinstance(m, Fp8TEDotProductAttention)]
+    assert len(cores) == cfg.num_layers
+    marks = []  # TE's fused attention saves its output: the projection keeps it instead of an FP8 copy
+    for m in cores:
+        m.register_forward_hook(lambda mod, inp, out: marks.append(getattr(out, SAVED_ELSEWHERE, False)))
     l_u, g_u = loss_and_grads(unfused)
     l_u2, g_u2 = loss_and_grads(unfused)
     l_h, g_h = loss_and_grads(hybrid)
+    assert marks and all(marks), f"TE attention outputs marked for the projection: {marks}"
     assert l_h == l_u == l_u2, (l_h, l_u, l_u2)
     repro = [n for n in g_u if torch.equal(g_u[n], g_u2[n])]  # TE's fused attention backward may not be
     last_mlp = [n for n in g_u if f"layers.{cfg.num_layers - 1}.mlp." in n]
