@@ -41,7 +41,7 @@ def kernel_priority(spec: str | None = None, device: torch.device | None = None)
     (default: the environment variable ``PRIMUS_FP8_SDPA_KERNELS``), a comma-separated list of ``cudnn``,
     ``flash``, ``efficient``, ``math``. ``torch`` means PyTorch's own order (``None``). Unset or empty: cuDNN's
     attention first on NVIDIA Hopper (compute capability 9.x; on the H200 it runs Llama-3-8B's attention 1.7x
-    faster than PyTorch's flash kernel, and pretrain_gpt's 8B proxy step ~6% faster, docs/PERFORMANCE.md),
+    faster than PyTorch's flash kernel, and pretrain_gpt's 8B-width step 5.5% faster, docs/PERFORMANCE.md),
     PyTorch's own order elsewhere (other NVIDIA GPUs: not measured; ROCm has no cuDNN; CPU). PyTorch skips a listed
     kernel that cannot run the call (and says why in a warning if none can). A name outside the list raises
     ``ValueError``."""

@@ -149,7 +149,8 @@ def get_te_gpt_layer_spec(
 ) -> ModuleSpec:
     """TE's GPT layer spec (``get_gpt_layer_with_transformer_engine_spec``) with the plugin's FP8 linears, the
     norm fused into ``linear_qkv`` / ``linear_fc1`` with the quantization, and (dense layers) the fused SwiGLU
-    MLP; TE's attention, RoPE, q/k norms and MoE pre-MLP norm stay. Needs TE (``ImportError`` saying so)."""
+    MLP; TE's attention (its output shared with the FP8 output projection: ``te_attention``), RoPE, q/k norms and
+    MoE pre-MLP norm stay. Needs TE (``ImportError`` saying so)."""
     require_transformer_engine("fp8_te_gpt_layer_spec")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
