@@ -237,7 +237,7 @@ class SdpaAttention(MegatronModule):
             out = torch.where(dead, v.mean(dim=2, keepdim=True).to(out.dtype), out)
         # [b, np, sq, hn_v] -> [sq, b, np * hn_v]
         result = out.permute(2, 0, 1, 3).reshape(sq, b, -1)
-        if _saves_its_output(out, result):
+        if output_saved_by(result, _NODES_SAVING_OUTPUT):
             mark_saved_elsewhere(result)  # the FP8 output projection keeps it instead of an FP8 copy
         return result
 
@@ -254,17 +254,22 @@ _NODES_SAVING_OUTPUT = frozenset({
     "ScaledDotProductFlashAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0",
     "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductFlashAttentionForCpuBackward0",
 })  # fmt: skip
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "PermuteBackward0",
+                         "TransposeBackward0"})  # fmt: skip
 
 
-def _saves_its_output(out: torch.Tensor, result: torch.Tensor) -> bool:
-    """Whether the SDPA node that made ``out`` saves ``out`` for its backward and ``result`` is a view of all of
-    it (the kernels lay ``out`` out as the query, ``[s, b, heads, hn]`` in memory here, so the reshape copies
-    nothing). Read from the node's type, not by unpacking its saved output: under saved-tensor hooks (activation
-    offloading) an unpack would copy it back."""
-    if out.grad_fn is None or type(out.grad_fn).__name__ not in _NODES_SAVING_OUTPUT:
+def output_saved_by(result: torch.Tensor, nodes: frozenset) -> bool:
+    """Whether ``result`` is, through views only, all of the output of an autograd node whose type is in
+    ``nodes`` (nodes that save their output for backward), so that keeping ``result`` holds no new bytes. Read
+    from the node types and the storage size, not by unpacking the node's saved tensors: under saved-tensor
+    hooks (activation offloading) an unpack would copy them back. A reshape that copied (a clone node), a
+    ``torch.where`` fix-up or a slice of the output gives False."""
+    fn = result.grad_fn
+    while fn is not None and type(fn).__name__ in _VIEW_NODES:
+        fn = fn.next_functions[0][0]
+    if fn is None or type(fn).__name__ not in nodes:
         return False
-    st = out.untyped_storage()
-    return st.data_ptr() == result.untyped_storage().data_ptr() and st.nbytes() == result.numel() * result.element_size()
+    return result.untyped_storage().nbytes() == result.numel() * result.element_size()
 
 
 def _is_window_layer(config, layer_number: int) -> bool:

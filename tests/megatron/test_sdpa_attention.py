@@ -373,3 +373,30 @@ def test_kernel_order_keeps_an_enclosing_restriction():
     with _kernel_context(kernel_priority("cudnn"), cuda):
         assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
     assert torch.backends.cuda.flash_sdp_enabled()  # restored on exit
+
+
+def test_output_saved_by_follows_views_to_a_saving_node_only():
+    from primus_fp8_plugin.megatron.attention import output_saved_by
+
+    class FusedAttnFunc(torch.autograd.Function):  # stands for TE's: saves its output, as that one does
+        @staticmethod
+        def forward(ctx, x):
+            out = x * 2
+            ctx.save_for_backward(out)
+            return out
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy * 2
+
+    nodes = frozenset({"FusedAttnFuncBackward"})
+    out = FusedAttnFunc.apply(torch.randn(6, 2, 4, 8, requires_grad=True))  # [s, b, heads, d]
+    assert output_saved_by(out, nodes)
+    assert output_saved_by(out.view(6, 2, 32), nodes)
+    assert output_saved_by(out.permute(1, 0, 2, 3).transpose(0, 1).reshape(6, 2, 32), nodes)
+    assert output_saved_by(out.permute(1, 0, 2, 3).reshape(2, 6, 32), nodes)  # [b, s, h*d]: still a view
+    assert not output_saved_by(out.permute(1, 0, 2, 3).reshape(12, 32), nodes)  # b and s merged: the reshape copied
+    assert not output_saved_by(out[:3], nodes)  # part of the storage: the rest stays alive
+    assert not output_saved_by(out + 0, nodes)
+    assert not output_saved_by(out.view(6, 2, 32), frozenset({"ScaledDotProductFlashAttentionBackward0"}))
+    assert not output_saved_by(out.detach(), nodes)
