@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 from benchmarks.benchlib import Timing, bench_parser, environment, report, require_cuda, shapes_or, try_import_te  # noqa: E402
-from primus_fp8_plugin.megatron.attention import _kernel_context  # noqa: E402
+from primus_fp8_plugin.megatron.attention import kernel_context  # noqa: E402
 
 # Llama-3-8B width at micro batch 2 (the pretrain_gpt proxy), seq 4096 (the trainer's), GPT-125M
 SHAPES = [(2, 2048, 32, 8, 128), (1, 4096, 32, 8, 128), (8, 1024, 12, 12, 64)]
@@ -92,7 +92,7 @@ def main() -> int:
                 step = te_step(te, q, k, v, grad) if name == "te" else sdpa_step(q, k, v, grad)
                 kernel = contenders.get(name)
                 try:
-                    with _kernel_context(None if kernel is None else [kernel], q.device):
+                    with kernel_context(None if kernel is None else [kernel], q.device):
                         times[name] = timing.ms(step, row, "run")
                 except RuntimeError as err:
                     print(f"{row['shape']} {name}: {str(err).splitlines()[0]}", file=sys.stderr)

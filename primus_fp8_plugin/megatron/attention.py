@@ -79,7 +79,7 @@ _ENABLED = {"CUDNN_ATTENTION": "cudnn_sdp_enabled", "FLASH_ATTENTION": "flash_sd
             "EFFICIENT_ATTENTION": "mem_efficient_sdp_enabled", "MATH": "math_sdp_enabled"}  # fmt: skip
 
 
-def _kernel_context(priority, device: torch.device):
+def kernel_context(priority, device: torch.device):
     """``sdpa_kernel`` over the kernels of ``priority`` that are enabled now, in that order: an enclosing
     restriction (the caller's own ``sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``) still holds; if it allows
     none of them, the caller's setting is left as it is."""
@@ -229,7 +229,7 @@ class SdpaAttention(MegatronModule):
         # [s, b, heads, hn] -> [b, heads, s, hn] (views; SDPA needs only the last dimension contiguous)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        with self._rng(dropout_p), _kernel_context(_priority_for(self.kernel_spec, q.device), q.device):
+        with self._rng(dropout_p), kernel_context(_priority_for(self.kernel_spec, q.device), q.device):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale, **gqa
             )

@@ -360,17 +360,17 @@ def test_sdpa_attention_reads_the_kernel_order_at_build(monkeypatch):
 def test_kernel_order_keeps_an_enclosing_restriction():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from primus_fp8_plugin.megatron.attention import _kernel_context, kernel_priority
+    from primus_fp8_plugin.megatron.attention import kernel_context, kernel_priority
 
     cuda = torch.device("cuda", 0)  # only the flags are touched: no GPU needed
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
-        with _kernel_context(kernel_priority("cudnn,flash,efficient,math"), cuda):
+        with kernel_context(kernel_priority("cudnn,flash,efficient,math"), cuda):
             on = [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
                   torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()]  # fmt: skip
         assert on == [False, True, False, True]  # re-ordered within the caller's choice, nothing re-enabled
-        with _kernel_context(kernel_priority("cudnn"), cuda):
+        with kernel_context(kernel_priority("cudnn"), cuda):
             assert not torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
-    with _kernel_context(kernel_priority("cudnn"), cuda):
+    with kernel_context(kernel_priority("cudnn"), cuda):
         assert torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
     assert torch.backends.cuda.flash_sdp_enabled()  # restored on exit
 
