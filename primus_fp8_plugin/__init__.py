@@ -8,13 +8,12 @@ from .backends import (
 )
 from .convert import convert_to_fp8_blockwise
 from .gemm import gemm_dgrad, gemm_fwd, gemm_wgrad
-from .grouped_linear import Fp8GroupedLinear, GroupedWeightCache, fp8_grouped_linear
-from .linear import fp8_blockwise_linear
-from .module import Fp8BlockwiseLinear
+from .modules import Fp8BlockwiseLinear, Fp8GroupedLinear
+from .ops import fp8_blockwise_linear, fp8_grouped_linear, fp8_norm_linear, fp8_swiglu_linear
 from .quantize import quantize_activation, quantize_weight
 from .recipe import BlockwiseRecipe, Fp8Format, QuantParams, TensorRole
 from .tensor import BlockwiseFp8Tensor
-from .weight_cache import WeightCache
+from .weight_cache import GroupedWeightCache, WeightCache
 
 __version__ = "0.1.0"
 
@@ -34,6 +33,8 @@ __all__ = [
     "convert_to_fp8_blockwise",
     "fp8_blockwise_linear",
     "fp8_grouped_linear",
+    "fp8_norm_linear",
+    "fp8_swiglu_linear",
     "gemm_dgrad",
     "gemm_fwd",
     "gemm_wgrad",

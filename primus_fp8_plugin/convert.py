@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .module import Fp8BlockwiseLinear
+from .modules import Fp8BlockwiseLinear
 from .recipe import BlockwiseRecipe
 
 __all__ = ["convert_to_fp8_blockwise", "convertible"]

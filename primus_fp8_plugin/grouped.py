@@ -60,8 +60,8 @@ def quantize_activation_grouped(
 
     Args:
         x: ``[T, K]`` bfloat16/float16/float32, expert 0's tokens first.
-        counts: a ``GroupLayout``, an integer device tensor ``[E]`` (no host synchronisation; the caller
-            guarantees ``sum == T``) or a list of ints (checked).
+        counts: a ``GroupLayout``, an integer tensor ``[E]`` (checked without a host synchronisation on a GPU:
+            ``grouped_tensor.group_layout``) or a list of ints (checked).
         params: 1D ``QuantParams`` (``TensorRole.INPUT`` or ``GRAD_OUTPUT``).
         rowwise: the rowwise copy ``[T, K]`` (fprop, dgrad). columnwise: the padded columnwise copy (wgrad).
     """

@@ -84,26 +84,33 @@ def capacity_bound(num_tokens: int, num_groups: int) -> int:
     return (num_tokens // BLOCK + num_groups) * BLOCK
 
 
-def group_layout(counts: torch.Tensor | Sequence[int], num_tokens: int, device: torch.device | str | None = None) -> GroupLayout:
+def group_layout(
+    counts: torch.Tensor | Sequence[int],
+    num_tokens: int,
+    device: torch.device | str | None = None,
+    *,
+    num_groups: int | None = None,
+) -> GroupLayout:
     """The :class:`GroupLayout` of ``num_tokens`` permuted tokens with per-expert ``counts``.
 
-    ``counts``: a list/tuple of ints (checked: non-negative, summing to ``num_tokens``; one host-to-device
-    copy, from pinned memory on CUDA) or an integer tensor ``[E]`` on the tokens' device (no host
-    synchronisation and nothing checked: the caller guarantees ``sum(counts) == num_tokens``; safe inside a
-    CUDA-graph capture). ``device``: where the layout lives (default: the tensor's device, else the CPU).
+    ``counts``: a list/tuple of ints (checked on the host: non-negative, summing to ``num_tokens``; one host-to-device
+    copy, from pinned memory on CUDA) or an integer tensor ``[E]`` (no host synchronisation on a GPU; safe inside a
+    CUDA-graph capture). Device counts are checked where they live: on a GPU by a device-side assert (counts below 0
+    or not summing to ``num_tokens`` stop the run with a message naming the counts), elsewhere by a ValueError. Either
+    way the offsets the kernels read are clamped to ``[0, num_tokens]`` first, so no kernel reads or writes outside
+    its tensors whatever the counts. ``device``: where the layout lives (default: the tensor's device, else the
+    CPU). ``num_groups``: the number of experts the counts must describe (checked when given).
     """
     if isinstance(counts, torch.Tensor):
-        if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype == torch.bool or counts.numel() == 0:
-            raise ValueError(f"counts must be a non-empty 1-D integer tensor, got {counts.dtype} {tuple(counts.shape)}")
+        if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise ValueError(f"counts must be a 1-D integer tensor (tokens per expert), got {counts.dtype} {tuple(counts.shape)}")
+        if counts.numel() == 0 or (num_groups is not None and counts.numel() != num_groups):
+            raise ValueError(f"counts describe {counts.numel()} experts; the layer has {num_groups if num_groups else '>= 1'}")
         dev = torch.device(device) if device is not None else counts.device
-        c = counts.to(device=dev, dtype=COUNT_DTYPE)
-        e = c.shape[0]
-        offsets = torch.zeros(e + 1, dtype=COUNT_DTYPE, device=dev)
-        torch.cumsum(c, 0, out=offsets[1:])
-        padded = torch.zeros(e + 1, dtype=COUNT_DTYPE, device=dev)
-        torch.cumsum((c + (BLOCK - 1)) // BLOCK * BLOCK, 0, out=padded[1:])
-        return GroupLayout(c, offsets, padded, int(num_tokens), capacity_bound(int(num_tokens), e))
+        return _device_layout(counts.to(dev), int(num_tokens))
     host = tuple(int(v) for v in counts)
+    if num_groups is not None and len(host) != num_groups:
+        raise ValueError(f"{len(host)} counts given for {num_groups} experts: one count per expert")
     if not host or min(host) < 0 or sum(host) != num_tokens:
         raise ValueError(f"counts {list(host)[:8]}{'...' if len(host) > 8 else ''} must be >= 0 and sum to the "
                          f"number of tokens {num_tokens} (they sum to {sum(host)}), one count per expert")  # fmt: skip
@@ -123,6 +130,28 @@ def group_layout(counts: torch.Tensor | Sequence[int], num_tokens: int, device: 
         packed = packed.to(dev)
     c, o, p = packed[:e], packed[e : 2 * e + 1], packed[2 * e + 1 :]
     return GroupLayout(c, o, p, int(num_tokens), padded[-1], host)
+
+
+def _device_layout(counts: torch.Tensor, num_tokens: int) -> GroupLayout:
+    """The layout of device counts: checked where they live, clamped for the kernels (``group_layout``)."""
+    e = counts.shape[0]
+    wide = counts.to(torch.int64)
+    valid = (wide >= 0).all() & (wide.sum() == num_tokens)
+    message = (f"grouped token counts must be >= 0 and sum to the number of tokens ({num_tokens}), one per expert "
+               f"({e}): the router's counts and the permuted tokens disagree")  # fmt: skip
+    if counts.device.type == "cuda":
+        torch._assert_async(valid, message)  # reported by the GPU, no host synchronisation
+    elif not bool(valid):
+        shown = wide.tolist()
+        raise ValueError(f"{message}; got {shown[:8]}{'...' if e > 8 else ''} (sum {sum(shown)})")
+    # whatever the counts: offsets within [0, T], each expert's count the difference of its offsets
+    ends = torch.cumsum(wide.clamp(min=0), 0).clamp(max=num_tokens)
+    offsets = torch.zeros(e + 1, dtype=COUNT_DTYPE, device=counts.device)
+    offsets[1:] = ends
+    c = offsets[1:] - offsets[:-1]
+    padded = torch.zeros(e + 1, dtype=COUNT_DTYPE, device=counts.device)
+    torch.cumsum((c + (BLOCK - 1)) // BLOCK * BLOCK, 0, out=padded[1:])
+    return GroupLayout(c, offsets, padded, num_tokens, capacity_bound(num_tokens, e))
 
 
 def _check_copy(name: str, data, scale, shape, scale_shape, fp8_dtype, device) -> torch.device:

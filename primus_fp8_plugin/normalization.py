@@ -1,6 +1,6 @@
 """The plugin's LayerNorm and RMSNorm (differentiable), with the numerics of ``docs/NUMERICS.md``
 ("Fused ops"): fp32 math in a fixed order, so every backend gives the same bits, and the same bits as
-the fused norm + FP8 linear (``fused_norm_linear.py``) feeds its GEMM.
+the fused norm + FP8 linear (``ops.fp8_norm_linear``) feeds its GEMM.
 
 ``norm(x, normalization, weight, bias, eps, zero_centered_gamma)`` takes ``megatron/norm.py``'s
 ``apply_norm`` arguments. Against torch's ``F.layer_norm`` / ``F.rms_norm`` it differs only in the

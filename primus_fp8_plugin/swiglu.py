@@ -1,7 +1,7 @@
 """SwiGLU of fc1's output in Megatron's gated layout (differentiable): ``h [..., 2F] = [a | b]`` ->
 ``silu(a) * b`` ``[..., F]``, each step rounded to h's dtype as ``F.silu(a) * b`` rounds it; the
 numerics of ``docs/NUMERICS.md`` ("Fused ops"), the same on every backend and the same bits as
-``fused_swiglu_linear.py`` feeds fc2's GEMM. In bf16 and fp16 the forward equals torch's
+``ops.fp8_swiglu_linear`` feeds fc2's GEMM. In bf16 and fp16 the forward equals torch's
 ``F.silu(a) * b`` bit for bit (all 65536 inputs checked on the CPU; ``tests/gpu`` checks CUDA)."""
 
 from __future__ import annotations

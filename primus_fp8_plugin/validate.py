@@ -41,8 +41,7 @@ from .golden import (
     load_quant_cases,
     optional_golden_file,
 )
-from .grouped_linear import fp8_grouped_linear
-from .linear import fp8_blockwise_linear
+from .ops import fp8_blockwise_linear, fp8_grouped_linear
 from .quantize import quantize_activation, quantize_weight
 from .recipe import BlockwiseRecipe, QuantParams
 from .tensor import BlockwiseFp8Tensor

@@ -9,13 +9,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from primus_fp8_plugin import fp8_blockwise_linear
+from primus_fp8_plugin import fp8_blockwise_linear, fp8_norm_linear
 from primus_fp8_plugin.normalization import norm
-from primus_fp8_plugin.sequence_parallel import (
-    fp8_sequence_parallel_linear,
-    fp8_sequence_parallel_norm_linear,
-    gather_rows,
-)
+from primus_fp8_plugin.ops import gather_rows
 from tools.sp_saved_bytes import SavedBytes
 
 from .conftest import make_input as _make_input
@@ -75,7 +71,8 @@ def check_linear(rank, world, case, seed):
     dy = make_input((world * s, b, n), seed=seed + 400 + rank, spread=True)
     kw = dict(recipe=recipe, backend=BACKEND)
     leaves = (rank, s, b, k, n, bias, main_grad, frozen, seed)
-    new = _run(lambda x, w, bb: fp8_sequence_parallel_linear(x, w, bb, **kw), *_leaves(*leaves), dy)
+    sp = dict(kw, sequence_parallel_group=dist.group.WORLD)
+    new = _run(lambda x, w, bb: fp8_blockwise_linear(x, w, bb, **sp), *_leaves(*leaves), dy)
     old = _run(lambda x, w, bb: fp8_blockwise_linear(gather_rows(x), w, bb, **kw), *_leaves(*leaves), dy)
     for what, a, c in zip(("y", "dx", "dW", "main_grad", "db"), new[:5], old[:5]):
         if what == "dW" and main_grad:  # Megatron's placeholder (uninitialised): the gradient is in main_grad
@@ -107,7 +104,7 @@ def check_norm_linear(rank, world, normalization, zero_centered, s, b, seed):
         gs = gamma.detach().clone().requires_grad_(True)
         be = None if beta is None else beta.detach().clone().requires_grad_(True)
         if fused:
-            y = fp8_sequence_parallel_norm_linear(xs, gs, be, ws, bs, backend=BACKEND, **args)
+            y = fp8_norm_linear(xs, gs, be, ws, bs, sequence_parallel_group=dist.group.WORLD, backend=BACKEND, **args)
         else:
             normed = norm(xs, normalization, gs, be, 1e-5, zero_centered, backend=BACKEND)
             y = fp8_blockwise_linear(gather_rows(normed), ws, bs, backend=BACKEND)
@@ -145,7 +142,7 @@ def run(rank, world, port, seed, device="cpu", backend="reference"):
         # no gradients at all: the forward alone (no columnwise copy), any rows
         with torch.no_grad():
             x, w, bb = _leaves(rank, 3, 5, 256, 128, True, False, False, seed)
-            check_same(fp8_sequence_parallel_linear(x, w, bb, backend=BACKEND),
+            check_same(fp8_blockwise_linear(x, w, bb, sequence_parallel_group=dist.group.WORLD, backend=BACKEND),
                        fp8_blockwise_linear(gather_rows(x), w, bb, backend=BACKEND), "no_grad y")  # fmt: skip
     finally:
         dist.destroy_process_group()

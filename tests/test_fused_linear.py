@@ -7,10 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_fp8_plugin import BlockwiseRecipe, WeightCache, available_backends, fp8_blockwise_linear
+from primus_fp8_plugin import (
+    BlockwiseRecipe,
+    WeightCache,
+    available_backends,
+    fp8_blockwise_linear,
+    fp8_norm_linear,
+    fp8_swiglu_linear,
+)
 from primus_fp8_plugin.backends import get_backend
-from primus_fp8_plugin.fused_norm_linear import fp8_norm_linear
-from primus_fp8_plugin.fused_swiglu_linear import fp8_swiglu_linear
 from primus_fp8_plugin.normalization import norm
 from primus_fp8_plugin.swiglu import swiglu
 

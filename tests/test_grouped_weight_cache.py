@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from primus_fp8_plugin import Fp8GroupedLinear, GroupedWeightCache
 from primus_fp8_plugin.backends import get_backend
-from primus_fp8_plugin.grouped_linear import Fp8GroupedLinear, GroupedWeightCache
 from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.weight_cache import StaleWeightCacheError, WeightCache, mark_weights_changed
 
@@ -98,15 +98,15 @@ def test_every_kind_of_change_to_one_expert_refreshes(change):
     x = make_input((sum(COUNTS), K), seed=1)
     before = run(layer, x)
     run(layer, x)
-    assert layer._weight_cache.refreshes == 1
+    assert layer.weight_cache.refreshes == 1
     change(layer)
     xx = x.to(layer.weight0.dtype)
     after = run(layer, xx)
     assert torch.equal(after, fresh_output(layer, xx)), change.__name__
     assert not torch.equal(after.float(), before.float()), f"{change.__name__}: no effect, the test proves nothing"
-    refreshes = layer._weight_cache.refreshes
+    refreshes = layer.weight_cache.refreshes
     run(layer, xx)
-    assert layer._weight_cache.refreshes == refreshes, "an unchanged weight set is served from the cache"
+    assert layer.weight_cache.refreshes == refreshes, "an unchanged weight set is served from the cache"
 
 
 def test_a_new_weight_at_the_old_ones_address_is_not_served_its_copy():
@@ -131,11 +131,11 @@ def test_a_new_weight_at_the_old_ones_address_is_not_served_its_copy():
 
 def test_writes_through_data_are_caught_by_check_mode_and_need_an_explicit_refresh():
     layer = make_layer()
-    layer._weight_cache.check = True
+    layer.weight_cache.check = True
     x = make_input((sum(COUNTS), K), seed=2)
     run(layer, x)
     run(layer, x)
-    assert layer._weight_cache.checks == 1
+    assert layer.weight_cache.checks == 1
     layer.weight1.data.mul_(2.0)
     with pytest.raises(StaleWeightCacheError, match="expert 1's weight"):
         run(layer, x)
@@ -154,7 +154,7 @@ def test_copies_start_empty_and_compute_the_same():
     x = make_input((sum(COUNTS), K), seed=4)
     y = run(layer, x)
     twin = copy.deepcopy(layer)
-    assert twin._weight_cache._value is None and twin.weight_cache_nbytes == 0
+    assert twin.weight_cache._value is None and twin.weight_cache_nbytes == 0
     assert torch.equal(run(twin, x), y)
 
 
@@ -221,7 +221,7 @@ def test_the_check_runs_no_per_expert_python():
 def test_a_weight_of_another_shape_is_refused_with_or_without_a_cache():
     """With a cache the per-expert shape and device checks run when it re-quantizes (a served copy implies the
     checked shapes, dtypes and storages); a weight reshaped through ``.data`` is a miss, so it is refused too."""
-    from primus_fp8_plugin.grouped_linear import fp8_grouped_linear
+    from primus_fp8_plugin import fp8_grouped_linear
 
     torch.manual_seed(7)
     ws = [torch.randn(N, K, dtype=torch.bfloat16) for _ in range(E)]

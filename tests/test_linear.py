@@ -253,7 +253,7 @@ def test_torch_compile_of_a_training_model_with_the_cache():
     eager, compiled = model(), model()
     torch._dynamo.reset()
     assert train(compiled, torch.compile(compiled)) == train(eager, eager)
-    assert [compiled[i]._weight_cache.refreshes for i in (0, 2)] == [3, 3]
+    assert [compiled[i].weight_cache.refreshes for i in (0, 2)] == [3, 3]
 
 
 def fresh_output(layer, x):
@@ -268,13 +268,13 @@ def test_a_layer_made_or_loaded_under_inference_mode():
         torch.manual_seed(0)
         made = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend="reference")
         y1, y2 = made(x), made(x)
-        assert made._weight_cache.refreshes == 2  # inference tensors: no version counter to trust in here
+        assert made.weight_cache.refreshes == 2  # inference tensors: no version counter to trust in here
         made.weight.mul_(-1.0)  # an untracked in-place write, allowed in inference mode
         y3 = made(x)
     assert torch.equal(y1, y2) and torch.equal(y3, fresh_output(made, x)) and not torch.equal(y3, y1)
     with torch.no_grad():  # outside inference mode an inference tensor cannot be written: cached
         assert torch.equal(made(x), y3) and torch.equal(made(x), y3)
-    assert made._weight_cache.refreshes == 4
+    assert made.weight_cache.refreshes == 4
     with pytest.raises(RuntimeError, match="inference tensor .* build or load the layer outside inference_mode"):
         made(x.clone().requires_grad_(True))
     # a normal layer loaded under inference mode trains as usual
@@ -354,7 +354,7 @@ def test_promotion_range_limit(backend):
 def test_an_input_saved_elsewhere_is_kept_and_requantized_with_the_same_bits(backend, main_grad):
     """``mark_saved_elsewhere``: the op keeps the input (no bytes of its own) instead of its columnwise FP8
     copy and quantizes that copy in backward: outputs and every gradient bit-identical to the unmarked op."""
-    from primus_fp8_plugin.linear import mark_saved_elsewhere
+    from primus_fp8_plugin.ops import mark_saved_elsewhere
 
     k, n = 384, 256
     dy = make_input((3, 100, n), seed=7)
@@ -387,7 +387,7 @@ def test_an_input_saved_elsewhere_is_kept_and_requantized_with_the_same_bits(bac
 def test_a_marked_input_that_must_be_copied_saves_the_fp8_copy(backend):
     """A non-contiguous marked input is copied before quantization: keeping it would add bytes, so the op
     saves its columnwise FP8 copy as usual."""
-    from primus_fp8_plugin.linear import mark_saved_elsewhere
+    from primus_fp8_plugin.ops import mark_saved_elsewhere
 
     x = make_input((256, 128), seed=1).t()  # [128, 256], non-contiguous
     w = (make_input((64, 256), seed=2) / 16).requires_grad_(True)

@@ -10,10 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primus_fp8_plugin import fp8_blockwise_linear
-from primus_fp8_plugin.fused_norm_linear import fp8_norm_linear
-from primus_fp8_plugin.fused_swiglu_linear import fp8_swiglu_linear
-from primus_fp8_plugin.grouped_linear import fp8_grouped_linear
+from primus_fp8_plugin import fp8_blockwise_linear, fp8_grouped_linear, fp8_norm_linear, fp8_swiglu_linear
 
 from .conftest import make_input
 

@@ -314,7 +314,7 @@ class _FakeTE:
     class GroupedLinear(torch.nn.Module):
         def __init__(self, num_gemms, in_features, out_features, bias, params_dtype, device):
             super().__init__()
-            from primus_fp8_plugin.grouped_linear import Fp8GroupedLinear
+            from primus_fp8_plugin import Fp8GroupedLinear
 
             self.inner = Fp8GroupedLinear(num_gemms, in_features, out_features, bias=bias, dtype=params_dtype,
                                           device=device, backend="reference", recipe=_FakeTE.recipe)  # fmt: skip

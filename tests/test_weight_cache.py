@@ -40,7 +40,7 @@ def run(layer, x):
 def test_one_quantization_per_step_reused_by_microbatches_and_backward():
     layer = make_layer()
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-    cache = layer._weight_cache
+    cache = layer.weight_cache
     for step in range(3):
         for _ in range(4):  # microbatches
             x = make_input((32, 256), seed=step).requires_grad_(True)
@@ -103,9 +103,9 @@ def test_writes_through_data_need_an_explicit_refresh():
     layer.is_first_microbatch = True
     assert torch.equal(run(layer, x), fresh_output(layer, x))
     assert layer.is_first_microbatch is False  # consumed, as TE's modules do
-    refreshes = layer._weight_cache.refreshes
+    refreshes = layer.weight_cache.refreshes
     run(layer, x)
-    assert layer._weight_cache.refreshes == refreshes  # later microbatches reuse
+    assert layer.weight_cache.refreshes == refreshes  # later microbatches reuse
 
 
 def test_cache_is_reported_and_never_in_state_dict():
@@ -129,16 +129,16 @@ def test_under_cuda_graph_capture_the_cache_always_quantizes(monkeypatch):
     from primus_fp8_plugin import weight_cache
 
     layer = make_layer()
-    cache = layer._weight_cache
+    cache = layer.weight_cache
     x = make_input((32, 256), seed=1)
     run(layer, x)
     run(layer, x)
     assert cache.refreshes == 1  # eager: cached
-    monkeypatch.setattr(weight_cache, "_capturing", lambda: True)
+    monkeypatch.setattr(weight_cache, "capturing", lambda: True)
     run(layer, x)
     run(layer, x)
     assert cache.refreshes == 3  # capturing: quantized each time although the weight did not change
-    monkeypatch.setattr(weight_cache, "_capturing", lambda: False)
+    monkeypatch.setattr(weight_cache, "capturing", lambda: False)
     with torch.no_grad():
         layer.weight.data.mul_(0.5)  # through .data: no version bump, no optimizer step
     y = run(layer, x)
@@ -291,7 +291,7 @@ def test_copies_and_pickles_of_a_cached_layer_start_empty_and_compute_the_same()
     y = run(layer, x)
     copies = [copy.deepcopy(layer), copy.copy(layer), pickle.loads(pickle.dumps(layer))]
     for other in copies:
-        assert other.weight_cache_nbytes == 0 or other._weight_cache is layer._weight_cache
+        assert other.weight_cache_nbytes == 0 or other.weight_cache is layer.weight_cache
         assert torch.equal(run(other, x), y)
     del copies, other
     gc.collect()  # each cache's storage weak reference is released once
@@ -334,7 +334,7 @@ def test_writes_that_bypass_the_version_counter_are_caught_by_check_mode(write):
     for check in (False, True):
         torch.manual_seed(0)
         layer = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend="reference")
-        layer._weight_cache.check = check
+        layer.weight_cache.check = check
         run(layer, x)
         UNSEEN_WRITES[write](layer.weight)
         if not check:  # the documented limit: served stale
@@ -345,7 +345,7 @@ def test_writes_that_bypass_the_version_counter_are_caught_by_check_mode(write):
         layer.invalidate_weight_cache()  # what the message says to do
         assert torch.equal(run(layer, x), fresh_output(layer, x))
         assert torch.equal(run(layer, x), fresh_output(layer, x))  # a checked hit
-        assert layer._weight_cache.checks == 2
+        assert layer.weight_cache.checks == 2
 
 
 def test_check_mode_follows_the_environment(monkeypatch):
@@ -355,7 +355,7 @@ def test_check_mode_follows_the_environment(monkeypatch):
     assert WeightCache().check is False and WeightCache(check=True).check is True
     monkeypatch.setenv(CHECK_ENV, "1")
     assert WeightCache().check is True and WeightCache(check=False).check is False
-    assert make_layer()._weight_cache.check is True
+    assert make_layer().weight_cache.check is True
     monkeypatch.setenv(CHECK_ENV, "0")
     assert WeightCache().check is False
 
@@ -376,7 +376,7 @@ def _broadcast_worker(rank: int, port: int, out_dir: str) -> None:
     result = {}
     for check in (False, True):
         layer = Fp8BlockwiseLinear(256, 128, dtype=torch.bfloat16, backend="reference")
-        layer._weight_cache.check = check
+        layer.weight_cache.check = check
         run(layer, x)
         with torch.no_grad():
             dist.broadcast(layer.weight, 0)

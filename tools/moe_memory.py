@@ -22,8 +22,8 @@ import argparse
 
 import torch
 
+from primus_fp8_plugin import GroupedWeightCache, fp8_grouped_linear
 from primus_fp8_plugin.backends.base import Availability, Backend
-from primus_fp8_plugin.grouped_linear import GroupedWeightCache, fp8_grouped_linear
 from primus_fp8_plugin.grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight
 from primus_fp8_plugin.recipe import BLOCK
 from primus_fp8_plugin.tensor import pad4, scale_inv_shape

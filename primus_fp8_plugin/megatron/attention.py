@@ -24,7 +24,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..linear import mark_saved_elsewhere
+from ..ops import mark_saved_elsewhere
 
 _TORCH_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
 

@@ -1,11 +1,11 @@
 """Megatron-core layers around the plugin's fused kernels (the TE-free fast stack of ``fast_specs.py``).
 
 * ``Fp8FusedNormColumnParallelLinear``: the norm of ``linear_qkv`` / ``linear_fc1`` computed and
-  quantized to FP8 in one kernel (``fused_norm_linear.fp8_norm_linear``); the bf16 norm output is never
+  quantized to FP8 in one kernel (``ops.fp8_norm_linear``); the bf16 norm output is never
   written. Parameters, names and checkpoint keys are ``Fp8LayerNormColumnParallelLinear``'s.
 * ``Fp8SwigluRowParallelLinear`` + ``Fp8FusedSwigluMLP``: an MLP whose fc2 takes fc1's output
   ``[..., 2F]`` and applies SwiGLU and the quantization of its own input in one kernel
-  (``fused_swiglu_linear.fp8_swiglu_linear``); the bf16 activation is never written.
+  (``ops.fp8_swiglu_linear``); the bf16 activation is never written.
 
 Both give the same bits, outputs and gradients, as the unfused plugin layers (``normalization.norm``
 or ``swiglu.swiglu``, then the FP8 linear): tests/megatron/test_fast_spec.py.
@@ -17,7 +17,7 @@ partial sum over the ranks' output columns, and the norm's backward runs inside 
   norm backward is linear in its incoming gradient) and so are the gamma/beta gradients (an identity
   with an all-reducing backward on them);
 * with sequence parallelism the norm runs on the local sequence shard, fused with its quantization,
-  and its FP8 rowwise copy is all-gathered (``sequence_parallel.fp8_sequence_parallel_norm_linear``):
+  and its FP8 rowwise copy is all-gathered (``fp8_norm_linear(..., sequence_parallel_group=)``):
   saved are the local shard (for the norm's backward, as TE saves it) and its columnwise FP8 copy,
   re-gathered in backward; the gradient of the normed input is reduce-scattered before the norm's
   backward, and the gamma/beta gradients (this rank's tokens) are summed by Megatron's all-reduce
@@ -33,21 +33,13 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.mlp import MLP
 
-from ..fused_norm_linear import fp8_norm_linear
-from ..fused_swiglu_linear import fp8_swiglu_linear
-from ..sequence_parallel import fp8_sequence_parallel_norm_linear
+from ..ops import fp8_norm_linear, fp8_swiglu_linear
 from .layers import Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear, tp_group_of
 
 
-def _run_fp8(layer, fn, *args):
-    """``fn(*args, recipe=, backend=, weight_cache=, refresh_weight_cache=)`` with the layer's FP8 state
-    (the weight cache is refreshed on the first microbatch, as ``_Fp8LinearMixin._fp8_linear`` does)."""
-    refresh = bool(layer.is_first_microbatch)
-    out = fn(*args, recipe=layer.fp8_recipe, backend=layer.fp8_backend, weight_cache=layer._weight_cache,
-             refresh_weight_cache=refresh)  # fmt: skip
-    if refresh:
-        layer.is_first_microbatch = False
-    return out
+def _run_fp8(layer, fn, *args, **kwargs):
+    """``fn(*args)`` with the layer's FP8 keywords (``Fp8ColumnParallelLinear.fp8_options``)."""
+    return fn(*args, **kwargs, **layer.fp8_options())
 
 
 class Fp8FusedNormColumnParallelLinear(Fp8LayerNormColumnParallelLinear):
@@ -66,7 +58,8 @@ class Fp8FusedNormColumnParallelLinear(Fp8LayerNormColumnParallelLinear):
         gamma, beta = self.layer_norm_weight, self.layer_norm_bias
         weight.fuse_wgrad_accumulation = bool(gradient_accumulation_fusion)
         if sequence_parallel:
-            return _run_fp8(self, _sp_norm_linear, input, gamma, beta, weight, bias, self, tp_group_of(tp_group))
+            return _run_fp8(self, _norm_linear, input, gamma, beta, weight, bias, self,
+                            sequence_parallel_group=tp_group_of(tp_group))  # fmt: skip
         if allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
             gamma = copy_to_tensor_model_parallel_region(gamma, group=tp_group)
@@ -77,11 +70,6 @@ class Fp8FusedNormColumnParallelLinear(Fp8LayerNormColumnParallelLinear):
 def _norm_linear(x, gamma, beta, weight, bias, layer, **fp8):
     return fp8_norm_linear(x, gamma, beta, weight, bias, normalization=layer.normalization, eps=layer.eps,
                            zero_centered_gamma=layer.zero_centered_gamma, **fp8)  # fmt: skip
-
-
-def _sp_norm_linear(x, gamma, beta, weight, bias, layer, group, **fp8):
-    return fp8_sequence_parallel_norm_linear(x, gamma, beta, weight, bias, normalization=layer.normalization, eps=layer.eps,
-                                             zero_centered_gamma=layer.zero_centered_gamma, group=group, **fp8)  # fmt: skip
 
 
 class Fp8SwigluRowParallelLinear(Fp8RowParallelLinear):

@@ -41,8 +41,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
-from ..grouped_linear import GroupedWeightCache, fp8_grouped_linear
+from ..modules import HoldsWeightCache, take_first_microbatch
+from ..ops import fp8_grouped_linear
 from ..recipe import BlockwiseRecipe
+from ..weight_cache import GroupedWeightCache
 from .layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
 
@@ -52,7 +54,7 @@ def _device(config):
     return torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
 
 
-class Fp8GroupedLinearBase(torch.nn.Module):
+class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
     """The plugin's grouped linear for Megatron experts (see the module docstring); ``parallel_mode`` is
     ``"column"`` or ``"row"``."""
 
@@ -125,7 +127,7 @@ class Fp8GroupedLinearBase(torch.nn.Module):
         self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
         self.fp8_backend = fp8_backend
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
-        self._weight_cache = GroupedWeightCache()
+        self.weight_cache = GroupedWeightCache()
         self.is_first_microbatch: bool | None = None
         self._register_load_state_dict_pre_hook(self._merge_extra_states)
 
@@ -156,26 +158,13 @@ class Fp8GroupedLinearBase(torch.nn.Module):
         weights = self.weights
         for w in weights:  # Megatron's gradient-accumulation fusion: dW accumulated into main_grad in fp32
             w.fuse_wgrad_accumulation = self.gradient_accumulation_fusion
-        refresh = bool(self.is_first_microbatch)
         biases = None if self.te_return_bias else self.biases
-        out = fp8_grouped_linear(
-            x, m_splits, weights, biases, recipe=self.fp8_recipe, backend=self.fp8_backend,
-            weight_cache=self._weight_cache, refresh_weight_cache=refresh,
-        )  # fmt: skip
-        if refresh:
-            self.is_first_microbatch = False
+        out = fp8_grouped_linear(x, m_splits, weights, biases, recipe=self.fp8_recipe, backend=self.fp8_backend,
+                                 weight_cache=self.weight_cache, refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
         return (out, self.biases) if self.te_return_bias else (out, None)
 
     def backward_dw(self) -> None:
         """Weight gradients are computed during backward (no delayed wgrad): nothing to do."""
-
-    @property
-    def weight_cache_nbytes(self) -> int:
-        return self._weight_cache.nbytes
-
-    def _apply(self, fn, *args, **kwargs):
-        self._weight_cache.invalidate()
-        return super()._apply(fn, *args, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Expert ``i``'s weight (bias, extra state) under the keys of SequentialMLP's ``...linear_fc1.weight``

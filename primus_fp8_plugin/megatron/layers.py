@@ -5,7 +5,7 @@ attributes, weight initialisation, ``sharded_state_dict`` and ``main_grad`` hand
 only ``_forward_impl`` (the matrix multiply with its tensor-parallel communication) is replaced:
 
 * column-parallel: with sequence parallelism the local sequence shard is quantized and its FP8
-  rowwise copy all-gathered (``sequence_parallel.fp8_sequence_parallel_linear``: only the shard's
+  rowwise copy all-gathered (``fp8_blockwise_linear(..., sequence_parallel_group=)``: only the shard's
   columnwise copy is saved for backward and re-gathered there in FP8; the input gradient is
   reduce-scattered; a bf16 gather where a shard's rows are not a multiple of 128); otherwise the
   input gradient is all-reduced across TP ranks (``allreduce_dgrad``) and the FP8 blockwise linear
@@ -35,9 +35,9 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from ..linear import fp8_blockwise_linear
+from ..modules import HoldsWeightCache, take_first_microbatch
+from ..ops import fp8_blockwise_linear
 from ..recipe import BlockwiseRecipe
-from ..sequence_parallel import fp8_sequence_parallel_linear
 from ..weight_cache import WeightCache
 from .norm import apply_norm, make_norm_params
 
@@ -66,7 +66,7 @@ def _without_apex_fusion_check(config):
     return quiet
 
 
-class _Fp8LinearMixin:
+class _Fp8LinearMixin(HoldsWeightCache):
     """What the FP8 layers add to Megatron's: recipe, backend, weight cache and the FP8 matmul."""
 
     def _init_fp8(self, config, fp8_recipe: BlockwiseRecipe | None, fp8_backend: str) -> None:
@@ -74,28 +74,18 @@ class _Fp8LinearMixin:
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
         self.fp8_backend = fp8_backend
-        self._weight_cache = WeightCache()
+        self.weight_cache = WeightCache()
         self.is_first_microbatch: bool | None = None
 
-    def _fp8_linear(self, input, weight, bias, gradient_accumulation_fusion: bool, fn=fp8_blockwise_linear, **extra):
+    def fp8_options(self) -> dict:
+        """The FP8 keywords of this layer's ops (the weight cache refreshed on the first microbatch)."""
+        return dict(recipe=self.fp8_recipe, backend=self.fp8_backend, weight_cache=self.weight_cache,
+                    refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
+
+    def _fp8_linear(self, input, weight, bias, gradient_accumulation_fusion: bool, **extra):
         # Megatron's gradient_accumulation_fusion: accumulate dW into main_grad (fp32) in the GEMM.
         weight.fuse_wgrad_accumulation = bool(gradient_accumulation_fusion)
-        refresh = bool(self.is_first_microbatch)
-        out = fn(
-            input, weight, bias, recipe=self.fp8_recipe, backend=self.fp8_backend,
-            weight_cache=self._weight_cache, refresh_weight_cache=refresh, **extra,
-        )  # fmt: skip
-        if refresh:
-            self.is_first_microbatch = False
-        return out
-
-    @property
-    def weight_cache_nbytes(self) -> int:
-        return self._weight_cache.nbytes
-
-    def _apply(self, fn, *args, **kwargs):
-        self._weight_cache.invalidate()
-        return super()._apply(fn, *args, **kwargs)
+        return fp8_blockwise_linear(input, weight, bias, **self.fp8_options(), **extra)
 
 
 def tp_group_of(tp_group):
@@ -117,8 +107,8 @@ class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, tp_group=None, **_unused):  # fmt: skip
         if sequence_parallel:  # the FP8 all-gather of the quantized shard (the bf16 one where it must)
-            return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion, fp8_sequence_parallel_linear,
-                                    group=tp_group_of(tp_group))  # fmt: skip
+            return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion,
+                                    sequence_parallel_group=tp_group_of(tp_group))  # fmt: skip
         if allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
         return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)

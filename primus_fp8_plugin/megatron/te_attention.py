@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
-from ..linear import mark_saved_elsewhere
+from ..ops import mark_saved_elsewhere
 from .attention import output_saved_by
 
 _TE_NODES_SAVING_OUTPUT = frozenset({"FusedAttnFuncBackward"})

@@ -77,8 +77,8 @@ def test_kernel_order_output_marking_and_cuda_graph_replay(nccl_world, monkeypat
     accumulate in another order)."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from primus_fp8_plugin.linear import SAVED_ELSEWHERE
     from primus_fp8_plugin.megatron.attention import KERNELS_ENV, SdpaAttention
+    from primus_fp8_plugin.ops.api import SAVED_ELSEWHERE
 
     monkeypatch.setenv(KERNELS_ENV, kernels)
     s, b, heads, groups, hd = 1024, 2, 32, 8, 128

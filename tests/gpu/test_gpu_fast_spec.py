@@ -129,10 +129,10 @@ def te():
 def test_te_hybrid_spec_matches_te_spec_with_the_plugins_linears(nccl_world, te):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    from primus_fp8_plugin.linear import SAVED_ELSEWHERE
     from primus_fp8_plugin.megatron import apply_fp8_blockwise, fp8_te_gpt_layer_spec
     from primus_fp8_plugin.megatron.fused_layers import Fp8FusedNormColumnParallelLinear, Fp8FusedSwigluMLP
     from primus_fp8_plugin.megatron.te_attention import Fp8TEDotProductAttention
+    from primus_fp8_plugin.ops.api import SAVED_ELSEWHERE
     from primus_fp8_plugin.validate import rel_frobenius
 
     cfg = config()

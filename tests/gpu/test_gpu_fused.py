@@ -9,11 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from primus_fp8_plugin import BlockwiseRecipe, TensorRole, backend_availability, fp8_blockwise_linear
+from primus_fp8_plugin import (
+    BlockwiseRecipe,
+    TensorRole,
+    backend_availability,
+    fp8_blockwise_linear,
+    fp8_norm_linear,
+    fp8_swiglu_linear,
+)
 from primus_fp8_plugin.backends import get_backend
 from primus_fp8_plugin.backends import reference_fused as spec
-from primus_fp8_plugin.fused_norm_linear import fp8_norm_linear
-from primus_fp8_plugin.fused_swiglu_linear import fp8_swiglu_linear
 from primus_fp8_plugin.normalization import norm
 from primus_fp8_plugin.rope import apply_rotary_pos_emb
 from primus_fp8_plugin.swiglu import swiglu

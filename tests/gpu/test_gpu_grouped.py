@@ -9,6 +9,7 @@ import torch
 
 from primus_fp8_plugin import (
     BlockwiseRecipe,
+    Fp8GroupedLinear,
     TensorRole,
     backend_availability,
     gemm_dgrad,
@@ -26,7 +27,6 @@ from primus_fp8_plugin.grouped import (
     quantize_activation_grouped,
     quantize_weight_grouped,
 )
-from primus_fp8_plugin.grouped_linear import Fp8GroupedLinear
 from primus_fp8_plugin.validate import rel_frobenius
 
 from ..conftest import make_input

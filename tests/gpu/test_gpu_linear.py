@@ -113,7 +113,7 @@ def test_an_input_saved_elsewhere_gives_the_same_bits_on_the_gpu():
     quantizes its columnwise copy in backward; output, input, weight (into ``main_grad``) and bias gradients are
     bit-identical to the unmarked linear's, at a ragged token count."""
     from primus_fp8_plugin import fp8_blockwise_linear
-    from primus_fp8_plugin.linear import mark_saved_elsewhere
+    from primus_fp8_plugin.ops import mark_saved_elsewhere
 
     k, n, m = 4096, 1536, 2 * 999
     g = torch.Generator(device="cuda").manual_seed(11)

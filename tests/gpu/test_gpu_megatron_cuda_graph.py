@@ -187,9 +187,9 @@ def test_megatron_local_graphs_replay_the_fast_spec_bit_for_bit(graph_world, mod
                 assert _CudagraphGlobalRecord.cudagraph_created, "create_cudagraphs() captured nothing"
                 assert all(r.fwd_graph is not None and r.bwd_graph is not None
                            for layer in g_block.layers for r in layer.cudagraph_manager.cudagraph_runners)  # fmt: skip
-                refreshes = [m._weight_cache.refreshes for m in layers]
+                refreshes = [m.weight_cache.refreshes for m in layers]
             else:  # replays run no layer Python: no weight-cache call at all
-                assert [m._weight_cache.refreshes for m in layers] == refreshes, "a graphed step ran the layers eagerly"
+                assert [m.weight_cache.refreshes for m in layers] == refreshes, "a graphed step ran the layers eagerly"
             what = f"{model} fusion={fusion} step {step}"
             for mb, ((gy, gdx), (ey, edx)) in enumerate(zip(g_outs, e_outs)):
                 assert same(gy, ey), f"{what} microbatch {mb}: output differs from eager"

@@ -155,8 +155,8 @@ def test_torch_compile_of_a_training_model_with_the_cache():
     a, b = train(eager, eager), train(compiled, torch.compile(compiled))
     stale = sum(u != v for u, v in zip(a, b))
     print(f"torch.compile training, cache on: losses differing from eager: {stale} of {len(a)}; "
-          f"refreshes {[compiled[i]._weight_cache.refreshes for i in (0, 2)]} (4 steps)")  # fmt: skip
-    assert stale == 0 and [compiled[i]._weight_cache.refreshes for i in (0, 2)] == [4, 4]
+          f"refreshes {[compiled[i].weight_cache.refreshes for i in (0, 2)]} (4 steps)")  # fmt: skip
+    assert stale == 0 and [compiled[i].weight_cache.refreshes for i in (0, 2)] == [4, 4]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["distributed_optimizer", "overlapped_param_gather"])
@@ -185,7 +185,7 @@ def test_megatron_distributed_optimizer_steps_refresh_every_cache(nccl_world, ov
     model = Float16Module(config, gpt)
     layers = [m for m in model.modules() if isinstance(m, _Fp8LinearMixin)]
     for m in layers:
-        m._weight_cache.check = True
+        m.weight_cache.check = True
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
@@ -211,10 +211,10 @@ def test_megatron_distributed_optimizer_steps_refresh_every_cache(nccl_world, ov
         ok, _, _ = opt.step()
         assert ok
     per_step = [losses[i * micro : (i + 1) * micro] for i in range(steps)]
-    refreshes = [m._weight_cache.refreshes for m in layers]
+    refreshes = [m.weight_cache.refreshes for m in layers]
     print(f"Megatron distributed optimizer (overlap_param_gather={overlap}): losses per step {per_step}; "
           f"refreshes per layer {sorted(set(refreshes))} for {steps} steps; stale forwards: 0 of "
-          f"{sum(m._weight_cache.checks for m in layers)} checked cache hits")  # fmt: skip
+          f"{sum(m.weight_cache.checks for m in layers)} checked cache hits")  # fmt: skip
     assert all(len(set(s)) == 1 for s in per_step), per_step
     assert len({s[0] for s in per_step}) == steps
     assert all(r == steps for r in refreshes), refreshes

@@ -82,17 +82,17 @@ def test_is_first_microbatch_refreshes_every_weight_cache_once():
     model = build_gpt(fused)
     layers = [m for n, m in model.named_modules() if n in set(fp8_linears(model))]
     loss_and_grads(model)
-    before = [m._weight_cache.refreshes for m in layers]
+    before = [m.weight_cache.refreshes for m in layers]
     loss_and_grads(model)  # same weights: served from the cache
-    assert [m._weight_cache.refreshes for m in layers] == before
+    assert [m.weight_cache.refreshes for m in layers] == before
     from primus_fp8_plugin.megatron import set_is_first_microbatch
 
     model.module.set_is_first_microbatch()  # Megatron's: a no-op without config.fp8 (TE's switch)
     loss_and_grads(model)
-    assert [m._weight_cache.refreshes for m in layers] == before
+    assert [m.weight_cache.refreshes for m in layers] == before
     assert set_is_first_microbatch(model) == len(layers)
     loss_and_grads(model)
-    assert [m._weight_cache.refreshes for m in layers] == [r + 1 for r in before]
+    assert [m.weight_cache.refreshes for m in layers] == [r + 1 for r in before]
     assert all(m.is_first_microbatch is False for m in layers)
 
 

@@ -157,9 +157,9 @@ def test_first_microbatch_mark_reaches_the_grouped_linears():
     marked = set_is_first_microbatch(model)
     assert marked == 4 + 2 * 2  # + qkv, proj per layer
     loss_and_grads(model)
-    assert all(m.is_first_microbatch is False and m._weight_cache.refreshes == 1 for m in grouped)
+    assert all(m.is_first_microbatch is False and m.weight_cache.refreshes == 1 for m in grouped)
     loss_and_grads(model)
-    assert all(m._weight_cache.refreshes == 1 for m in grouped)  # weights unchanged: cached
+    assert all(m.weight_cache.refreshes == 1 for m in grouped)  # weights unchanged: cached
 
 
 def test_delayed_wgrad_is_refused():

@@ -296,8 +296,8 @@ def test_output_is_marked_for_the_projection_only_where_sdpa_saves_it():
     from megatron.core.transformer.enums import AttnMaskType
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from primus_fp8_plugin.linear import SAVED_ELSEWHERE
     from primus_fp8_plugin.megatron.attention import SdpaAttention
+    from primus_fp8_plugin.ops.api import SAVED_ELSEWHERE
 
     module = SdpaAttention(config=attn_config(), layer_number=1, attn_mask_type=AttnMaskType.causal)
     q, k, v, _ = inputs()

@@ -26,7 +26,7 @@ def _train(use_distributed_optimizer: bool, steps: int, micro: int, after_step=N
     model = build_gpt(get_gpt_block_spec(2, backend="reference"))
     layers = [m for m in model.modules() if isinstance(m, _Fp8LinearMixin)]
     for m in layers:
-        m._weight_cache.check = True
+        m.weight_cache.check = True
     with CudaAsCpu():
         ddp = DistributedDataParallel(
             model.config,
@@ -59,8 +59,8 @@ def test_megatron_optimizer_steps_refresh_every_cache(megatron_world, use_distri
     layers, losses = _train(use_distributed_optimizer, steps, micro)
     # one quantization per step (the first microbatch), the other microbatches and every backward
     # served from the cache and checked against a fresh quantization
-    assert all(m._weight_cache.refreshes == steps for m in layers), [m._weight_cache.refreshes for m in layers]
-    assert all(m._weight_cache.checks >= steps * (micro - 1) for m in layers)
+    assert all(m.weight_cache.refreshes == steps for m in layers), [m.weight_cache.refreshes for m in layers]
+    assert all(m.weight_cache.checks >= steps * (micro - 1) for m in layers)
     per_step = [losses[i * micro : (i + 1) * micro] for i in range(steps)]
     assert all(len(set(s)) == 1 for s in per_step), per_step  # same weights, same batch: same loss
     firsts = [s[0] for s in per_step]
@@ -76,4 +76,4 @@ def test_check_mode_catches_a_step_that_no_hook_saw(megatron_world, monkeypatch)
     with pytest.raises(weight_cache.StaleWeightCacheError, match="stale FP8 copy"):
         _train(False, steps=2, micro=1)
     layers, _ = _train(False, steps=3, micro=2, after_step=mark)
-    assert all(m._weight_cache.refreshes == 3 for m in layers)
+    assert all(m.weight_cache.refreshes == 3 for m in layers)

@@ -1,0 +1,226 @@
+"""THE FP8 blockwise linear: one autograd op for every FP8 linear of the package.
+
+An input stage (``stages.py``: plain, norm, SwiGLU) hands the core the quantized X; a token exchange
+(``exchange.py``: local, sequence-parallel) moves its rows; a layout (``layouts.py``: one weight, or grouped
+experts) picks the backend's operations. What the core does, written once:
+
+Forward:  X --(stage: quantize; rowwise for the GEMM, columnwise kept for wgrad)--> (exchange: gather rows)
+          W --weight cache (W and W^T, once per weight version) or quantized for this call
+          Y = X W^T (+ b)
+Saved:    X's columnwise FP8 copy (about 0.52x the bytes of a bf16 X) and what the stage's backward reads; the
+          quantized weight on ``ctx`` (weight-sized, owned by the cache). Never a high-precision X unless another
+          node saves its storage anyway (``stages.Plain(keep_input=True)``).
+Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W (W^T copy; exchange: reduce-scatter)
+          dW = dY^T X, or ``main_grad += dW`` in fp32 under Megatron's protocol (``weight_gradients``)
+          db = sum of dY over rows; then the stage's own backward on dX.
+          Only what is needed is quantized and computed: a frozen weight skips X's columnwise copy and wgrad; with
+          neither dX nor dW needed (bias-only training) dY is not quantized.
+          ``backward(retain_graph=True)``: the quantized weight is kept for the next backward, else released.
+
+The weights are kept on ``ctx`` (not ``save_for_backward``): under saved-tensor hooks (activation offloading,
+``save_on_cpu``) backward would get new tensor objects without the parameters' ``main_grad``, and the gradient
+would silently land in ``.grad``. They are inputs of the op, so this holds no reference cycle; their data are never
+read in backward (the quantized copies are).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from ..backends import Backend
+from ..recipe import BlockwiseRecipe, TensorRole
+
+
+@dataclass(frozen=True, eq=False)
+class LinearPlan:
+    """Everything but the tensors of one FP8 linear call.
+
+    ``stage``, ``exchange``, ``layout``: the three parts above. ``cache``: a ``WeightCache`` (dense) or
+    ``GroupedWeightCache`` (grouped), or None to quantize the weights on every call; ``refresh`` re-quantizes
+    through the cache (Megatron's first microbatch). ``need_wgrad``: grad mode is on and a weight requires grad
+    (decided before the op runs, where grad mode is still visible).
+    """
+
+    stage: object
+    exchange: object
+    layout: object
+    recipe: BlockwiseRecipe
+    backend: Backend
+    cache: object
+    refresh: bool
+    num_weights: int
+    has_bias: bool
+    need_wgrad: bool
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """Inputs: the plan, then the stage's inputs, the weights, the biases (if any)."""
+
+    @staticmethod
+    def forward(ctx, plan: LinearPlan, *tensors):
+        stage, exchange, layout, backend, recipe = plan.stage, plan.exchange, plan.layout, plan.backend, plan.recipe
+        ns, nw = stage.num_inputs, plan.num_weights
+        inputs, weights, biases = tensors[:ns], tensors[ns : ns + nw], tensors[ns + nw :]
+        ctx.plan, ctx.weights = plan, weights
+        if inputs[0].numel() == 0:  # no rows: nothing to quantize; every gradient is zero (``_zero_rows_backward``)
+            ctx.meta = None
+            ctx.leaves = [None if t is None else (t.shape, t.dtype, t.device) for t in (*inputs, *biases)]
+            return inputs[0].new_empty(*exchange.gathered_shape(inputs[0].shape[:-1]), weights[0].shape[0])
+        requantize = stage.requantizes(inputs, plan.need_wgrad)
+        p_in = recipe.params(TensorRole.INPUT)
+        xq, stage_saved, in_shape = stage.forward(backend, layout, p_in, inputs, columnwise=plan.need_wgrad and not requantize,
+                                                  requantize=requantize)  # fmt: skip
+        wq = layout.quantize_weights(backend, weights, recipe.params(TensorRole.WEIGHT), plan.cache, plan.refresh)
+        out_dtype = inputs[0].dtype
+        y = layout.gemm_fwd(backend, exchange.gather_rowwise(xq), wq, biases, out_dtype)
+
+        x_col = (xq.columnwise_data, xq.columnwise_scale_inv) if plan.need_wgrad and not requantize else (None, None)
+        ctx.save_for_backward(*x_col, *stage_saved)
+        ctx.wq = wq
+        ctx.meta = (tuple(xq.shape), xq.fp8_dtype, out_dtype, in_shape, requantize)
+        n = weights[0].shape[0]
+        return y.view(*exchange.gathered_shape(in_shape[:-1]), n)
+
+    @staticmethod
+    def backward(ctx, dy):
+        with torch.autocast(dy.device.type, enabled=False):  # a backward run inside an autocast region
+            return _backward(ctx, dy)
+
+
+def _backward(ctx, dy):
+    plan: LinearPlan = ctx.plan
+    if ctx.meta is None:
+        return _zero_rows_backward(ctx)
+    stage, exchange, layout, backend, recipe = plan.stage, plan.exchange, plan.layout, plan.backend, plan.recipe
+    (m, k), x_fp8, x_dtype, in_shape, requantize = ctx.meta
+    x_col, x_col_scale, *stage_saved = ctx.saved_tensors
+    weights = ctx.weights
+    ns, nw = stage.num_inputs, plan.num_weights
+    needs = ctx.needs_input_grad[1:]
+    need_stage, need_w, need_b = needs[:ns], needs[ns : ns + nw], needs[ns + nw :]
+    need_dx, need_dw = any(need_stage), plan.need_wgrad and any(need_w)
+    n = weights[0].shape[0]
+    dy2d = dy.reshape(-1, n)
+    if not dy2d.is_contiguous():
+        dy2d = dy2d.contiguous()
+
+    dyq = None
+    if need_dx or need_dw:  # bias-only training needs no FP8 dY
+        dyq = layout.quantize_act(backend, dy2d, recipe.params(TensorRole.GRAD_OUTPUT), rowwise=need_dx, columnwise=need_dw)
+    started = exchange.start_gather_columnwise(x_col, x_col_scale) if need_dw and not requantize else None
+    dx2d, rs_work = None, None
+    if need_dx:
+        dx2d, rs_work = exchange.reduce_scatter(layout.gemm_dgrad(backend, dyq, ctx.wq, x_dtype))
+    dws = [None] * nw
+    if need_dw:
+        if requantize:
+            xq = stage.columnwise_again(backend, layout, recipe.params(TensorRole.INPUT), stage_saved)
+        else:
+            data, scale = exchange.finish_gather_columnwise(started)
+            xq = layout.columnwise((exchange.world * m, k), x_fp8, x_dtype, data, scale)
+        dws = weight_gradients(layout, backend, dyq, xq, weights, need_w)
+    dbs = layout.bias_grads(dy2d) if any(need_b) else [None] * len(need_b)
+    if rs_work is not None:
+        rs_work.wait()
+    d_stage = stage.backward(backend, dx2d, stage_saved, in_shape, need_stage)
+    if not keeps_graph():
+        ctx.wq = None  # the graph is freed after this backward: so is the quantized weight
+    return None, *d_stage, *dws, *(d if nb else None for d, nb in zip(dbs, need_b))
+
+
+def _zero_rows_backward(ctx) -> tuple:
+    """Gradients of an op on zero rows: zeros for every input that needs one (nothing added to a ``main_grad``)."""
+    plan: LinearPlan = ctx.plan
+    ns, nw = plan.stage.num_inputs, plan.num_weights
+    needs = ctx.needs_input_grad[1:]
+    metas = ctx.leaves[:ns] + [(w.shape, w.dtype, w.device) for w in ctx.weights] + ctx.leaves[ns:]
+    grads = [torch.zeros(m[0], dtype=m[1], device=m[2]) if m is not None and need else None for m, need in zip(metas, needs)]
+    for i, w in enumerate(ctx.weights):
+        if needs[ns + i] and fuses_main_grad(w):
+            grads[ns + i] = placeholder_gradient(w)
+    return None, *grads
+
+
+def keeps_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph=True``), so it may run again (True where torch
+    cannot say: the quantized weight is then freed with the graph)."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
+
+# ---- the weight gradient: into .grad, or into main_grad under Megatron's protocol ------------------------------
+
+_main_grad_of = operator.attrgetter("main_grad")
+
+
+def fuses_main_grad(weight: torch.Tensor) -> bool:
+    """Whether the weight's gradient goes into its ``main_grad`` (Megatron's gradient-accumulation fusion)."""
+    return getattr(weight, "main_grad", None) is not None and getattr(weight, "fuse_wgrad_accumulation", True)
+
+
+def weight_gradients(layout, backend: Backend, dyq, xq, weights, need_w) -> list:
+    """What autograd gets for each weight.
+
+    Without a ``main_grad``: ``dW = dY^T X`` in the weight's dtype (None where not needed). With a ``main_grad`` on
+    every weight (fp32, contiguous, the weight's shape; ``fuse_wgrad_accumulation`` not False): ``main_grad += dW`` in
+    fp32 inside the wgrad GEMM, and autograd gets ``placeholder_gradient``. Weights of one op either all have one or
+    none has."""
+    fused = list(map(fuses_main_grad, weights))
+    if not any(fused):
+        dws = layout.gemm_wgrad(backend, dyq, xq, weights[0].dtype, None)
+        return [d if nd else None for d, nd in zip(dws, need_w)]
+    if not all(fused):
+        raise ValueError("either every expert weight has a main_grad (with fuse_wgrad_accumulation) or none has")
+    main_grads = list(map(_main_grad_of, weights))
+    check_main_grads(weights, main_grads)
+    layout.gemm_wgrad(backend, dyq, xq, torch.float32, main_grads)
+    return list(map(placeholder_gradient, weights))
+
+
+def check_main_grads(weights, main_grads) -> None:
+    """Every ``main_grad`` a contiguous fp32 tensor of its weight's shape (C-level passes; the loop runs only to
+    name the first wrong one)."""
+    shapes_ok = list(map(operator.attrgetter("shape"), main_grads)) == list(map(operator.attrgetter("shape"), weights))
+    if shapes_ok and {g.dtype for g in main_grads} == {torch.float32} and all(map(torch.Tensor.is_contiguous, main_grads)):
+        return
+    for i, (w, g) in enumerate(zip(weights, main_grads)):
+        if g.dtype != torch.float32 or g.shape != w.shape or not g.is_contiguous():
+            which = "weight.main_grad" if len(weights) == 1 else f"weight {i}'s main_grad"
+            raise ValueError(
+                f"{which} must be a contiguous float32 tensor of the weight's shape {tuple(w.shape)}, got {g.dtype} "
+                f"{tuple(g.shape)} (contiguous={g.is_contiguous()}); set fuse_wgrad_accumulation = False on the weight "
+                "to get the gradient in .grad instead"
+            )
+
+
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+
+
+def placeholder_gradient(weight: torch.Tensor) -> torch.Tensor | None:
+    """What autograd gets for a weight whose gradient went into its ``main_grad``.
+
+    Under Megatron's protocol (the weight has a ``grad_added_to_main_grad`` attribute, which Megatron's DDP sets and
+    whose hook discards ``.grad``): the attribute is set True and a placeholder gradient is returned so that the
+    parameter's hooks run; one tensor per shape, dtype and device shared by all weights and calls (zeros where the
+    weight asks ``zero_out_wgrad``, else uninitialised, as TE does); nothing writes it. Otherwise None: ``.grad``
+    stays None and the gradient is only in ``main_grad``."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    zero = bool(getattr(weight, "zero_out_wgrad", False))
+    key = (tuple(weight.shape), weight.dtype, weight.device, zero)
+    dummy = _PLACEHOLDERS.get(key)
+    if dummy is None:
+        dummy = (torch.zeros if zero else torch.empty)(weight.shape, dtype=weight.dtype, device=weight.device)
+        _PLACEHOLDERS[key] = dummy
+    return dummy
+
+
+def apply_linear(plan: LinearPlan, inputs, weights, biases) -> torch.Tensor:
+    """Run the core on ``inputs`` (the stage's), ``weights`` and ``biases`` (a list or None)."""
+    device_type = inputs[0].device.type
+    with torch.autocast(device_type, enabled=False):  # the op's dtypes are its inputs' (``api.py`` casts under autocast)
+        return _Fp8LinearFn.apply(plan, *inputs, *weights, *(biases or ()))

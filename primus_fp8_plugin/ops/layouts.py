@@ -1,0 +1,88 @@
+"""The two layouts of the FP8 linear core: one weight (``Dense``) or ``E`` experts' weights over permuted tokens
+(``Grouped``). A layout owns what differs between them: which backend operations quantize the activations and the
+weights, run the three GEMMs and sum the bias gradients. The core (``core.py``) is written once over this interface.
+
+=====================  ======================================  =====================================================
+                       ``Dense``                               ``Grouped(layout)``
+=====================  ======================================  =====================================================
+activations            ``BlockwiseFp8Tensor`` ``[M, K]``       ``GroupedFp8Tensor`` ``[T, K]`` (``grouped_tensor.py``)
+weights                one ``[N, K]``, ``WeightCache``         ``E`` x ``[N, K]``, ``GroupedWeightCache``
+bias gradient          ``dY`` summed over rows                 each expert's rows of ``dY`` summed (counts on host)
+=====================  ======================================  =====================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends import Backend
+from ..grouped_tensor import GroupedFp8Tensor, GroupLayout
+from ..recipe import QuantParams
+from ..tensor import BlockwiseFp8Tensor
+
+
+class Dense:
+    """One weight ``[N, K]``: ``Y = X W^T (+ b)``."""
+
+    grouped = False
+
+    def quantize_act(self, backend: Backend, x2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
+        return backend.quantize_act(x2d, params, rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_weights(self, backend: Backend, weights, params: QuantParams, cache, refresh: bool):
+        if cache is not None:
+            return cache.get(weights[0], params, backend, refresh=refresh)
+        with torch.no_grad():
+            return backend.quantize_weight(weights[0].detach().contiguous(), params)
+
+    def gemm_fwd(self, backend: Backend, xq, wq, biases, out_dtype: torch.dtype) -> torch.Tensor:
+        return backend.gemm_fwd(xq, wq, biases[0] if biases else None, out_dtype)
+
+    def gemm_dgrad(self, backend: Backend, dyq, wq, out_dtype: torch.dtype) -> torch.Tensor:
+        return backend.gemm_dgrad(dyq, wq, out_dtype)
+
+    def gemm_wgrad(self, backend: Backend, dyq, xq, out_dtype: torch.dtype, accumulate_into) -> list[torch.Tensor]:
+        return [backend.gemm_wgrad(dyq, xq, out_dtype, None if accumulate_into is None else accumulate_into[0])]
+
+    def columnwise(self, shape, fp8_dtype, orig_dtype, data, scale_inv) -> BlockwiseFp8Tensor:
+        """The saved columnwise copy of the activation as the operand wgrad reads."""
+        return BlockwiseFp8Tensor(shape, 1, fp8_dtype, orig_dtype, columnwise_data=data, columnwise_scale_inv=scale_inv)
+
+    def bias_grads(self, dy2d: torch.Tensor) -> list[torch.Tensor]:
+        # TE's own bias gradient under Float8BlockScaling (unfused): a sum in dY's dtype, accumulated in fp32
+        return [dy2d.sum(0)]
+
+
+class Grouped:
+    """``E`` experts' weights over permuted tokens (expert 0's rows first): ``Y_e = X_e W_e^T (+ b_e)``."""
+
+    grouped = True
+
+    def __init__(self, layout: GroupLayout) -> None:
+        self.layout = layout
+
+    def quantize_act(self, backend: Backend, x2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
+        return backend.quantize_act_grouped(x2d, self.layout, params, rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_weights(self, backend: Backend, weights, params: QuantParams, cache, refresh: bool):
+        if cache is not None:
+            return cache.get(weights, params, backend, refresh=refresh)
+        with torch.no_grad():
+            return backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params)
+
+    def gemm_fwd(self, backend: Backend, xq, wq, biases, out_dtype: torch.dtype) -> torch.Tensor:
+        bias = torch.stack([b.detach() for b in biases]) if biases else None
+        return backend.gemm_fwd_grouped(xq, wq, bias, out_dtype)
+
+    def gemm_dgrad(self, backend: Backend, dyq, wq, out_dtype: torch.dtype) -> torch.Tensor:
+        return backend.gemm_dgrad_grouped(dyq, wq, out_dtype)
+
+    def gemm_wgrad(self, backend: Backend, dyq, xq, out_dtype: torch.dtype, accumulate_into) -> list[torch.Tensor]:
+        return backend.gemm_wgrad_grouped(dyq, xq, out_dtype, accumulate_into)
+
+    def columnwise(self, shape, fp8_dtype, orig_dtype, data, scale_inv) -> GroupedFp8Tensor:
+        return GroupedFp8Tensor(self.layout, shape, fp8_dtype, orig_dtype, columnwise_data=data, columnwise_scale_inv=scale_inv)
+
+    def bias_grads(self, dy2d: torch.Tensor) -> list[torch.Tensor]:
+        # the dense layer's bias gradient per expert: a sum of its rows of dY in dY's dtype (reads the counts)
+        return [part.sum(0) for part in torch.split(dy2d, self.layout.counts_list())]

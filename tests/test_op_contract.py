@@ -1,0 +1,298 @@
+"""The contract every FP8 op of the package keeps, on every backend this machine has.
+
+Ops: the plain, norm and SwiGLU linears, the grouped (MoE) linear, and the plain and norm linears under sequence
+parallelism (a one-rank gloo group here: the exchange's code runs; tests/test_sequence_parallel.py runs two ranks).
+Behaviours: backward twice with ``retain_graph``, bias-only training, a frozen weight, inference mode,
+``torch.compile``, ``torch.autocast``, ``main_grad`` accumulated twice (``.grad`` left empty), saved-tensor hooks,
+zero rows, K not a multiple of 128, bad counts / bad dtypes. A new op joins ``OPS`` before it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from primus_fp8_plugin import available_backends, fp8_blockwise_linear, fp8_grouped_linear, fp8_norm_linear, fp8_swiglu_linear
+
+from .conftest import make_input
+
+BACKENDS = [n for n, a in available_backends("cpu").items() if a]
+E = 3  # experts of the grouped op
+
+
+def _group():
+    """A one-rank gloo group for the sequence-parallel ops (made once per process)."""
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+@dataclass
+class Op:
+    name: str
+    grouped: bool = False
+    norm: bool = False
+    swiglu: bool = False
+    sequence_parallel: bool = False
+
+    def leaves(self, rows: int, k: int, n: int, seed: int, dtype=torch.bfloat16, bias: bool = True) -> dict:
+        """The op's differentiable inputs: ``x`` (or ``h``), norm parameters, weights, biases."""
+        width = 2 * k if self.swiglu else k
+        lead = (rows, 1) if self.sequence_parallel else (rows,)
+        t = {"x": make_input((*lead, width), dtype=dtype, seed=seed)}
+        if self.norm:
+            t["gamma"] = (1 + 0.1 * make_input((k,), seed=seed + 1, spread=False)).to(dtype)
+            t["beta"] = (0.1 * make_input((k,), seed=seed + 2, spread=False)).to(dtype)
+        nw = E if self.grouped else 1
+        t["w"] = [(0.05 * make_input((n, k), seed=seed + 10 + i, spread=False)).to(dtype) for i in range(nw)]
+        t["b"] = [(0.1 * make_input((n,), seed=seed + 20 + i, spread=False)).to(dtype) for i in range(nw)] if bias else None
+        if self.grouped:
+            cut = [rows // 3, 0, rows - rows // 3]  # an expert with no tokens
+            t["counts"] = cut
+        return t
+
+    def __call__(self, t: dict, backend: str, **kw) -> torch.Tensor:
+        b = t["b"]
+        if self.sequence_parallel:
+            kw["sequence_parallel_group"] = _group()
+        if self.grouped:
+            return fp8_grouped_linear(t["x"], t["counts"], t["w"], b, backend=backend, **kw)
+        bias = None if b is None else b[0]
+        if self.norm:
+            return fp8_norm_linear(t["x"], t["gamma"], t["beta"], t["w"][0], bias, backend=backend, **kw)
+        if self.swiglu:
+            return fp8_swiglu_linear(t["x"], t["w"][0], bias, backend=backend, **kw)
+        return fp8_blockwise_linear(t["x"], t["w"][0], bias, backend=backend, **kw)
+
+
+OPS = [
+    Op("linear"),
+    Op("norm_linear", norm=True),
+    Op("swiglu_linear", swiglu=True),
+    Op("grouped_linear", grouped=True),
+    Op("sp_linear", sequence_parallel=True),
+    Op("sp_norm_linear", norm=True, sequence_parallel=True),
+]
+
+
+@pytest.fixture(params=OPS, ids=lambda o: o.name)
+def op(request):
+    return request.param
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def params_of(t: dict) -> list[torch.Tensor]:
+    out = [t["x"]] + [t[k] for k in ("gamma", "beta") if k in t] + t["w"]
+    return out + (t["b"] or [])
+
+
+def train(op: Op, t: dict, backend: str, dy_seed: int = 99, **kw):
+    """One forward and backward; returns the output and every leaf's gradient (None where it has none)."""
+    y = op(t, backend, **kw)
+    y.backward(make_input(tuple(y.shape), seed=dy_seed))
+    return y.detach(), [None if p.grad is None else p.grad.clone() for p in params_of(t)]
+
+
+def requires(t: dict, *, x=True, norm=True, w=True, b=True) -> dict:
+    t["x"].requires_grad_(x)
+    for k in ("gamma", "beta"):
+        if k in t:
+            t[k].requires_grad_(norm)
+    for p in t["w"]:
+        p.requires_grad_(w)
+    for p in t["b"] or []:
+        p.requires_grad_(b)
+    return t
+
+
+def same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_backward_twice_with_retain_graph(op, backend):
+    t = requires(op.leaves(130, 128, 144, seed=1))
+    y = op(t, backend)
+    dy = make_input(tuple(y.shape), seed=5)
+    y.backward(dy, retain_graph=True)
+    first = [p.grad.clone() for p in params_of(t)]
+    for p in params_of(t):
+        p.grad = None
+    y.backward(dy)
+    assert all(same(a, p.grad) for a, p in zip(first, params_of(t)))
+
+
+def test_bias_only_training(op, backend):
+    """Frozen input, norm and weights, trainable bias: the bias gradient is the sum of dY over rows (per expert)."""
+    t = requires(op.leaves(130, 128, 144, seed=2), x=False, norm=False, w=False, b=True)
+    y = op(t, backend)
+    dy = make_input(tuple(y.shape), seed=6)
+    y.backward(dy)
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    parts = torch.split(dy2d, t["counts"]) if op.grouped else [dy2d]
+    assert all(same(b.grad, part.sum(0)) for b, part in zip(t["b"], parts))
+    assert all(p.grad is None for p in params_of(t)[: -len(t["b"])])
+
+
+def test_frozen_weight_gives_the_same_input_gradient(op, backend):
+    full = requires(op.leaves(130, 128, 144, seed=3))
+    _, grads = train(op, full, backend)
+    frozen = requires(op.leaves(130, 128, 144, seed=3), w=False)
+    _, frozen_grads = train(op, frozen, backend)
+    nw = len(full["w"])
+    ni = len(params_of(full)) - nw - len(full["b"])
+    assert all(same(a, b) for a, b in zip(grads[:ni], frozen_grads[:ni]))
+    assert all(g is None for g in frozen_grads[ni : ni + nw])
+
+
+def test_inference_mode_gives_the_training_output(op, backend):
+    t = op.leaves(130, 128, 144, seed=4)
+    with torch.no_grad():
+        expected = op(t, backend)
+    with torch.inference_mode():
+        got = op(op.leaves(130, 128, 144, seed=4), backend)
+    assert same(expected, got)
+
+
+def test_torch_compile_runs_the_op_eagerly_with_the_same_bits(op, backend):
+    eager_y, eager_grads = train(op, requires(op.leaves(130, 128, 144, seed=7)), backend)
+    compiled = torch.compile(lambda t: op(t, backend) * 1.0, backend="eager", fullgraph=False)
+    t = requires(op.leaves(130, 128, 144, seed=7))
+    y = compiled(t)
+    y.backward(make_input(tuple(y.shape), seed=99))
+    assert same(eager_y, y.detach())
+    assert all(same(a, None if p.grad is None else p.grad) for a, p in zip(eager_grads, params_of(t)))
+
+
+def test_autocast_runs_in_the_autocast_dtype(op, backend):
+    """fp32 leaves under ``torch.autocast(bfloat16)``: the op computes on the input cast to bf16 (as ``F.linear``
+    under autocast), its output is bf16, and the leaves' gradients come back in their own dtype."""
+    t = requires(op.leaves(130, 128, 144, seed=8, dtype=torch.float32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = op(t, backend)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == p.dtype for p in params_of(t))
+    ref = op.leaves(130, 128, 144, seed=8, dtype=torch.float32)
+    ref["x"] = ref["x"].to(torch.bfloat16)
+    with torch.no_grad():
+        assert same(op(ref, backend), y.detach())
+
+
+@pytest.mark.parametrize("megatron", [False, True], ids=["plain", "megatron_protocol"])
+def test_main_grad_accumulates_twice_and_grad_stays_empty(op, backend, megatron):
+    t = requires(op.leaves(130, 128, 144, seed=9))
+    _, grads = train(op, requires(op.leaves(130, 128, 144, seed=9)), backend)
+    nw, ni = len(t["w"]), len(params_of(t)) - len(t["w"]) - len(t["b"])
+    for w in t["w"]:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        if megatron:
+            w.grad_added_to_main_grad = False
+    for _ in range(2):
+        y = op(t, backend)
+        y.backward(make_input(tuple(y.shape), seed=99))
+        for w in t["w"]:
+            if megatron:
+                assert w.grad_added_to_main_grad
+                w.grad_added_to_main_grad = False
+                w.grad = None  # Megatron's hook discards the placeholder
+            assert w.grad is None
+    for w, g in zip(t["w"], grads[ni : ni + nw]):
+        once = w.main_grad / 2
+        torch.testing.assert_close(once.to(g.dtype), g, rtol=0, atol=0)
+        assert torch.isfinite(w.main_grad).all()
+
+
+def test_saved_tensor_hooks_keep_main_grad_and_gradients(op, backend):
+    _, grads = train(op, requires(op.leaves(130, 128, 144, seed=10)), backend)
+    t = requires(op.leaves(130, 128, 144, seed=10))
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: x.clone(), lambda x: x):
+        _, hooked = train(op, t, backend)
+    assert all(same(a, b) for a, b in zip(grads, hooked))
+    t = requires(op.leaves(130, 128, 144, seed=10))
+    for w in t["w"]:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    with torch.autograd.graph.save_on_cpu():
+        train(op, t, backend)
+    assert all(w.grad is None for w in t["w"]) and sum(w.main_grad.abs().sum() for w in t["w"]) > 0
+
+
+def test_zero_rows(op, backend):
+    t = requires(op.leaves(0, 128, 144, seed=11))
+    for w in t["w"]:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    y, grads = train(op, t, backend)
+    assert y.shape[-1] == 144 and y.numel() == 0
+    assert grads[0].shape == t["x"].shape
+    assert all(w.grad is None and not w.main_grad.any() for w in t["w"])
+    assert all(g is not None and not g.any() for g in grads[len(grads) - len(t["b"]) :])
+
+
+def test_k_not_a_multiple_of_128_gives_finite_gradients_of_every_leaf(op, backend):
+    t = requires(op.leaves(130, 200, 72, seed=12))
+    y, grads = train(op, t, backend)
+    assert y.shape[-1] == 72 and torch.isfinite(y.float()).all()
+    assert all(g is not None and g.shape == p.shape and torch.isfinite(g.float()).all() for g, p in zip(grads, params_of(t)))
+
+
+@pytest.mark.parametrize("k, n", [(0, 144), (128, 0)])
+def test_empty_in_or_out_features_compute_exactly(op, k, n):
+    """No FP8 to do: ``y = bias`` (per expert) for ``in_features == 0``, an empty output for ``out_features == 0``;
+    the stages that need features (a norm over K, SwiGLU of 2K) refuse K = 0 by name."""
+    if k == 0 and (op.norm or op.swiglu):
+        with pytest.raises(ValueError, match="non-empty last dim|2F > 0"):
+            op(requires(op.leaves(130, k, n, seed=15)), "reference")
+        return
+    t = requires(op.leaves(130, k, n, seed=15))
+    y, grads = train(op, t, "reference")
+    parts = t["counts"] if op.grouped else [130]
+    if k == 0:
+        expected = torch.cat([b.detach().expand(c, n) for b, c in zip(t["b"], parts)])
+        assert torch.equal(y.reshape(-1, n), expected)
+    assert y.shape[-1] == n and all(g is None or g.shape == p.shape for g, p in zip(grads, params_of(t)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.complex64])
+def test_weights_of_other_dtypes_are_refused_with_the_fix(op, dtype):
+    t = op.leaves(130, 128, 144, seed=13)
+    t["w"] = [w.to(dtype) for w in t["w"]]
+    with pytest.raises(TypeError, match=r"float32 weights: (convert it|use torch.nn.Linear for complex)"):
+        op(t, "reference")
+
+
+@pytest.mark.parametrize(
+    "counts, match",
+    [
+        ([50, 0, 90], r"sum to the number of tokens 130 \(they sum to 140\)"),
+        ([80, -10, 60], r"must be >= 0"),
+        ([130, 0], r"2 counts given for 3 experts"),
+        (torch.tensor([50, 0, 90]), r"sum to the number of tokens \(130\).*got \[50, 0, 90\]"),
+        (torch.tensor([140, -10, 0]), r"must be >= 0 .*got \[140, -10, 0\]"),
+        (torch.tensor([130, 0]), r"counts describe 2 experts; the layer has 3"),
+        (torch.tensor([60.0, 0.0, 70.0]), r"integer tensor"),
+    ],
+)
+def test_bad_counts_are_refused_naming_the_counts(backend, counts, match):
+    op = OPS[3]
+    t = op.leaves(130, 128, 144, seed=14)
+    t["counts"] = counts
+    with pytest.raises(ValueError, match=match):
+        op(t, backend)
+
+
+def test_every_public_op_is_in_the_matrix():
+    import primus_fp8_plugin
+
+    public = {n for n in primus_fp8_plugin.__all__ if n.startswith("fp8_") and n.endswith("linear")}
+    covered = {"fp8_blockwise_linear", "fp8_norm_linear", "fp8_swiglu_linear", "fp8_grouped_linear"}
+    assert public == covered, f"an FP8 op outside the contract matrix: {public - covered}"
+
