@@ -134,7 +134,7 @@ def _backward(ctx, dy):
 def _zero_rows_backward(ctx) -> tuple:
     """Gradients of an op on zero rows: zeros for every input that needs one (nothing added to a ``main_grad``)."""
     plan: LinearPlan = ctx.plan
-    ns, nw = plan.stage.num_inputs, plan.num_weights
+    ns = plan.stage.num_inputs
     needs = ctx.needs_input_grad[1:]
     metas = ctx.leaves[:ns] + [(w.shape, w.dtype, w.device) for w in ctx.weights] + ctx.leaves[ns:]
     grads = [torch.zeros(m[0], dtype=m[1], device=m[2]) if m is not None and need else None for m, need in zip(metas, needs)]
