@@ -22,7 +22,7 @@ import torch
 
 from .backends import get_backend
 from .grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight, GroupLayout, group_layout
-from .quantize import _check_input
+from .quantize import check_quantize_input
 from .recipe import QuantParams
 from .tensor import HIGH_PRECISION_DTYPES
 
@@ -65,7 +65,7 @@ def quantize_activation_grouped(
         params: 1D ``QuantParams`` (``TensorRole.INPUT`` or ``GRAD_OUTPUT``).
         rowwise: the rowwise copy ``[T, K]`` (fprop, dgrad). columnwise: the padded columnwise copy (wgrad).
     """
-    _check_input(x, "x", False)
+    check_quantize_input(x, "x", False)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [T, K] (permuted tokens), got shape {tuple(x.shape)}")
     if params.block_dim != 1:
@@ -86,7 +86,7 @@ def quantize_weight_grouped(
     if not ws:
         raise ValueError("quantize_weight_grouped needs at least one weight")
     for i, w in enumerate(ws):
-        _check_input(w, f"weights[{i}]", False)
+        check_quantize_input(w, f"weights[{i}]", False)
         if w.dim() != 2 or w.shape != ws[0].shape or w.dtype != ws[0].dtype or w.device != ws[0].device or w.shape[0] == 0:
             raise ValueError(
                 f"weights must be non-empty [N, K] tensors of one shape, dtype and device; weights[{i}] "

@@ -12,7 +12,7 @@ from .recipe import QuantParams
 from .tensor import HIGH_PRECISION_DTYPES, BlockwiseFp8Tensor
 
 
-def _check_input(x: torch.Tensor, what: str, check_finite: bool) -> None:
+def check_quantize_input(x: torch.Tensor, what: str, check_finite: bool) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in HIGH_PRECISION_DTYPES:
@@ -54,7 +54,7 @@ def quantize_activation(
     Returns:
         a ``BlockwiseFp8Tensor`` of logical shape ``(M, K)``, ``block_dim=1``.
     """
-    _check_input(x, "x", check_finite)
+    check_quantize_input(x, "x", check_finite)
     if params.block_dim != 1:
         raise ValueError("quantize_activation needs 1D (1x128) QuantParams; use quantize_weight for 128x128")
     if not (rowwise or columnwise):
@@ -83,7 +83,7 @@ def quantize_weight(
     Returns:
         a ``BlockwiseFp8Tensor`` of shape ``(N, K)``, ``block_dim=2``, with both copies.
     """
-    _check_input(w, "weight", check_finite)
+    check_quantize_input(w, "weight", check_finite)
     if params.block_dim != 2:
         raise ValueError("quantize_weight needs 2D (128x128) QuantParams; use quantize_activation for 1x128")
     if w.dim() != 2 or w.shape[0] == 0:

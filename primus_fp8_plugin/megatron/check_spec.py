@@ -36,9 +36,9 @@ class SpecError(Exception):
 
 def _fp8_classes() -> tuple:
     from .grouped import Fp8GroupedLinearBase
-    from .layers import _Fp8LinearMixin
+    from .layers import Fp8MegatronLinear
 
-    return (_Fp8LinearMixin, Fp8GroupedLinearBase)
+    return (Fp8MegatronLinear, Fp8GroupedLinearBase)
 
 
 def spec_modules(node, seen=None) -> list:

@@ -66,7 +66,7 @@ def _without_apex_fusion_check(config):
     return quiet
 
 
-class _Fp8LinearMixin(HoldsWeightCache):
+class Fp8MegatronLinear(HoldsWeightCache):
     """What the FP8 layers add to Megatron's: recipe, backend, weight cache and the FP8 matmul."""
 
     def _init_fp8(self, config, fp8_recipe: BlockwiseRecipe | None, fp8_backend: str) -> None:
@@ -93,7 +93,7 @@ def tp_group_of(tp_group):
     return tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
 
 
-class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
+class Fp8ColumnParallelLinear(Fp8MegatronLinear, ColumnParallelLinear):
     """``ColumnParallelLinear`` with FP8 blockwise GEMMs. Extra keyword arguments: ``fp8_recipe``
     (a ``BlockwiseRecipe``) and ``fp8_backend`` (a backend name or ``"auto"``)."""
 
@@ -114,7 +114,7 @@ class Fp8ColumnParallelLinear(_Fp8LinearMixin, ColumnParallelLinear):
         return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)
 
 
-class Fp8RowParallelLinear(_Fp8LinearMixin, RowParallelLinear):
+class Fp8RowParallelLinear(Fp8MegatronLinear, RowParallelLinear):
     """``RowParallelLinear`` with FP8 blockwise GEMMs (extra keywords as ``Fp8ColumnParallelLinear``)."""
 
     def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto", **kwargs):
@@ -152,9 +152,7 @@ def set_is_first_microbatch(model: torch.nn.Module) -> int:
     """Mark every FP8 layer of ``model`` so its next forward re-quantizes its weight (call it at
     the start of a training step; Megatron's own method skips it unless ``config.fp8`` is set).
     Returns how many layers were marked."""
-    from .grouped import Fp8GroupedLinearBase
-
-    layers = [m for m in model.modules() if isinstance(m, (_Fp8LinearMixin, Fp8GroupedLinearBase))]
+    layers = [m for m in model.modules() if isinstance(m, HoldsWeightCache)]
     for m in layers:
         m.is_first_microbatch = True
     return len(layers)

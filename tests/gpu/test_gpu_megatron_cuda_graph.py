@@ -149,9 +149,9 @@ def rope_for(model: str, cfg):
 
 
 def fp8_layers(module):
-    from primus_fp8_plugin.megatron.layers import _Fp8LinearMixin
+    from primus_fp8_plugin.megatron.layers import Fp8MegatronLinear
 
-    return [m for m in module.modules() if isinstance(m, _Fp8LinearMixin)]
+    return [m for m in module.modules() if isinstance(m, Fp8MegatronLinear)]
 
 
 def run_pair(model: str, fusion: bool):

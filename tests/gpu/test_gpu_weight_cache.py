@@ -174,7 +174,7 @@ def test_megatron_distributed_optimizer_steps_refresh_every_cache(nccl_world, ov
 
     from primus_fp8_plugin.megatron import get_gpt_block_spec
     from primus_fp8_plugin.megatron.cpu import FUSIONS_OFF
-    from primus_fp8_plugin.megatron.layers import _Fp8LinearMixin
+    from primus_fp8_plugin.megatron.layers import Fp8MegatronLinear
 
     config = TransformerConfig(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048,
                                params_dtype=torch.bfloat16, bf16=True, hidden_dropout=0.0, attention_dropout=0.0,
@@ -183,7 +183,7 @@ def test_megatron_distributed_optimizer_steps_refresh_every_cache(nccl_world, ov
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_block_spec(2, backend="auto"), vocab_size=1024,
                    max_sequence_length=256).cuda()  # fmt: skip
     model = Float16Module(config, gpt)
-    layers = [m for m in model.modules() if isinstance(m, _Fp8LinearMixin)]
+    layers = [m for m in model.modules() if isinstance(m, Fp8MegatronLinear)]
     for m in layers:
         m.weight_cache.check = True
     ddp = DistributedDataParallel(

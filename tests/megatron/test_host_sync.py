@@ -77,7 +77,7 @@ def test_fast_spec_block_reads_no_device_value_on_the_host(model, backend, fusio
     from primus_fp8_plugin import backend_availability
     from primus_fp8_plugin.megatron import TorchNorm
     from primus_fp8_plugin.megatron.fast_specs import get_gpt_fast_layer_spec, spec_options
-    from primus_fp8_plugin.megatron.layers import _Fp8LinearMixin
+    from primus_fp8_plugin.megatron.layers import Fp8MegatronLinear
 
     if not backend_availability(backend, "cpu"):
         pytest.skip(backend_availability(backend, "cpu").reason)
@@ -87,7 +87,7 @@ def test_fast_spec_block_reads_no_device_value_on_the_host(model, backend, fusio
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         block = TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[layer], layer_norm=TorchNorm))
-    fp8 = [m for m in block.modules() if isinstance(m, _Fp8LinearMixin)]
+    fp8 = [m for m in block.modules() if isinstance(m, Fp8MegatronLinear)]
     assert fp8 and all(m.fp8_backend == backend for m in fp8)
     if fusion:  # Megatron's DDP gives every parameter an fp32 main_grad
         for p in block.parameters():

@@ -10,7 +10,7 @@ import pytest
 
 from primus_fp8_plugin import weight_cache
 from primus_fp8_plugin.megatron import get_gpt_block_spec
-from primus_fp8_plugin.megatron.layers import _Fp8LinearMixin
+from primus_fp8_plugin.megatron.layers import Fp8MegatronLinear
 
 from .common import batch, build_gpt
 
@@ -24,7 +24,7 @@ def _train(use_distributed_optimizer: bool, steps: int, micro: int, after_step=N
     from primus_fp8_plugin.megatron.cpu import CudaAsCpu
 
     model = build_gpt(get_gpt_block_spec(2, backend="reference"))
-    layers = [m for m in model.modules() if isinstance(m, _Fp8LinearMixin)]
+    layers = [m for m in model.modules() if isinstance(m, Fp8MegatronLinear)]
     for m in layers:
         m.weight_cache.check = True
     with CudaAsCpu():
