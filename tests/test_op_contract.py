@@ -19,15 +19,17 @@ from primus_fp8_plugin import available_backends, fp8_blockwise_linear, fp8_grou
 
 from .conftest import make_input
 
-BACKENDS = [n for n, a in available_backends("cpu").items() if a]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: every GPU backend
+BACKENDS = [n for n, a in available_backends(DEVICE).items() if a]
 E = 3  # experts of the grouped op
+ROWS, N = 72, 96  # rows and out_features: neither a multiple of 128 (ragged tiles), small for the interpreter
 
 
 def _group():
     """A one-rank gloo group for the sequence-parallel ops (made once per process)."""
     if not dist.is_initialized():
         store = dist.HashStore()
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", store=store, rank=0, world_size=1)
     return dist.group.WORLD
 
 
@@ -43,13 +45,15 @@ class Op:
         """The op's differentiable inputs: ``x`` (or ``h``), norm parameters, weights, biases."""
         width = 2 * k if self.swiglu else k
         lead = (rows, 1) if self.sequence_parallel else (rows,)
-        t = {"x": make_input((*lead, width), dtype=dtype, seed=seed)}
+        t = {"x": make_input((*lead, width), dtype=dtype, seed=seed, device=DEVICE)}
         if self.norm:
-            t["gamma"] = (1 + 0.1 * make_input((k,), seed=seed + 1, spread=False)).to(dtype)
-            t["beta"] = (0.1 * make_input((k,), seed=seed + 2, spread=False)).to(dtype)
+            t["gamma"] = (1 + 0.1 * make_input((k,), seed=seed + 1, spread=False, device=DEVICE)).to(dtype)
+            t["beta"] = (0.1 * make_input((k,), seed=seed + 2, spread=False, device=DEVICE)).to(dtype)
         nw = E if self.grouped else 1
-        t["w"] = [(0.05 * make_input((n, k), seed=seed + 10 + i, spread=False)).to(dtype) for i in range(nw)]
-        t["b"] = [(0.1 * make_input((n,), seed=seed + 20 + i, spread=False)).to(dtype) for i in range(nw)] if bias else None
+        t["w"] = [(0.05 * make_input((n, k), seed=seed + 10 + i, spread=False, device=DEVICE)).to(dtype) for i in range(nw)]
+        t["b"] = None
+        if bias:
+            t["b"] = [(0.1 * make_input((n,), seed=seed + 20 + i, spread=False, device=DEVICE)).to(dtype) for i in range(nw)]
         if self.grouped:
             cut = [rows // 3, 0, rows - rows // 3]  # an expert with no tokens
             t["counts"] = cut
@@ -97,7 +101,7 @@ def params_of(t: dict) -> list[torch.Tensor]:
 def train(op: Op, t: dict, backend: str, dy_seed: int = 99, **kw):
     """One forward and backward; returns the output and every leaf's gradient (None where it has none)."""
     y = op(t, backend, **kw)
-    y.backward(make_input(tuple(y.shape), seed=dy_seed))
+    y.backward(make_input(tuple(y.shape), seed=dy_seed, device=DEVICE))
     return y.detach(), [None if p.grad is None else p.grad.clone() for p in params_of(t)]
 
 
@@ -120,9 +124,9 @@ def same(a, b) -> bool:
 
 
 def test_backward_twice_with_retain_graph(op, backend):
-    t = requires(op.leaves(130, 128, 144, seed=1))
+    t = requires(op.leaves(ROWS, 128, N, seed=1))
     y = op(t, backend)
-    dy = make_input(tuple(y.shape), seed=5)
+    dy = make_input(tuple(y.shape), seed=5, device=DEVICE)
     y.backward(dy, retain_graph=True)
     first = [p.grad.clone() for p in params_of(t)]
     for p in params_of(t):
@@ -133,9 +137,9 @@ def test_backward_twice_with_retain_graph(op, backend):
 
 def test_bias_only_training(op, backend):
     """Frozen input, norm and weights, trainable bias: the bias gradient is the sum of dY over rows (per expert)."""
-    t = requires(op.leaves(130, 128, 144, seed=2), x=False, norm=False, w=False, b=True)
+    t = requires(op.leaves(ROWS, 128, N, seed=2), x=False, norm=False, w=False, b=True)
     y = op(t, backend)
-    dy = make_input(tuple(y.shape), seed=6)
+    dy = make_input(tuple(y.shape), seed=6, device=DEVICE)
     y.backward(dy)
     dy2d = dy.reshape(-1, dy.shape[-1])
     parts = torch.split(dy2d, t["counts"]) if op.grouped else [dy2d]
@@ -144,9 +148,9 @@ def test_bias_only_training(op, backend):
 
 
 def test_frozen_weight_gives_the_same_input_gradient(op, backend):
-    full = requires(op.leaves(130, 128, 144, seed=3))
+    full = requires(op.leaves(ROWS, 128, N, seed=3))
     _, grads = train(op, full, backend)
-    frozen = requires(op.leaves(130, 128, 144, seed=3), w=False)
+    frozen = requires(op.leaves(ROWS, 128, N, seed=3), w=False)
     _, frozen_grads = train(op, frozen, backend)
     nw = len(full["w"])
     ni = len(params_of(full)) - nw - len(full["b"])
@@ -155,20 +159,20 @@ def test_frozen_weight_gives_the_same_input_gradient(op, backend):
 
 
 def test_inference_mode_gives_the_training_output(op, backend):
-    t = op.leaves(130, 128, 144, seed=4)
+    t = op.leaves(ROWS, 128, N, seed=4)
     with torch.no_grad():
         expected = op(t, backend)
     with torch.inference_mode():
-        got = op(op.leaves(130, 128, 144, seed=4), backend)
+        got = op(op.leaves(ROWS, 128, N, seed=4), backend)
     assert same(expected, got)
 
 
 def test_torch_compile_runs_the_op_eagerly_with_the_same_bits(op, backend):
-    eager_y, eager_grads = train(op, requires(op.leaves(130, 128, 144, seed=7)), backend)
+    eager_y, eager_grads = train(op, requires(op.leaves(ROWS, 128, N, seed=7)), backend)
     compiled = torch.compile(lambda t: op(t, backend) * 1.0, backend="eager", fullgraph=False)
-    t = requires(op.leaves(130, 128, 144, seed=7))
+    t = requires(op.leaves(ROWS, 128, N, seed=7))
     y = compiled(t)
-    y.backward(make_input(tuple(y.shape), seed=99))
+    y.backward(make_input(tuple(y.shape), seed=99, device=DEVICE))
     assert same(eager_y, y.detach())
     assert all(same(a, None if p.grad is None else p.grad) for a, p in zip(eager_grads, params_of(t)))
 
@@ -176,13 +180,13 @@ def test_torch_compile_runs_the_op_eagerly_with_the_same_bits(op, backend):
 def test_autocast_runs_in_the_autocast_dtype(op, backend):
     """fp32 leaves under ``torch.autocast(bfloat16)``: the op computes on the input cast to bf16 (as ``F.linear``
     under autocast), its output is bf16, and the leaves' gradients come back in their own dtype."""
-    t = requires(op.leaves(130, 128, 144, seed=8, dtype=torch.float32))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    t = requires(op.leaves(ROWS, 128, N, seed=8, dtype=torch.float32))
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         y = op(t, backend)
     assert y.dtype == torch.bfloat16
     y.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == p.dtype for p in params_of(t))
-    ref = op.leaves(130, 128, 144, seed=8, dtype=torch.float32)
+    ref = op.leaves(ROWS, 128, N, seed=8, dtype=torch.float32)
     ref["x"] = ref["x"].to(torch.bfloat16)
     with torch.no_grad():
         assert same(op(ref, backend), y.detach())
@@ -190,16 +194,16 @@ def test_autocast_runs_in_the_autocast_dtype(op, backend):
 
 @pytest.mark.parametrize("megatron", [False, True], ids=["plain", "megatron_protocol"])
 def test_main_grad_accumulates_twice_and_grad_stays_empty(op, backend, megatron):
-    t = requires(op.leaves(130, 128, 144, seed=9))
-    _, grads = train(op, requires(op.leaves(130, 128, 144, seed=9)), backend)
+    t = requires(op.leaves(ROWS, 128, N, seed=9))
+    _, grads = train(op, requires(op.leaves(ROWS, 128, N, seed=9)), backend)
     nw, ni = len(t["w"]), len(params_of(t)) - len(t["w"]) - len(t["b"])
     for w in t["w"]:
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEVICE)
         if megatron:
             w.grad_added_to_main_grad = False
     for _ in range(2):
         y = op(t, backend)
-        y.backward(make_input(tuple(y.shape), seed=99))
+        y.backward(make_input(tuple(y.shape), seed=99, device=DEVICE))
         for w in t["w"]:
             if megatron:
                 assert w.grad_added_to_main_grad
@@ -213,57 +217,57 @@ def test_main_grad_accumulates_twice_and_grad_stays_empty(op, backend, megatron)
 
 
 def test_saved_tensor_hooks_keep_main_grad_and_gradients(op, backend):
-    _, grads = train(op, requires(op.leaves(130, 128, 144, seed=10)), backend)
-    t = requires(op.leaves(130, 128, 144, seed=10))
+    _, grads = train(op, requires(op.leaves(ROWS, 128, N, seed=10)), backend)
+    t = requires(op.leaves(ROWS, 128, N, seed=10))
     with torch.autograd.graph.saved_tensors_hooks(lambda x: x.clone(), lambda x: x):
         _, hooked = train(op, t, backend)
     assert all(same(a, b) for a, b in zip(grads, hooked))
-    t = requires(op.leaves(130, 128, 144, seed=10))
+    t = requires(op.leaves(ROWS, 128, N, seed=10))
     for w in t["w"]:
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEVICE)
     with torch.autograd.graph.save_on_cpu():
         train(op, t, backend)
     assert all(w.grad is None for w in t["w"]) and sum(w.main_grad.abs().sum() for w in t["w"]) > 0
 
 
 def test_zero_rows(op, backend):
-    t = requires(op.leaves(0, 128, 144, seed=11))
+    t = requires(op.leaves(0, 128, N, seed=11))
     for w in t["w"]:
-        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEVICE)
     y, grads = train(op, t, backend)
-    assert y.shape[-1] == 144 and y.numel() == 0
+    assert y.shape[-1] == N and y.numel() == 0
     assert grads[0].shape == t["x"].shape
     assert all(w.grad is None and not w.main_grad.any() for w in t["w"])
     assert all(g is not None and not g.any() for g in grads[len(grads) - len(t["b"]) :])
 
 
 def test_k_not_a_multiple_of_128_gives_finite_gradients_of_every_leaf(op, backend):
-    t = requires(op.leaves(130, 200, 72, seed=12))
+    t = requires(op.leaves(ROWS, 200, 72, seed=12))
     y, grads = train(op, t, backend)
     assert y.shape[-1] == 72 and torch.isfinite(y.float()).all()
     assert all(g is not None and g.shape == p.shape and torch.isfinite(g.float()).all() for g, p in zip(grads, params_of(t)))
 
 
-@pytest.mark.parametrize("k, n", [(0, 144), (128, 0)])
+@pytest.mark.parametrize("k, n", [(0, N), (128, 0)])
 def test_empty_in_or_out_features_compute_exactly(op, k, n):
     """No FP8 to do: ``y = bias`` (per expert) for ``in_features == 0``, an empty output for ``out_features == 0``;
     the stages that need features (a norm over K, SwiGLU of 2K) refuse K = 0 by name."""
     if k == 0 and (op.norm or op.swiglu):
         with pytest.raises(ValueError, match="non-empty last dim|2F > 0"):
-            op(requires(op.leaves(130, k, n, seed=15)), "reference")
+            op(requires(op.leaves(ROWS, k, n, seed=15)), "reference")
         return
-    t = requires(op.leaves(130, k, n, seed=15))
+    t = requires(op.leaves(ROWS, k, n, seed=15))
     y, grads = train(op, t, "reference")
-    parts = t["counts"] if op.grouped else [130]
+    parts = t["counts"] if op.grouped else [ROWS]
     if k == 0:
-        expected = torch.cat([b.detach().expand(c, n) for b, c in zip(t["b"], parts)])
+        expected = torch.cat([b.detach().expand(c, n) for b, c in zip(t["b"], parts)]).to(y.dtype)
         assert torch.equal(y.reshape(-1, n), expected)
     assert y.shape[-1] == n and all(g is None or g.shape == p.shape for g, p in zip(grads, params_of(t)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.complex64])
 def test_weights_of_other_dtypes_are_refused_with_the_fix(op, dtype):
-    t = op.leaves(130, 128, 144, seed=13)
+    t = op.leaves(ROWS, 128, N, seed=13)
     t["w"] = [w.to(dtype) for w in t["w"]]
     with pytest.raises(TypeError, match=r"float32 weights: (convert it|use torch.nn.Linear for complex)"):
         op(t, "reference")
@@ -272,18 +276,20 @@ def test_weights_of_other_dtypes_are_refused_with_the_fix(op, dtype):
 @pytest.mark.parametrize(
     "counts, match",
     [
-        ([50, 0, 90], r"sum to the number of tokens 130 \(they sum to 140\)"),
-        ([80, -10, 60], r"must be >= 0"),
-        ([130, 0], r"2 counts given for 3 experts"),
-        (torch.tensor([50, 0, 90]), r"sum to the number of tokens \(130\).*got \[50, 0, 90\]"),
-        (torch.tensor([140, -10, 0]), r"must be >= 0 .*got \[140, -10, 0\]"),
-        (torch.tensor([130, 0]), r"counts describe 2 experts; the layer has 3"),
-        (torch.tensor([60.0, 0.0, 70.0]), r"integer tensor"),
+        ([30, 0, 52], r"sum to the number of tokens 72 \(they sum to 82\)"),
+        ([50, -10, 32], r"must be >= 0"),
+        ([72, 0], r"2 counts given for 3 experts"),
+        (torch.tensor([30, 0, 52]), r"sum to the number of tokens \(72\).*got \[30, 0, 52\]"),
+        (torch.tensor([82, -10, 0]), r"must be >= 0 .*got \[82, -10, 0\]"),
+        (torch.tensor([72, 0]), r"counts describe 2 experts; the layer has 3"),
+        (torch.tensor([30.0, 0.0, 42.0]), r"integer tensor"),
     ],
 )
 def test_bad_counts_are_refused_naming_the_counts(backend, counts, match):
+    if DEVICE == "cuda" and isinstance(counts, torch.Tensor) and not counts.dtype.is_floating_point:
+        pytest.skip("on a GPU device counts are checked by a device-side assert: tests/gpu/test_gpu_counts.py")
     op = OPS[3]
-    t = op.leaves(130, 128, 144, seed=14)
+    t = op.leaves(ROWS, 128, N, seed=14)
     t["counts"] = counts
     with pytest.raises(ValueError, match=match):
         op(t, backend)

@@ -18,6 +18,7 @@ an inference-tensor weight is refused in a forward that autograd records.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -59,24 +60,25 @@ def _autocast(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def eager_under_compile(op):
+    """A public op that, inside ``torch.compile``, runs eagerly between compiled graphs: its numerics are the
+    backend's own kernels' (bit for bit, not a traced re-implementation), and the weight cache checks its key on
+    every call (a traced check would be frozen into the graph). Outside compilation the op is called directly."""
+    eager = torch.compiler.disable(op)
+
+    @functools.wraps(op)
+    def call(*args, **kwargs):
+        return eager(*args, **kwargs) if torch.compiler.is_compiling() else op(*args, **kwargs)
+
+    return call
+
+
 def _run(stage, exchange, layout, inputs, weights, biases, recipe, backend, cache, refresh) -> torch.Tensor:
     impl = backend if isinstance(backend, Backend) else get_backend(backend, inputs[0].device)
     need_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
     plan = LinearPlan(stage, exchange, layout, recipe or BlockwiseRecipe(), impl, cache, bool(refresh), len(weights),
                       biases is not None, need_wgrad)  # fmt: skip
     return apply_linear(plan, inputs, weights, biases)
-
-
-@torch.compiler.disable
-def _run_eagerly(*args) -> torch.Tensor:
-    """Inside ``torch.compile``: the op runs eagerly between compiled graphs (its numerics are the backend's own
-    kernels', and the weight cache checks its key on every call: a traced check would be frozen into the graph)."""
-    return _run(*args)
-
-
-def _dispatch(stage, exchange, layout, inputs, weights, biases, recipe, backend, cache, refresh) -> torch.Tensor:
-    run = _run_eagerly if torch.compiler.is_compiling() else _run
-    return run(stage, exchange, layout, inputs, weights, biases, recipe, backend, cache, refresh)
 
 
 def _exact(x_hp: torch.Tensor, weights, biases, layout) -> torch.Tensor:
@@ -110,6 +112,7 @@ def _exchange_for(group, x: torch.Tensor, need_wgrad: bool):
     return SequenceParallel(group, world)
 
 
+@eager_under_compile
 def fp8_blockwise_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -167,9 +170,10 @@ def fp8_blockwise_linear(
         return _exact(x, [weight], biases, _DENSE)
     checks.check_trainable_weights([x], [weight], biases)
     stage = _PLAIN_KEPT if getattr(x, SAVED_ELSEWHERE, False) and exchange is _LOCAL else _PLAIN
-    return _dispatch(stage, exchange, _DENSE, (x,), [weight], biases, *fp8)
+    return _run(stage, exchange, _DENSE, (x,), [weight], biases, *fp8)
 
 
+@eager_under_compile
 def fp8_norm_linear(
     x: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -219,9 +223,10 @@ def fp8_norm_linear(
     gamma = norm_gamma(norm_weight, zero_centered_gamma)
     inputs = (x, gamma, norm_bias)
     checks.check_trainable_weights(inputs, [weight], None if bias is None else [bias])
-    return _dispatch(Norm(normalization, eps), exchange, _DENSE, inputs, [weight], None if bias is None else [bias], *fp8)
+    return _run(Norm(normalization, eps), exchange, _DENSE, inputs, [weight], None if bias is None else [bias], *fp8)
 
 
+@eager_under_compile
 def fp8_swiglu_linear(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -254,9 +259,10 @@ def fp8_swiglu_linear(
     if 0 in weight.shape:
         return _exact(swiglu(h, backend=backend), [weight], biases, _DENSE)
     checks.check_trainable_weights([h], [weight], biases)
-    return _dispatch(Swiglu(), _LOCAL, _DENSE, (h,), [weight], biases, recipe, backend, weight_cache, refresh_weight_cache)
+    return _run(Swiglu(), _LOCAL, _DENSE, (h,), [weight], biases, recipe, backend, weight_cache, refresh_weight_cache)
 
 
+@eager_under_compile
 def fp8_grouped_linear(
     x: torch.Tensor,
     m_splits: GroupLayout | torch.Tensor | Sequence[int],
@@ -306,4 +312,4 @@ def fp8_grouped_linear(
     if 0 in weights[0].shape:
         return _exact(x, weights, biases, grouped)
     checks.check_trainable_weights([x], weights, biases)
-    return _dispatch(_PLAIN, _LOCAL, grouped, (x,), weights, biases, recipe, backend, weight_cache, refresh_weight_cache)
+    return _run(_PLAIN, _LOCAL, grouped, (x,), weights, biases, recipe, backend, weight_cache, refresh_weight_cache)

@@ -86,8 +86,10 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        with torch.autocast(dy.device.type, enabled=False):  # a backward run inside an autocast region
-            return _backward(ctx, dy)
+        if torch.is_autocast_enabled(dy.device.type):  # a backward run inside an autocast region
+            with torch.autocast(dy.device.type, enabled=False):
+                return _backward(ctx, dy)
+        return _backward(ctx, dy)
 
 
 def _backward(ctx, dy):
@@ -222,5 +224,7 @@ def placeholder_gradient(weight: torch.Tensor) -> torch.Tensor | None:
 def apply_linear(plan: LinearPlan, inputs, weights, biases) -> torch.Tensor:
     """Run the core on ``inputs`` (the stage's), ``weights`` and ``biases`` (a list or None)."""
     device_type = inputs[0].device.type
-    with torch.autocast(device_type, enabled=False):  # the op's dtypes are its inputs' (``api.py`` casts under autocast)
-        return _Fp8LinearFn.apply(plan, *inputs, *weights, *(biases or ()))
+    if torch.is_autocast_enabled(device_type):  # the op's dtypes are its inputs' (``api.py`` casts under autocast)
+        with torch.autocast(device_type, enabled=False):
+            return _Fp8LinearFn.apply(plan, *inputs, *weights, *(biases or ()))
+    return _Fp8LinearFn.apply(plan, *inputs, *weights, *(biases or ()))
