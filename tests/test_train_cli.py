@@ -147,7 +147,7 @@ def test_an_installed_wheel_carries_the_config_tree(tmp_path):
     skip = shutil.ignore_patterns("__pycache__")
     shutil.copytree(ROOT / "primus_fp8_plugin", src / "primus_fp8_plugin", symlinks=True, ignore=skip)
     shutil.copytree(ROOT / "configs", src / "configs")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     build = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(src)],
@@ -157,6 +157,8 @@ def test_an_installed_wheel_carries_the_config_tree(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")}
     assert {f"primus_fp8_plugin/{n}" for n in shipped} <= names, sorted(shipped - {n[len("primus_fp8_plugin/") :] for n in names})
+    assert "primus_fp8_plugin/py.typed" in names  # PEP 561: type checkers read the package's annotations
+    assert any(".dist-info/" in n and n.endswith("LICENSE") for n in names), sorted(names)[-10:]
     site = tmp_path / "site"
     inst = subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
