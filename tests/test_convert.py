@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from primus_fp8_plugin import BlockwiseRecipe, Fp8BlockwiseLinear, convert_to_fp8_blockwise
-from primus_fp8_plugin.convert import convertible
+from primus_fp8_plugin.convert import convertible, skip_reason
 
 
 def _linear(k, n, bias=True, dtype=torch.bfloat16, seed=0):
@@ -139,3 +139,48 @@ def test_the_rule_skips_subclasses_odd_dims_and_non_float_weights():
     assert convert_to_fp8_blockwise(mha).out_proj is mha.out_proj
     assert convertible(nn.Linear(16, 32)) and not convertible(nn.Linear(24, 32)) and not convertible(nn.Linear(16, 8))
     assert not convertible(nn.Linear(16, 16, dtype=torch.float64))
+
+
+def test_the_report_names_each_linear_converted_or_skipped_and_why():
+    model = _Model()
+    model.attn = nn.MultiheadAttention(128, 4)  # out_proj: an nn.Linear subclass
+    model.wide = nn.Linear(128, 128, dtype=torch.float64)
+    model.norm = nn.LayerNorm(128)  # not a linear: not in the report
+    out, report = convert_to_fp8_blockwise(model, lambda m, fqn: not fqn.startswith("experts."), report=True)
+    assert out is model
+    assert report.converted == ["blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down", "head"]  # `tied` is `head`
+    assert [n for n in report.converted if type(model.get_submodule(n)) is not Fp8BlockwiseLinear] == []
+    assert set(report.skipped) == {"experts.a", "odd", "attn.out_proj", "wide"}
+    assert report.skipped["experts.a"] == "module_filter_fn returned False"
+    assert report.skipped["odd"].startswith("out_features=100 is not a multiple of 16")
+    assert report.skipped["attn.out_proj"].startswith("NonDynamicallyQuantizableLinear subclasses nn.Linear")
+    assert report.skipped["wide"].startswith("weight dtype torch.float64")
+    for name, why in report.skipped.items():  # what skip_reason says of the module, or the filter
+        assert why == (skip_reason(model.get_submodule(name)) or "module_filter_fn returned False")
+    text = str(report).splitlines()
+    assert text[0] == "converted 5 linear layer(s) to Fp8BlockwiseLinear, skipped 4"
+    assert len(text) == 10 and text[1].split() == ["converted", "blocks.0.up"]
+    assert any(line.split()[:2] == ["skipped", "odd"] for line in text)
+
+
+def test_the_report_of_a_bare_linear_names_the_model():
+    lin = nn.Linear(24, 32)
+    same, report = convert_to_fp8_blockwise(lin, report=True)
+    assert same is lin and report.converted == [] and list(report.skipped) == [""]
+    assert report.skipped[""].startswith("in_features=24 is not a multiple of 16")
+    assert "(model)" in str(report)
+    new, report = convert_to_fp8_blockwise(nn.Linear(32, 32), report=True)
+    assert type(new) is Fp8BlockwiseLinear and report.converted == [""] and report.skipped == {}
+
+
+def test_a_shared_module_is_decided_at_the_name_named_modules_reports():
+    """A module reachable as ``deep.inner`` (first, depth first) and as ``alias`` (a shallower, later name)
+    is asked about and reported as ``deep.inner``, the name ``named_modules()`` gives it."""
+    model = nn.Module()
+    model.deep = nn.Sequential()
+    model.deep.add_module("inner", nn.Linear(32, 32))
+    model.alias = model.deep.inner
+    seen = []
+    _, report = convert_to_fp8_blockwise(model, lambda m, fqn: seen.append(fqn) or True, report=True)
+    assert seen == report.converted == ["deep.inner"]
+    assert model.alias is model.deep.inner and type(model.alias) is Fp8BlockwiseLinear
