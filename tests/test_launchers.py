@@ -43,6 +43,9 @@ def test_help_works_without_any_python_and_says_the_rule(tmp_path):
     recipe = run(ROOT / "recipes" / "pretrain_llama3_8b.sh", "-h", cwd=tmp_path).stdout
     assert recipe.startswith("Llama-3-8B-shaped pretraining") and "DATA_PREFIX" in recipe
     assert "The recipe runs scripts/launch_pretrain.sh" in recipe
+    conv = run(ROOT / "recipes" / "convergence_125m.sh", "--help", cwd=tmp_path)
+    assert conv.returncode == 0, conv.stderr
+    assert conv.stdout.startswith("BF16 vs TE blockwise vs the plugin") and "--band BAND" in conv.stdout
 
 
 def test_an_interpreter_without_torch_stops_the_launch_with_what_to_do(tmp_path):
@@ -52,9 +55,10 @@ def test_an_interpreter_without_torch_stops_the_launch_with_what_to_do(tmp_path)
     (fake / "python3").write_text("#!/bin/sh\nexit 1\n")  # find_spec('torch') is None
     (fake / "python3").chmod(0o755)
     env = {"PYTHON": None, "VENV": str(tmp_path / "no_venv"), "PATH": f"{fake}:{os.environ['PATH']}"}
-    proc = run(LAUNCH, "--dry-run", cwd=tmp_path, env=env)
-    assert proc.returncode == 2
-    assert "python3 (python3 on PATH) has no torch; set PYTHON=" in proc.stderr, proc.stderr
+    for script in (LAUNCH, ROOT / "recipes" / "convergence_125m.sh"):
+        proc = run(script, "--dry-run", cwd=tmp_path, env=env)
+        assert proc.returncode == 2
+        assert "python3 (python3 on PATH) has no torch; set PYTHON=" in proc.stderr, proc.stderr
 
 
 def test_bad_launcher_arguments_are_refused(tmp_path):
