@@ -26,7 +26,7 @@ read in backward (the quantized copies are).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -34,8 +34,7 @@ from ..backends import Backend
 from ..recipe import BlockwiseRecipe, TensorRole
 
 
-@dataclass(frozen=True, eq=False)
-class LinearPlan:
+class LinearPlan(NamedTuple):
     """Everything but the tensors of one FP8 linear call.
 
     ``stage``, ``exchange``, ``layout``: the three parts above. ``cache``: a ``WeightCache`` (dense) or
