@@ -17,15 +17,16 @@ output gradient dY        1x128 (and 128x1)  E4M3        E5M2
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from . import env
+
 BLOCK = 128
 """Edge of a scaling tile: 1x128 / 128x1 for 1D tiles, 128x128 for 2D tiles."""
 
-FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+FP32_SCALES_ENV = env.FP32_SCALES
 
 
 class Fp8Format(enum.Enum):
@@ -90,7 +91,7 @@ def _check_bool(name: str, value) -> None:
 
 def _pow2_default() -> bool:
     """TE's rule: power-of-2 scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1."""
-    return os.getenv(FP32_SCALES_ENV, "0") != "1"
+    return not env.fp32_scales()
 
 
 @dataclass(frozen=True)

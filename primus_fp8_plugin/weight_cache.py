@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import itertools
 import operator
-import os
 import weakref
 from collections.abc import Sequence
 
@@ -65,12 +64,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from . import env
 from .backends import Backend
 from .grouped_tensor import GroupedFp8Weight
 from .recipe import QuantParams
 from .tensor import BlockwiseFp8Tensor
 
-CHECK_ENV = "PRIMUS_FP8_CHECK_WEIGHT_CACHE"
+CHECK_ENV = env.CHECK_WEIGHT_CACHE
 """Set to 1 to compare every copy a cache serves with a fresh quantization (read when a cache is made)."""
 
 _epochs = itertools.count(1)
@@ -139,7 +139,7 @@ class WeightCache:
         self._tensor_ref: weakref.ref | None = None
         self._storage_ref: StorageWeakRef | None = None
         self._key: tuple | None = None
-        self.check = os.environ.get(CHECK_ENV, "0") == "1" if check is None else bool(check)
+        self.check = env.check_weight_cache() if check is None else bool(check)
         self.refreshes = 0
         self.checks = 0
 
@@ -266,7 +266,7 @@ class GroupedWeightCache:
         self._refs: list | None = None
         self._storage_refs: list | None = None
         self._key: tuple | None = None
-        self.check = os.environ.get(CHECK_ENV, "0") == "1" if check is None else bool(check)
+        self.check = env.check_weight_cache() if check is None else bool(check)
         self.refreshes = 0  # batched quantizations made (for tests and logs)
         self.checks = 0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +23,12 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from .. import env
 from ..ops import mark_saved_elsewhere
 
 _TORCH_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)  # SDPA's enable_gqa
 
-KERNELS_ENV = "PRIMUS_FP8_SDPA_KERNELS"
+KERNELS_ENV = env.SDPA_KERNELS
 _KERNEL_NAMES = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                  "math": "MATH"}  # fmt: skip
 
@@ -45,7 +45,7 @@ def kernel_priority(spec: str | None = None, device: torch.device | None = None)
     PyTorch's own order elsewhere (other NVIDIA GPUs: not measured; ROCm has no cuDNN; CPU). PyTorch skips a listed
     kernel that cannot run the call (and says why in a warning if none can). A name outside the list raises
     ``ValueError``."""
-    spec = os.environ.get(KERNELS_ENV, "") if spec is None else spec
+    spec = env.sdpa_kernels() if spec is None else spec
     names = [n.strip().lower() for n in spec.split(",") if n.strip()]
     if not names:
         return _device_default(device)
@@ -176,7 +176,7 @@ class SdpaAttention(MegatronModule):
         self.attention_type = attention_type
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.kernel_spec = os.environ.get(KERNELS_ENV, "")  # read once, at build: a bad value fails here
+        self.kernel_spec = env.sdpa_kernels()  # read once, at build: a bad value fails here
         kernel_priority(self.kernel_spec)
 
     def forward(

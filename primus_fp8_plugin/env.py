@@ -1,0 +1,32 @@
+"""The environment variables the package honours: read here and nowhere else, each when the object it configures is
+made (a recipe, a weight cache, an attention layer), and passed down from there as arguments.
+
+=====================================  ==========================================================================
+variable                               meaning
+=====================================  ==========================================================================
+``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` ``1``: fp32 scales instead of powers of 2 (TE's own switch; a recipe's default)
+``PRIMUS_FP8_CHECK_WEIGHT_CACHE``      ``1``: every weight cache compares each copy it serves with a fresh one
+``PRIMUS_FP8_SDPA_KERNELS``            the SDPA kernels ``SdpaAttention`` ranks (``megatron/attention.py``)
+=====================================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+FP32_SCALES = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+CHECK_WEIGHT_CACHE = "PRIMUS_FP8_CHECK_WEIGHT_CACHE"
+SDPA_KERNELS = "PRIMUS_FP8_SDPA_KERNELS"
+
+
+def fp32_scales() -> bool:
+    """TE's rule: power-of-2 scales unless ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``."""
+    return os.environ.get(FP32_SCALES, "0") == "1"
+
+
+def check_weight_cache() -> bool:
+    return os.environ.get(CHECK_WEIGHT_CACHE, "0") == "1"
+
+
+def sdpa_kernels() -> str:
+    return os.environ.get(SDPA_KERNELS, "")
