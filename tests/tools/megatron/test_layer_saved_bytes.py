@@ -39,7 +39,7 @@ def test_fast_spec_inventory_is_attributed_and_saves_no_qkv_buffer(world):
     # qkv, fc1 (hidden wide) and fc2 (ffn 512 wide) save FP8 columnwise inputs; the output projection keeps
     # the attention output SDPA saves anyway (one storage held by both nodes) and saves no FP8 copy
     assert fp8 == tokens * (2 * hidden + 512), "exactly the FP8 columnwise inputs of qkv, fc1 and fc2"
-    by_proj = [r for r in rows if "_Fp8BlockwiseLinearFnBackward" in r["held_by"]]
+    by_proj = [r for r in rows if "_Fp8LinearFnBackward" in r["held_by"]]
     attn_out = [r for r in by_proj if any("Attention" in n for n in r["held_by"])]
     assert len(attn_out) == 1 and attn_out[0]["bytes"] == tokens * hidden * 2, rows
     assert any(r["bytes"] == tokens * 2 * 512 * 2 and r["dtype"] == "bfloat16" for r in rows), "fc1's bf16 output"
