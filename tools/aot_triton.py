@@ -725,6 +725,13 @@ def fused_act_variants() -> list[tuple]:
     return out
 
 
+def fused_act_tunings() -> dict:
+    """{name: ``fused_tuning.GluonConfig``}: every launch variant of the Gluon fused quantizer."""
+    from primus_fp8_plugin.backends.triton import fused_tuning
+
+    return dict(fused_tuning.GLUON)
+
+
 def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise, tuning=None):
     """Compile one variant for sm_90 without a GPU, as a launch with M, K, the stride multiples of 16 compiles;
     ``tuning``: a ``fused_tuning.GluonConfig`` (default: the active one)."""
@@ -763,20 +770,20 @@ def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise
 def check_fused_act_quant(verbose: bool = True) -> bool:
     """Compile and check every variant (``check_quantizer_variants``) of fused_act_gluon.py, for each of its
     launch variants (``fused_tuning.GLUON``), and that no FMA was contracted."""
-    from primus_fp8_plugin.backends.triton import fused_tuning
+    tunings = fused_act_tunings()
 
     def name(v):
         return f"{v[0]}:{sig_type(v[1])}->{sig_type(v[2])}:row={int(v[4])}:col={int(v[5])}:{v[6]}"
 
     def compile_no_fma(*v):
-        kernel = compile_fused_act_variant(*v[:6], tuning=fused_tuning.GLUON[v[6]])
+        kernel = compile_fused_act_variant(*v[:6], tuning=tunings[v[6]])
         if "fma.rn.f32" in kernel.asm["ptx"]:
             raise RuntimeError("the PTX holds fma.rn.f32: an FMA was contracted (compile with enable_fp_fusion=False)")
         return kernel
 
     # check_quantizer_variants reads v[1] as the FP8 dtype and v[4] as the columnwise flag: pass it views
     # of each variant shaped like the act quantizer's (in dtype, fp8 dtype, pow2, row, col) plus the op and tuning
-    variants = [(v[1], v[2], v[3], v[4], v[5], v[0], t) for t in fused_tuning.GLUON for v in fused_act_variants()]
+    variants = [(v[1], v[2], v[3], v[4], v[5], v[0], t) for t in tunings for v in fused_act_variants()]
     return check_quantizer_variants(
         variants,
         lambda i, f, p, r, c, op, t: compile_no_fma(op, i, f, p, r, c, t),

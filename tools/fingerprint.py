@@ -12,7 +12,8 @@ the sm_90 SASS instructions (addresses and encodings dropped) or of the gfx950 A
 did; ``--rename OLD=NEW`` (repeatable) first replaces OLD by NEW in the earlier file's variant
 names, for a refactor that renames variants. Covers the Triton kernels of
 ``aot_triton.kernel_specs()`` (sm_90 and gfx950) and every variant of the Hopper Gluon kernels' AOT
-checks (sm_90). Takes about ten minutes on two CPU cores (it compiles everything).
+checks (sm_90: the dense and grouped GEMMs, the quantizers, the fused quantizer in each launch
+variant). Takes about fifteen minutes on two CPU cores (it compiles everything).
 """
 
 from __future__ import annotations
@@ -83,6 +84,17 @@ def fingerprints(verbose: bool = False) -> dict[str, str]:
             _, sass = aot.sm90_resources(compile_fn(*v).asm["cubin"])
             tag = ",".join(aot.sig_type(x) if isinstance(x, torch.dtype) else str(x) for x in v)
             add(f"{module}[{tag}].sm90", sass_instructions(sass))
+    for v in aot.grouped_gluon_variants():
+        _, sass = aot.sm90_resources(aot.compile_grouped_gluon(v).asm["cubin"])
+        add(f"gemm_grouped_gluon[{v[0]}].sm90", sass_instructions(sass))
+        if v[1] == "wgrad" and not v[5]:  # a plain output that is not one span of memory: stores from registers
+            _, sass = aot.sm90_resources(aot.compile_grouped_gluon(v, store_tma=False).asm["cubin"])
+            add(f"gemm_grouped_gluon[{v[0]}:store_rows].sm90", sass_instructions(sass))
+    for tuning_name, tuning in aot.fused_act_tunings().items():
+        for v in aot.fused_act_variants():
+            _, sass = aot.sm90_resources(aot.compile_fused_act_variant(*v, tuning=tuning).asm["cubin"])
+            tag = ",".join(aot.sig_type(x) if isinstance(x, torch.dtype) else str(x) for x in v)
+            add(f"fused_act_gluon[{tag},{tuning_name}].sm90", sass_instructions(sass))
     return out
 
 
