@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 from benchmarks.benchlib import Timing, bench_parser, environment, report, require_cuda, shapes_or  # noqa: E402
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.reference_fused import rope_cos_sin  # noqa: E402
-from primus_fp8_plugin.backends.triton import fused_tuning  # noqa: E402
-from primus_fp8_plugin.backends.triton import norm as triton_norm  # noqa: E402
-from primus_fp8_plugin.backends.triton.fused_act import quantize_fused, quantize_fused_triton  # noqa: E402
-from primus_fp8_plugin.backends.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU  # noqa: E402
-from primus_fp8_plugin.backends.triton.sm90 import runs_on  # noqa: E402
+from primus_fp8_plugin.kernels.sm90.target import runs_on  # noqa: E402
+from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning  # noqa: E402
+from primus_fp8_plugin.kernels.triton import norm as triton_norm  # noqa: E402
+from primus_fp8_plugin.kernels.triton.fused_act import quantize_fused, quantize_fused_triton  # noqa: E402
+from primus_fp8_plugin.kernels.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU  # noqa: E402
 from primus_fp8_plugin.tensor import ceil_div, pad4  # noqa: E402
 
 NORM_SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]

@@ -43,10 +43,10 @@ from benchmarks.benchlib import (  # noqa: E402
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.cublas import CublasBackend  # noqa: E402
 from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm  # noqa: E402
-from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm  # noqa: E402
-from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon, supports  # noqa: E402
-from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual  # noqa: E402
-from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128  # noqa: E402
+from primus_fp8_plugin.kernels.sm90.gemm import blockwise_gemm_gluon, supports  # noqa: E402
+from primus_fp8_plugin.kernels.triton.gemm import blockwise_gemm  # noqa: E402
+from primus_fp8_plugin.kernels.triton.quantize_act import quantize_1x128_dual  # noqa: E402
+from primus_fp8_plugin.kernels.triton.quantize_weight import quantize_128x128  # noqa: E402
 from tools.gemm_variants import VARIANTS  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (8192, 8192, 29568),

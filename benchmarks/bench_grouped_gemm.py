@@ -89,10 +89,10 @@ def grouped_mm_works() -> bool:
 def contenders(e, k, n, counts, bf16_grouped):
     """op -> {name: fn} for one expert linear and routing."""
     from primus_fp8_plugin import BlockwiseRecipe, TensorRole
-    from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon
-    from primus_fp8_plugin.backends.triton.gemm_grouped import grouped_gemm, grouped_wgrad
-    from primus_fp8_plugin.backends.triton.gemm_grouped_gluon import grouped_gemm_gluon, grouped_wgrad_gluon
     from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped, quantize_weight_grouped
+    from primus_fp8_plugin.kernels.sm90.gemm import blockwise_gemm_gluon
+    from primus_fp8_plugin.kernels.sm90.gemm_grouped import grouped_gemm_gluon, grouped_wgrad_gluon
+    from primus_fp8_plugin.kernels.triton.gemm_grouped import grouped_gemm, grouped_wgrad
 
     t = sum(counts)
     recipe = BlockwiseRecipe()

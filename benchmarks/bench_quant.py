@@ -34,8 +34,8 @@ from benchmarks.benchlib import (  # noqa: E402
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.reference import ReferenceBackend  # noqa: E402
 from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant  # noqa: E402
-from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual  # noqa: E402
-from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128  # noqa: E402
+from primus_fp8_plugin.kernels.triton.quantize_act import quantize_1x128_dual  # noqa: E402
+from primus_fp8_plugin.kernels.triton.quantize_weight import quantize_128x128  # noqa: E402
 from primus_fp8_plugin.tensor import ceil_div  # noqa: E402
 
 SHAPES = [(8192, 8192), (16384, 4096), (8192, 29568), (4096, 14336)]

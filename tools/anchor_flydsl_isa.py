@@ -27,8 +27,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from primus_fp8_plugin.backends.flydsl.toolchain import rocm_root
 from tools.flydsl_isa import header, isa_report, row
+from tools.flydsl_toolchain import rocm_root
 
 M, N, K = 256, 512, 1024
 KB = K // 128

@@ -21,8 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-from primus_fp8_plugin.backends.flydsl.toolchain import setup_compile_only
 from tools.flydsl_isa import header, isa_report, row
+from tools.flydsl_toolchain import setup_compile_only
 
 SHAPE = (256, 512, 1024)  # M, N, K
 DIRECT = {  # name -> (M, N, K, b_block_dim, out_bf16)
@@ -79,8 +79,8 @@ def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
     import flydsl.compiler as flyc
     import torch
 
-    from primus_fp8_plugin.backends.flydsl import gemm_lds
-    from primus_fp8_plugin.backends.flydsl.gemm import THREADS, build_kernel
+    from primus_fp8_plugin.kernels.gfx950 import gemm_lds
+    from primus_fp8_plugin.kernels.gfx950.gemm import THREADS, build_kernel
 
     f8 = torch.float8_e4m3fn
     reports = {}

@@ -31,9 +31,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from primus_fp8_plugin.backends.triton import aot_fused, gemm, quantize_act, quantize_weight, quantize_weight_preshuffle
-from primus_fp8_plugin.backends.triton.aot_specs_grouped import grouped_kernel_specs
-from primus_fp8_plugin.backends.triton.fused_math import OP_SWIGLU
+from primus_fp8_plugin.kernels.triton import gemm, quantize_act, quantize_weight, quantize_weight_preshuffle
+from primus_fp8_plugin.kernels.triton.fused_math import OP_SWIGLU
+from tools import aot_specs_fused as aot_fused
+from tools.aot_specs_grouped import grouped_kernel_specs
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx950": GPUTarget("hip", "gfx950", 64)}
 
@@ -255,7 +256,7 @@ def check_quantizer_variants(variants, compile_fn, name_fn, transposes_fn, verbo
     byte-wise or single 16-bit shared-memory traffic, no undefined PTX registers, and where
     ``transposes_fn(v)`` the transposed copy's 16 wide (4- to 16-byte) shared stores per thread and
     16-byte reads. Prints a line per variant."""
-    from primus_fp8_plugin.backends.triton.sm90 import SMEM_LIMIT
+    from primus_fp8_plugin.kernels.sm90.target import SMEM_LIMIT
 
     ok_all = True
     for v in variants:
@@ -353,7 +354,7 @@ GEMM_EXPECT_SM90 = {
 
 def sig_type(dtype: torch.dtype) -> str:
     """The name Triton's signatures give ``dtype`` (bf16, fp8e4nv, ...)."""
-    from primus_fp8_plugin.backends.triton.sm90 import TORCH_TO_GL
+    from primus_fp8_plugin.kernels.sm90.target import TORCH_TO_GL
 
     return str(TORCH_TO_GL[dtype])
 
@@ -375,7 +376,7 @@ class GemmVariant:
 def gemm_aot_variants(configs: dict | None = None) -> list[GemmVariant]:
     """Every kernel variant the Gluon GEMM's wrapper launches for the given configs ({name: config});
     by default, every variant that ``gemm_gluon.select_config`` picks (what the backend runs)."""
-    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+    from primus_fp8_plugin.kernels.sm90 import gemm as G
 
     selected_only = configs is None
     configs = configs or {"128x128": G.CONFIG_128x128, "128x256": G.CONFIG_128x256, "256x128": G.CONFIG_256x128}
@@ -413,7 +414,7 @@ def compile_gemm(v: GemmVariant):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+    from primus_fp8_plugin.kernels.sm90 import gemm as G
     from primus_fp8_plugin.tensor import ceil_div
 
     cfg = v.config
@@ -484,7 +485,7 @@ def check_gemm(dump_dir: Path | None = None, verbose: bool = True, configs: dict
     """Compile every Gluon GEMM variant the wrapper can launch (``gemm_aot_variants(configs)``) for
     sm_90 and check it: wgmma with FP8 operands, TMA loads/stores, mbarriers, setmaxnreg, no spills,
     fits in shared memory, no serialised wgmma pipeline. Prints a line per variant."""
-    from primus_fp8_plugin.backends.triton.sm90 import SMEM_LIMIT
+    from primus_fp8_plugin.kernels.sm90.target import SMEM_LIMIT
 
     ok_all = True
     for v in gemm_aot_variants(configs):
@@ -529,9 +530,9 @@ def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from primus_fp8_plugin.backends.triton import gemm_gluon as G
-    from primus_fp8_plugin.backends.triton import gemm_grouped_gluon as GG
-    from primus_fp8_plugin.backends.triton import grouped_heuristics as GH
+    from primus_fp8_plugin.kernels.sm90 import gemm as G
+    from primus_fp8_plugin.kernels.sm90 import gemm_grouped as GG
+    from primus_fp8_plugin.kernels.sm90 import heuristics as GH
 
     _, op, a_dtype, out_dtype, has_bias, accumulate = v
     d = lambda t, box: G._desc(t, list(t.shape), [t.shape[1], 1], box, G._shared_layout(box, t.dtype))  # noqa: E731
@@ -599,7 +600,7 @@ def check_grouped_gluon(dump_dir: Path | None = None, verbose: bool = True) -> b
     """Compile every Gluon grouped GEMM variant for sm_90 and check it as ``check_gemm`` checks the dense
     kernel (FP8 wgmma, TMA loads, mbarriers, setmaxnreg, no spills, smem fits, no serialised wgmma);
     TMA stores only where the kernel has them (fwd/dgrad)."""
-    from primus_fp8_plugin.backends.triton.sm90 import SMEM_LIMIT
+    from primus_fp8_plugin.kernels.sm90.target import SMEM_LIMIT
 
     ok_all = True
     for v in grouped_gluon_variants():
@@ -644,7 +645,7 @@ def compile_act_quant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
     of 16 compiles."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from primus_fp8_plugin.backends.triton import quantize_act_gluon as Q
+    from primus_fp8_plugin.kernels.sm90 import quantize_act as Q
 
     f8 = sig_type(fp8_dtype)
     sig = {"x_ptr": f"*{sig_type(in_dtype)}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}",
@@ -676,8 +677,8 @@ def compile_weight_quant(in_dtype, fp8_dtype, pow2, row_first=False):
     multiples of 16 compiles."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from primus_fp8_plugin.backends.triton import quantize_weight_gluon as Q
-    from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import transpose_tile_layouts
+    from primus_fp8_plugin.kernels.sm90 import quantize_weight as Q
+    from primus_fp8_plugin.kernels.sm90.quantize_tiles import transpose_tile_layouts
 
     f8 = sig_type(fp8_dtype)
     sig = {"w_ptr": f"*{sig_type(in_dtype)}", "q_ptr": f"*{f8}", "qt_ptr": f"*{f8}", "s_ptr": "*fp32", "st_ptr": "*fp32",
@@ -727,7 +728,7 @@ def fused_act_variants() -> list[tuple]:
 
 def fused_act_tunings() -> dict:
     """{name: ``fused_tuning.GluonConfig``}: every launch variant of the Gluon fused quantizer."""
-    from primus_fp8_plugin.backends.triton import fused_tuning
+    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
 
     return dict(fused_tuning.GLUON)
 
@@ -737,9 +738,9 @@ def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise
     ``tuning``: a ``fused_tuning.GluonConfig`` (default: the active one)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from primus_fp8_plugin.backends.triton.fused_act_gluon import NUM_WARPS, _layouts, _quantize_fused_gluon_kernel, half_layouts
-    from primus_fp8_plugin.backends.triton.fused_math import FP_OPTIONS
-    from primus_fp8_plugin.backends.triton.fused_tuning import gluon_config
+    from primus_fp8_plugin.kernels.sm90.fused_act import NUM_WARPS, _layouts, _quantize_fused_gluon_kernel, half_layouts
+    from primus_fp8_plugin.kernels.triton.fused_math import FP_OPTIONS
+    from primus_fp8_plugin.kernels.triton.heuristics import gluon_config
 
     tuning = tuning or gluon_config()
 

@@ -34,8 +34,8 @@ import traceback
 
 import torch
 
-from primus_fp8_plugin.backends.triton import gemm_gluon
-from primus_fp8_plugin.backends.triton.gemm_gluon import GluonGemmConfig, blockwise_gemm_gluon
+from primus_fp8_plugin.kernels.sm90 import gemm as gemm_gluon
+from primus_fp8_plugin.kernels.sm90.gemm import GluonGemmConfig, blockwise_gemm_gluon
 from tools.gemm_variants import VARIANTS
 
 TOL = 2e-3
@@ -230,7 +230,7 @@ def bench(configs: dict[str, GluonGemmConfig], shapes, with_triton: bool, rounds
 
     import triton
 
-    from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
+    from primus_fp8_plugin.kernels.triton.gemm import blockwise_gemm
 
     print(f"\n=== benchmark (TFLOPS{f', median of {rounds} interleaved rounds (min-max)' if rounds > 1 else ''}; "
           "ratio = gluon / cuBLAS; wgrad+acc: cuBLAS writes fp32 without accumulating)")  # fmt: skip

@@ -24,13 +24,10 @@ import sys
 import torch
 
 from primus_fp8_plugin.backends.reference import ReferenceBackend
-from primus_fp8_plugin.backends.triton import (
-    quantize_act,
-    quantize_act_gluon,
-    quantize_weight,
-    quantize_weight_gluon,
-)
-from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported
+from primus_fp8_plugin.kernels.sm90 import quantize_act as quantize_act_gluon
+from primus_fp8_plugin.kernels.sm90 import quantize_weight as quantize_weight_gluon
+from primus_fp8_plugin.kernels.sm90.target import GluonUnsupported
+from primus_fp8_plugin.kernels.triton import quantize_act, quantize_weight
 from primus_fp8_plugin.recipe import QuantParams
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -9,7 +9,7 @@ Used by ``tools.check_gluon_gemm --configs``, ``tools.probe_gemm_clocks --config
 
 from __future__ import annotations
 
-from primus_fp8_plugin.backends.triton.gemm_gluon import CONFIG_128x128, CONFIG_128x256, CONFIG_256x128, GluonGemmConfig
+from primus_fp8_plugin.kernels.sm90.gemm import CONFIG_128x128, CONFIG_128x256, CONFIG_256x128, GluonGemmConfig
 
 VARIANTS: dict[str, GluonGemmConfig] = {
     "128x128": CONFIG_128x128,

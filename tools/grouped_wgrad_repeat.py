@@ -15,11 +15,11 @@ import argparse
 
 import torch
 
-import primus_fp8_plugin.backends.triton.gemm_grouped_gluon as gg
-from primus_fp8_plugin.backends.triton import grouped_heuristics as gh
-from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
-from primus_fp8_plugin.backends.triton.sm90 import runs_on
+import primus_fp8_plugin.kernels.sm90.gemm_grouped as gg
 from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped
+from primus_fp8_plugin.kernels.sm90 import heuristics as gh
+from primus_fp8_plugin.kernels.sm90.target import runs_on
+from primus_fp8_plugin.kernels.triton.gemm import blockwise_gemm
 from tests.gpu.test_gpu_grouped import ROUTINGS, _case, same
 
 

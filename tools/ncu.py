@@ -104,7 +104,7 @@ def gemm_call(direction: str, impl: str, m: int, n: int, k: int):
     from primus_fp8_plugin import BlockwiseRecipe
     from primus_fp8_plugin.backends.cublas import CublasBackend
     from primus_fp8_plugin.backends.triton import hopper_or_portable_gemm
-    from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon
+    from primus_fp8_plugin.kernels.sm90.gemm import blockwise_gemm_gluon
     from tools.gemm_variants import VARIANTS
 
     recipe = BlockwiseRecipe()
@@ -128,10 +128,10 @@ def quant_call(target: str, impl: str, m: int, k: int):
     import torch
 
     from primus_fp8_plugin import BlockwiseRecipe, TensorRole
-    from primus_fp8_plugin.backends.triton.quantize_act import quantize_1x128_dual
-    from primus_fp8_plugin.backends.triton.quantize_act_gluon import quantize_1x128_dual_gluon
-    from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
-    from primus_fp8_plugin.backends.triton.quantize_weight_gluon import quantize_128x128_gluon
+    from primus_fp8_plugin.kernels.sm90.quantize_act import quantize_1x128_dual_gluon
+    from primus_fp8_plugin.kernels.sm90.quantize_weight import quantize_128x128_gluon
+    from primus_fp8_plugin.kernels.triton.quantize_act import quantize_1x128_dual
+    from primus_fp8_plugin.kernels.triton.quantize_weight import quantize_128x128
 
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     recipe = BlockwiseRecipe()

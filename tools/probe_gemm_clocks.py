@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.benchlib import PowerLog, sustained_ms
-from primus_fp8_plugin.backends.triton import gemm_gluon
+from primus_fp8_plugin.kernels.sm90 import gemm as gemm_gluon
 from tools.check_gluon_gemm import cublas_fn, make_inputs
 from tools.gemm_variants import VARIANTS
 

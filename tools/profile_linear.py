@@ -202,7 +202,7 @@ def ab(steps: dict, rounds: int) -> None:
 
 def with_hints(use: bool, fn):
     """``fn`` run with the launch hints (launch.py) on or off."""
-    from primus_fp8_plugin.backends.triton.launch import FastLauncher
+    from primus_fp8_plugin.kernels.triton.launch import FastLauncher
 
     def run():
         before = FastLauncher.use_hints
@@ -218,7 +218,7 @@ def with_hints(use: bool, fn):
 def plain_launch(fn):
     """``fn`` with every kernel launched through ``kernel[grid]`` (JITFunction.run) instead of the
     compiled handle (launch.py)."""
-    from primus_fp8_plugin.backends.triton.launch import FastLauncher
+    from primus_fp8_plugin.kernels.triton.launch import FastLauncher
 
     def run():
         FastLauncher.enabled = False

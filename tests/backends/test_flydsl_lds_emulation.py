@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from primus_fp8_plugin import QuantParams
-from primus_fp8_plugin.backends.flydsl import gemm_lds as G
 from primus_fp8_plugin.backends.reference import ReferenceBackend
+from primus_fp8_plugin.kernels.gfx950 import gemm_lds as G
 from primus_fp8_plugin.preshuffle import preshuffle
 
 from ..conftest import make_input

@@ -198,7 +198,7 @@ def test_every_norm_launch_variant_is_the_spec_bit_for_bit(kind):
     """Each launch variant of the norm statistics and backward kernels (fused_tuning.py) on fresh random
     ragged shapes: rows not a multiple of 16, rows longer than a variant's column step (several
     steps, a partial last one) and shorter than one chunk of 128."""
-    from primus_fp8_plugin.backends.triton import fused_tuning
+    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
 
     tri = get_backend("triton", "cpu")
     seed = int.from_bytes(os.urandom(4), "little")

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
-from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon
-from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported, runs_on
+from primus_fp8_plugin.kernels.sm90.gemm import blockwise_gemm_gluon
+from primus_fp8_plugin.kernels.sm90.target import GluonUnsupported, runs_on
+from primus_fp8_plugin.kernels.triton.gemm import blockwise_gemm
 
 E4M3 = torch.float8_e4m3fn
 
@@ -103,7 +103,7 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
     both B scale layouts and scales TMA cannot read in place."""
     import dataclasses
 
-    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+    from primus_fp8_plugin.kernels.sm90 import gemm as G
 
     launched = []
     monkeypatch.setattr(G, "runs_on", lambda device: True)
@@ -134,7 +134,7 @@ def test_config_selection_and_shared_memory():
     output and for a bias into accumulate_into with 1x128 B scales (the 128x256 one spills there).
     Only 128x256 and 256x128 tiles stage their scales through shared memory, and their four [64, 64]
     output buffers take as much shared memory as one [128, 128] tile's."""
-    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+    from primus_fp8_plugin.kernels.sm90 import gemm as G
 
     for out_dtype, acc in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
         assert G.select_config(1, out_dtype, acc) is G.CONFIG_256x128
@@ -167,7 +167,7 @@ def test_an_explicit_128x256_config_that_spills_is_refused(monkeypatch, bias, ac
     """An explicit ``config=CONFIG_128x256`` where the 128x256 kernel spills (a plain fp32 output; a bias
     into accumulate_into with 1x128 B scales) raises NotImplementedError before launching; with no
     config the same call takes the 128x128 kernel."""
-    from primus_fp8_plugin.backends.triton import gemm_gluon as G
+    from primus_fp8_plugin.kernels.sm90 import gemm as G
 
     launched = []
     monkeypatch.setattr(G, "runs_on", lambda device: True)

@@ -284,12 +284,12 @@ def test_few_experts_take_the_dense_kernel_per_expert_with_the_batched_bits(monk
     portable dense kernel writing into ``out``: the same bits as the batched kernel."""
     if not backend_availability("triton", "cpu"):
         pytest.skip("the Triton interpreter is not active")
-    import primus_fp8_plugin.backends.triton.grouped as tg
-    import primus_fp8_plugin.backends.triton.quantize_grouped_gluon as qg
+    import primus_fp8_plugin.backends.triton_grouped as tg
+    import primus_fp8_plugin.kernels.sm90.quantize_grouped as qg
     from primus_fp8_plugin.backends import get_backend
-    from primus_fp8_plugin.backends.triton.grouped_heuristics import WEIGHT_PER_EXPERT_MAX_GROUPS
-    from primus_fp8_plugin.backends.triton.quantize_grouped import quantize_128x128_batched
-    from primus_fp8_plugin.backends.triton.quantize_weight import quantize_128x128
+    from primus_fp8_plugin.kernels.sm90.heuristics import WEIGHT_PER_EXPERT_MAX_GROUPS
+    from primus_fp8_plugin.kernels.triton.quantize_grouped import quantize_128x128_batched
+    from primus_fp8_plugin.kernels.triton.quantize_weight import quantize_128x128
 
     launches = []
 
@@ -328,8 +328,8 @@ def test_few_experts_take_the_dense_kernel_per_expert_with_the_batched_bits(monk
 def test_per_expert_gluon_path_refuses_before_launching():
     """Weights of different shapes are a ValueError; a weight the dense Gluon kernel refuses (here: not on an
     sm_90 GPU) is a GluonUnsupported naming the expert, which the backend answers with the batched kernel."""
-    from primus_fp8_plugin.backends.triton.quantize_grouped_gluon import quantize_128x128_per_expert_gluon
-    from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported
+    from primus_fp8_plugin.kernels.sm90.quantize_grouped import quantize_128x128_per_expert_gluon
+    from primus_fp8_plugin.kernels.sm90.target import GluonUnsupported
 
     p = QuantParams(torch.float8_e4m3fn, 2)
     with pytest.raises(ValueError, match="differ in shape"):

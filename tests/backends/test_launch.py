@@ -11,7 +11,7 @@ import pytest
 import torch
 from triton import knobs
 
-from primus_fp8_plugin.backends.triton.launch import _launch_hooks_set
+from primus_fp8_plugin.kernels.triton.launch import _launch_hooks_set
 
 
 def test_launch_hooks_are_seen_inside_triton_hook_chains():
@@ -38,7 +38,7 @@ def test_a_wrong_argument_count_is_refused_before_launching(tmp_path):
             """
             import triton
             import triton.language as tl
-            from primus_fp8_plugin.backends.triton.launch import FastLauncher
+            from primus_fp8_plugin.kernels.triton.launch import FastLauncher
 
             @triton.jit
             def kernel(x_ptr, n, BLOCK: tl.constexpr):
@@ -63,7 +63,7 @@ def test_int_class_separates_what_triton_specialises():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from primus_fp8_plugin.backends.triton.launch import int_class
+    from primus_fp8_plugin.kernels.triton.launch import int_class
 
     values = [
         0,
@@ -112,7 +112,7 @@ def test_aligned_names_each_pointer_as_triton_does():
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    from primus_fp8_plugin.backends.triton.launch import aligned
+    from primus_fp8_plugin.kernels.triton.launch import aligned
 
     buf = torch.zeros(64)
     a, b = buf[:16], buf[1:17]  # 0 and 4 bytes in

@@ -40,8 +40,8 @@ class _Recorder:
 @pytest.fixture
 def on_hopper(monkeypatch):
     """Let the Gluon wrappers run their host side on a CPU (the launch is recorded, nothing runs)."""
-    import primus_fp8_plugin.backends.triton.gemm_gluon as G
-    import primus_fp8_plugin.backends.triton.quantize_gluon_tiles as T
+    import primus_fp8_plugin.kernels.sm90.gemm as G
+    import primus_fp8_plugin.kernels.sm90.quantize_tiles as T
 
     monkeypatch.setattr(G, "runs_on", lambda device: True)
     monkeypatch.setattr(G, "num_sms", lambda index: 132)
@@ -65,7 +65,7 @@ def _scales(m, n, k, bdim, kind):
 
 
 def test_gemm_hints(on_hopper, monkeypatch):
-    import primus_fp8_plugin.backends.triton.gemm_gluon as G
+    import primus_fp8_plugin.kernels.sm90.gemm as G
 
     rec = _Recorder(G._launch)
     monkeypatch.setattr(G, "_launch", rec)
@@ -86,7 +86,7 @@ def test_gemm_hints(on_hopper, monkeypatch):
 
 
 def test_act_quantizer_hints(on_hopper, monkeypatch):
-    import primus_fp8_plugin.backends.triton.quantize_act_gluon as A
+    import primus_fp8_plugin.kernels.sm90.quantize_act as A
 
     rec = _Recorder(A._launch)
     monkeypatch.setattr(A, "_launch", rec)
@@ -99,7 +99,7 @@ def test_act_quantizer_hints(on_hopper, monkeypatch):
 
 
 def test_weight_quantizer_hints(on_hopper, monkeypatch):
-    import primus_fp8_plugin.backends.triton.quantize_weight_gluon as W
+    import primus_fp8_plugin.kernels.sm90.quantize_weight as W
 
     rec = _Recorder(W._launch)
     monkeypatch.setattr(W, "_launch", rec)
@@ -112,9 +112,9 @@ def test_weight_quantizer_hints(on_hopper, monkeypatch):
 def test_fused_quantizer_hints(on_hopper, monkeypatch):
     """The Hopper fused quantizer (norm / SwiGLU producer) over ops, dtypes, flags and its launch variants
     (fused_tuning.GLUON: the tile in halves and register caps change the binary, so the hint holds them)."""
-    import primus_fp8_plugin.backends.triton.fused_act_gluon as FG
-    from primus_fp8_plugin.backends.triton import fused_tuning
-    from primus_fp8_plugin.backends.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
+    import primus_fp8_plugin.kernels.sm90.fused_act as FG
+    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
+    from primus_fp8_plugin.kernels.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
 
     rec = _Recorder(FG._launch)
     monkeypatch.setattr(FG, "_launch", rec)

@@ -13,10 +13,10 @@ import torch
 
 from primus_fp8_plugin import QuantParams
 from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant
-from primus_fp8_plugin.backends.triton.quantize_act_gluon import quantize_1x128_dual_gluon
-from primus_fp8_plugin.backends.triton.quantize_gluon_tiles import MAX_DIM
-from primus_fp8_plugin.backends.triton.quantize_weight_gluon import quantize_128x128_gluon, unsupported_reason
-from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported
+from primus_fp8_plugin.kernels.sm90.quantize_act import quantize_1x128_dual_gluon
+from primus_fp8_plugin.kernels.sm90.quantize_tiles import MAX_DIM
+from primus_fp8_plugin.kernels.sm90.quantize_weight import quantize_128x128_gluon, unsupported_reason
+from primus_fp8_plugin.kernels.sm90.target import GluonUnsupported
 
 from ..conftest import make_input
 
@@ -46,8 +46,8 @@ def test_off_hopper_is_unsupported():
 def test_shape_and_dtype_rules(w, match, monkeypatch):
     """The reasons past the device check, shared by both kernels (quantize_gluon_tiles.py; device
     check bypassed: this machine has no Hopper GPU)."""
-    import primus_fp8_plugin.backends.triton.quantize_act_gluon as act_mod
-    import primus_fp8_plugin.backends.triton.quantize_gluon_tiles as tiles
+    import primus_fp8_plugin.kernels.sm90.quantize_act as act_mod
+    import primus_fp8_plugin.kernels.sm90.quantize_tiles as tiles
 
     monkeypatch.setattr(tiles, "runs_on", lambda device: True)
     assert match in unsupported_reason(w, P)
@@ -57,9 +57,9 @@ def test_shape_and_dtype_rules(w, match, monkeypatch):
 def test_dims_past_the_grid_axis_limit_go_to_the_triton_kernel(monkeypatch):
     """Grid axis 1 holds at most 65535 programs: K blocks for activations, the larger dim's blocks for
     weights (either tile order); longer dims are refused, so the Triton kernel's clear error applies."""
-    import primus_fp8_plugin.backends.triton.quantize_act_gluon as act_mod
-    import primus_fp8_plugin.backends.triton.quantize_gluon_tiles as tiles
-    from primus_fp8_plugin.backends.triton.quantize_act import MAX_GRID_Y
+    import primus_fp8_plugin.kernels.sm90.quantize_act as act_mod
+    import primus_fp8_plugin.kernels.sm90.quantize_tiles as tiles
+    from primus_fp8_plugin.kernels.triton.quantize_act import MAX_GRID_Y
 
     monkeypatch.setattr(tiles, "runs_on", lambda device: True)
     long_k = torch.empty(16, MAX_GRID_Y + 16, dtype=torch.bfloat16, device="meta")
@@ -73,8 +73,8 @@ def test_dims_past_the_grid_axis_limit_go_to_the_triton_kernel(monkeypatch):
 def test_weight_tile_order_and_grid(monkeypatch, n, k):
     """The weight kernel walks along rows of blocks first for tall weights (N > K), down columns
     otherwise: grid axis 0 (fastest) is K blocks then, N blocks else, matching ROW_FIRST."""
-    import primus_fp8_plugin.backends.triton.quantize_gluon_tiles as tiles
-    import primus_fp8_plugin.backends.triton.quantize_weight_gluon as weight_mod
+    import primus_fp8_plugin.kernels.sm90.quantize_tiles as tiles
+    import primus_fp8_plugin.kernels.sm90.quantize_weight as weight_mod
 
     launched = []
     monkeypatch.setattr(tiles, "runs_on", lambda device: True)
@@ -90,7 +90,7 @@ def test_weight_tile_order_and_grid(monkeypatch, n, k):
 
 
 def test_act_kernel_takes_1x128_tiles_only():
-    import primus_fp8_plugin.backends.triton.quantize_act_gluon as act_mod
+    import primus_fp8_plugin.kernels.sm90.quantize_act as act_mod
 
     w = torch.empty(256, 256, dtype=torch.bfloat16)
     assert "block_dim=1" in act_mod.unsupported_reason(w, P)

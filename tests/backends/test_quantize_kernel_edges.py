@@ -88,13 +88,13 @@ MODES = [(True, True), (True, False), (False, True)]
 
 
 def _act():
-    from primus_fp8_plugin.backends.triton import quantize_act
+    from primus_fp8_plugin.kernels.triton import quantize_act
 
     return quantize_act.quantize_1x128_dual
 
 
 def _weight():
-    from primus_fp8_plugin.backends.triton import quantize_weight
+    from primus_fp8_plugin.kernels.triton import quantize_weight
 
     return quantize_weight.quantize_128x128
 
@@ -142,7 +142,7 @@ def test_empty_input():
 
 def test_dims_past_32_bit_offsets_are_refused():
     """In-tile offsets are int32: a dim of 2**31 / 128 or more must be refused, not wrap around."""
-    from primus_fp8_plugin.backends.triton import quantize_act, quantize_weight
+    from primus_fp8_plugin.kernels.triton import quantize_act, quantize_weight
 
     big = torch.empty(quantize_act.MAX_DIM, 16, dtype=torch.bfloat16, device="meta")
     with pytest.raises(ValueError, match="32-bit"):
@@ -154,7 +154,7 @@ def test_dims_past_32_bit_offsets_are_refused():
 def test_k_past_the_grid_axis_limit_is_refused():
     """K blocks run on grid axis 1 (at most 65535 programs): a longer K is refused with a clear error
     instead of a failed launch; the same K - 128 passes the check (M and N, on axis 0, are not capped)."""
-    from primus_fp8_plugin.backends.triton import quantize_act, quantize_weight
+    from primus_fp8_plugin.kernels.triton import quantize_act, quantize_weight
 
     k = quantize_act.MAX_GRID_Y + 16
     with pytest.raises(ValueError, match="65535"):

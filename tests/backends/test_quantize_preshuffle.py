@@ -56,7 +56,7 @@ def _bits(t):
     [(256, 384, torch.bfloat16, E4M3, True), (160, 96, torch.float32, E4M3, False), (96, 288, torch.float16, E5M2, True)],
 )
 def test_quantizer_is_the_reference_permuted(n, k, dtype, fp8, pow2):
-    from primus_fp8_plugin.backends.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
+    from primus_fp8_plugin.kernels.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
 
     w = make_input((n, k), dtype=dtype, seed=n + k)
     w[:3, :7] = 0
@@ -82,7 +82,7 @@ def test_quantizer_is_the_reference_permuted(n, k, dtype, fp8, pow2):
 def test_quantizer_pads_wt_storage_for_256_wide_dgrad_tiles(n, k):
     """K % 256 == 128: W^T's storage holds K + 128 rows, the padded view being bit for bit the reference's
     W^T with 128 zero rows, preshuffled, and its scales with a row of 1.0; other K: no padding."""
-    from primus_fp8_plugin.backends.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
+    from primus_fp8_plugin.kernels.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
     from primus_fp8_plugin.preshuffle import dgrad_padded_rows, padded_rows
 
     w = make_input((n, k), dtype=torch.bfloat16, seed=n * k)
@@ -118,7 +118,7 @@ def test_padded_rows_needs_the_storage():
 
 @interpreter
 def test_quantizer_rejects_shapes_it_cannot_hold():
-    from primus_fp8_plugin.backends.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
+    from primus_fp8_plugin.kernels.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
 
     with pytest.raises(ValueError, match="weight W\\^T .* cannot be stored"):
         quantize_128x128_preshuffled(torch.randn(48, 64), QuantParams(E4M3, 2))  # W fits, W^T [64, 48] does not

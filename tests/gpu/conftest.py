@@ -9,7 +9,7 @@ import pytest
 def verify_launch_hints():
     """Every hinted launch of the GPU suite recomputes Triton's full specialisation key and raises if a
     wrapper's hint stood for two specialisations (backends/triton/launch.py)."""
-    from primus_fp8_plugin.backends.triton.launch import FastLauncher
+    from primus_fp8_plugin.kernels.triton.launch import FastLauncher
 
     before = FastLauncher.verify_hints
     FastLauncher.verify_hints = True

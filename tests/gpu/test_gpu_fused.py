@@ -113,10 +113,10 @@ def test_swiglu_kernels_are_the_spec_bit_for_bit(m, f, dtype):
 @pytest.mark.parametrize("op, m, k", [("LayerNorm", 2048, 4096), ("RMSNorm", 512, 1040), ("SwiGLU", 1024, 3584)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gluon_fused_quantizer_is_the_triton_one_on_hopper(op, m, k, dtype):
-    from primus_fp8_plugin.backends.triton.fused_act import quantize_fused_triton
-    from primus_fp8_plugin.backends.triton.fused_act_gluon import quantize_fused_gluon, unsupported_reason
-    from primus_fp8_plugin.backends.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
-    from primus_fp8_plugin.backends.triton.norm import norm_stats
+    from primus_fp8_plugin.kernels.sm90.fused_act import quantize_fused_gluon, unsupported_reason
+    from primus_fp8_plugin.kernels.triton.fused_act import quantize_fused_triton
+    from primus_fp8_plugin.kernels.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
+    from primus_fp8_plugin.kernels.triton.norm import norm_stats
 
     width = 2 * k if op == "SwiGLU" else k
     src = (make_input((m, width), dtype=torch.float32, seed=k, spread=False) * 3).to(dtype).cuda()
@@ -131,7 +131,7 @@ def test_gluon_fused_quantizer_is_the_triton_one_on_hopper(op, m, k, dtype):
         kw["mean"], kw["rstd"] = norm_stats(src, 1e-5, op)
         kw["gamma"] = (torch.rand(k, device="cuda") + 0.5).to(dtype)
         kw["beta"] = torch.randn(k, device="cuda").to(dtype) if op == "LayerNorm" else None
-    from primus_fp8_plugin.backends.triton import fused_tuning
+    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
 
     for row, col in ((True, True), (True, False), (False, True)):
         want = quantize_fused_triton(src, code, P_IN, rowwise=row, columnwise=col, **kw)
@@ -149,7 +149,7 @@ def test_every_fused_launch_variant_is_the_unfused_composition_on_fresh_shapes(o
     import os
     import random
 
-    from primus_fp8_plugin.backends.triton import fused_tuning
+    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
 
     be = get_backend("triton", "cuda")
     seed = int.from_bytes(os.urandom(4), "little")

@@ -18,7 +18,6 @@ from primus_fp8_plugin import (
     quantize_activation,
     quantize_weight,
 )
-from primus_fp8_plugin.backends.triton.gemm import blockwise_gemm
 from primus_fp8_plugin.grouped import (
     gemm_dgrad_grouped,
     gemm_fwd_grouped,
@@ -27,6 +26,7 @@ from primus_fp8_plugin.grouped import (
     quantize_activation_grouped,
     quantize_weight_grouped,
 )
+from primus_fp8_plugin.kernels.triton.gemm import blockwise_gemm
 from primus_fp8_plugin.validate import rel_frobenius
 
 from ..conftest import make_input

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
-from primus_fp8_plugin.backends.triton.gemm_gluon import blockwise_gemm_gluon
-from primus_fp8_plugin.backends.triton.gemm_grouped import grouped_gemm, grouped_wgrad
-from primus_fp8_plugin.backends.triton.gemm_grouped_gluon import grouped_gemm_gluon, grouped_wgrad_gluon
-from primus_fp8_plugin.backends.triton.sm90 import GluonUnsupported
 from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped, quantize_weight_grouped
+from primus_fp8_plugin.kernels.sm90.gemm import blockwise_gemm_gluon
+from primus_fp8_plugin.kernels.sm90.gemm_grouped import grouped_gemm_gluon, grouped_wgrad_gluon
+from primus_fp8_plugin.kernels.sm90.target import GluonUnsupported
+from primus_fp8_plugin.kernels.triton.gemm_grouped import grouped_gemm, grouped_wgrad
 from primus_fp8_plugin.recipe import BLOCK
 
 from ..conftest import make_input
@@ -242,9 +242,9 @@ def test_weight_per_expert_gluon_equals_the_batched_kernel(num_experts, n, k, dt
     """One dense Gluon launch per expert into the stacked buffers (what the triton backend runs for a few
     experts on Hopper) against the portable batched kernel, bit for bit: ragged blocks, a NaN, W stacked or as a
     list, ``out`` reused; a misfit ``out`` is refused."""
-    from primus_fp8_plugin.backends.triton.quantize_grouped import quantize_128x128_batched
-    from primus_fp8_plugin.backends.triton.quantize_grouped_gluon import quantize_128x128_per_expert_gluon
-    from primus_fp8_plugin.backends.triton.quantize_weight_gluon import quantize_128x128_gluon
+    from primus_fp8_plugin.kernels.sm90.quantize_grouped import quantize_128x128_per_expert_gluon
+    from primus_fp8_plugin.kernels.sm90.quantize_weight import quantize_128x128_gluon
+    from primus_fp8_plugin.kernels.triton.quantize_grouped import quantize_128x128_batched
 
     p = BlockwiseRecipe().params(TensorRole.WEIGHT)
     ws = [make_input((n, k), dtype=dtype, seed=30 + e, device="cuda") for e in range(num_experts)]

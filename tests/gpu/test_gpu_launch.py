@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole, backend_availability, get_backend
-from primus_fp8_plugin.backends.triton import launch as launch_mod
-from primus_fp8_plugin.backends.triton import quantize_act
+from primus_fp8_plugin.kernels.triton import launch as launch_mod
+from primus_fp8_plugin.kernels.triton import quantize_act
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +106,7 @@ def test_int_specialisations_take_other_binaries(triton_backend):
 def test_gluon_gemm_fast_launch_matches_plain_launch(b_block_dim, out_dtype, accumulate):
     """The Gluon GEMM (TensorDescriptor arguments, maxnreg) through FastLauncher: the same bits as
     ``kernel[grid]``, and a repeated call reuses its binary."""
-    from primus_fp8_plugin.backends.triton import gemm_gluon
+    from primus_fp8_plugin.kernels.sm90 import gemm as gemm_gluon
 
     if not gemm_gluon.runs_on(torch.device("cuda")):
         pytest.skip("the Gluon GEMM runs on sm_90 only")
@@ -135,8 +135,8 @@ def test_gluon_gemm_fast_launch_matches_plain_launch(b_block_dim, out_dtype, acc
 def test_hinted_launches_reuse_one_binary_per_hint_and_match_plain_launches(monkeypatch):
     """The Gluon act quantizer goes through ``FastLauncher.hinted``: a repeated call finds its binary by
     hint (no new specialisation), and the bits equal the ordinary ``kernel[grid]`` launch."""
-    from primus_fp8_plugin.backends.triton import quantize_act_gluon
-    from primus_fp8_plugin.backends.triton.sm90 import runs_on
+    from primus_fp8_plugin.kernels.sm90 import quantize_act as quantize_act_gluon
+    from primus_fp8_plugin.kernels.sm90.target import runs_on
 
     if not runs_on(torch.device("cuda")):
         pytest.skip("the Gluon quantizer runs on sm_90 only")

@@ -21,7 +21,7 @@ REF = ReferenceBackend()
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_preshuffled_copies_bit_exact(n, k, dtype, fp8):
-    from primus_fp8_plugin.backends.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
+    from primus_fp8_plugin.kernels.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
 
     if not torch.cuda.is_available():
         pytest.skip("no GPU")

@@ -23,7 +23,7 @@ def test_unavailable_off_amd_with_a_reason():
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     pytest.importorskip("flydsl")
-    from primus_fp8_plugin.backends.flydsl.toolchain import ToolchainMissing, rocm_root
+    from tools.flydsl_toolchain import ToolchainMissing, rocm_root
 
     try:
         rocm_root(tmp_path_factory.mktemp("rocm"))
@@ -135,7 +135,7 @@ def test_k_loop_counts_on_a_listing():
 
 
 def test_missing_toolchain_names_the_package(tmp_path, monkeypatch):
-    from primus_fp8_plugin.backends.flydsl import toolchain
+    import tools.flydsl_toolchain as toolchain
 
     monkeypatch.delenv("ROCM_PATH", raising=False)
     monkeypatch.setattr(toolchain, "LLD_CANDIDATES", (str(tmp_path / "no-lld"),))

@@ -8,7 +8,7 @@ token counts and the number of experts are not (ragged routings).
 
 from __future__ import annotations
 
-from . import gemm_grouped, quantize_act, quantize_grouped, quantize_weight
+from primus_fp8_plugin.kernels.triton import gemm_grouped, quantize_act, quantize_grouped, quantize_weight
 
 _FP8_SM90 = {"fp8e4nv": "e4m3x2", "fp8e5": "e5m2x2"}
 _FP8_GFX950 = {"fp8e4nv": "v_cvt_scalef32_pk_fp8_f32", "fp8e5": "v_cvt_scalef32_pk_bf8_f32"}

@@ -32,12 +32,12 @@ from triton.experimental.gluon import language as gl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
-from .launch import FastLauncher, aligned
-from .quantize_act import MAX_GRID_Y, dual_outputs
-from .quantize_gluon_tiles import load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
-from .quantize_gluon_tiles import unsupported_reason as tile_rules
-from .scales import amax_nan, scale_and_inverse
-from .sm90 import GluonUnsupported
+from ..triton.launch import FastLauncher, aligned
+from ..triton.quantize_act import MAX_GRID_Y, dual_outputs
+from ..triton.scales import amax_nan, scale_and_inverse
+from .quantize_tiles import load_tile, raw_transpose_layouts, store_tile, transpose_tile_layouts
+from .quantize_tiles import unsupported_reason as tile_rules
+from .target import GluonUnsupported
 
 NUM_WARPS = 8
 

@@ -22,14 +22,14 @@ from triton.experimental.gluon import language as gl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
-from .fused_math import FP_OPTIONS, OP_SWIGLU, swiglu_value
-from .fused_tuning import gluon_config
-from .launch import FastLauncher, aligned
-from .quantize_act import MAX_DIM, MAX_GRID_Y, dual_outputs
-from .quantize_act_gluon import NUM_WARPS, _layouts
-from .quantize_gluon_tiles import store_tile
-from .scales import amax_nan, max_nan, scale_and_inverse
-from .sm90 import GluonUnsupported, runs_on
+from ..triton.fused_math import FP_OPTIONS, OP_SWIGLU, swiglu_value
+from ..triton.heuristics import gluon_config
+from ..triton.launch import FastLauncher, aligned
+from ..triton.quantize_act import MAX_DIM, MAX_GRID_Y, dual_outputs
+from ..triton.scales import amax_nan, max_nan, scale_and_inverse
+from .quantize_act import NUM_WARPS, _layouts
+from .quantize_tiles import store_tile
+from .target import GluonUnsupported, runs_on
 
 
 @gluon.jit

@@ -78,9 +78,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...tensor import ceil_div
-from .gemm import check_operands
-from .launch import FastLauncher, aligned, int_class
-from .sm90 import SMEM_LIMIT, TORCH_TO_GL, GluonUnsupported, num_sms, runs_on
+from ..triton.gemm import check_operands
+from ..triton.launch import FastLauncher, aligned, int_class
+from .target import SMEM_LIMIT, TORCH_TO_GL, GluonUnsupported, num_sms, runs_on
 
 BLOCK_K = 128  # one scale per K block: fixed by the recipe
 # registers per thread at launch, every config: 12 warps (2 consumer warpgroups + the producer's

@@ -9,8 +9,9 @@ later, in SASS).
 
 from __future__ import annotations
 
-from . import fused_act, fused_tuning, norm, rope, swiglu
-from .fused_math import FP_OPTIONS
+from primus_fp8_plugin.kernels.triton import fused_act, norm, rope, swiglu
+from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
+from primus_fp8_plugin.kernels.triton.fused_math import FP_OPTIONS
 
 NO_FMA = r"\A(?![\s\S]*fma\.rn\.f32)"
 """A regex that matches (at the start) only where the text holds no ``fma.rn.f32``."""

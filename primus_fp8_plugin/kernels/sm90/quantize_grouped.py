@@ -13,9 +13,9 @@ import torch
 
 from ...grouped_tensor import GroupedFp8Weight
 from ...recipe import QuantParams
-from .quantize_grouped import grouped_weight_out
-from .quantize_weight_gluon import quantize_128x128_gluon, unsupported_reason
-from .sm90 import GluonUnsupported
+from ..triton.quantize_grouped import grouped_weight_out
+from .quantize_weight import quantize_128x128_gluon, unsupported_reason
+from .target import GluonUnsupported
 
 
 def quantize_128x128_per_expert_gluon(

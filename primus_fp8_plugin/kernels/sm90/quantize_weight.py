@@ -32,12 +32,12 @@ from triton.experimental.gluon import language as gl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
-from .launch import FastLauncher, aligned, int_class
-from .quantize_act import MAX_GRID_Y
-from .quantize_gluon_tiles import load_tile, store_tile, store_transposed, transpose_tile_layouts
-from .quantize_gluon_tiles import unsupported_reason as tile_rules
-from .scales import max_nan, scale_and_inverse
-from .sm90 import GluonUnsupported
+from ..triton.launch import FastLauncher, aligned, int_class
+from ..triton.quantize_act import MAX_GRID_Y
+from ..triton.scales import max_nan, scale_and_inverse
+from .quantize_tiles import load_tile, store_tile, store_transposed, transpose_tile_layouts
+from .quantize_tiles import unsupported_reason as tile_rules
+from .target import GluonUnsupported
 
 NUM_WARPS = 8
 

@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference_fused import NORM_BWD_ROWS, NORMALIZATIONS
+from ...backends.reference_fused import NORM_BWD_ROWS, NORMALIZATIONS
 from .fused_act import OP_LAYERNORM, OP_RMSNORM, apply_fused, quantize_fused
 from .fused_math import FP_OPTIONS, LANES, tree_lanes, tree_rows, welford_merge_lanes
-from .fused_tuning import bwd_config, stats_config
+from .heuristics import bwd_config, stats_config
 from .launch import FastLauncher
 
 COLSUM_WARPS = 4  # the launch variants of the other kernels: fused_tuning.py

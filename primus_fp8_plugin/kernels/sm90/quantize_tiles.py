@@ -15,8 +15,8 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .quantize_act import MAX_DIM  # in-tile offsets are int32, tile bases int64, as in the Triton kernels
-from .sm90 import runs_on
+from ..triton.quantize_act import MAX_DIM  # in-tile offsets are int32, tile bases int64, as in the Triton kernels
+from .target import runs_on
 
 
 @functools.cache  # built once: the wrappers' host time counts

@@ -51,7 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ...grouped_tensor import GroupLayout
 from ...recipe import BLOCK
 from ...tensor import ceil_div
-from .gemm_gluon import (
+from ..triton.launch import FastLauncher
+from ..triton.pointer_table import pointer_table
+from .gemm import (
     _B2D_SCALE_BOX,
     _SCALE_SMEM_LAYOUT,
     BLOCK_K,
@@ -67,9 +69,7 @@ from .gemm_gluon import (
     _tma_ready_scale,
     stages_that_fit,
 )
-from .launch import FastLauncher
-from .pointer_table import pointer_table
-from .sm90 import SMEM_LIMIT, GluonUnsupported, num_sms, runs_on
+from .target import SMEM_LIMIT, GluonUnsupported, num_sms, runs_on
 
 # --------------------------------------------------------------------------------------------------
 # Device-side tile schedule
@@ -558,7 +558,7 @@ def grouped_gemm_gluon(
     ceil(N/128), >=ceil(K/128)]``) plus ``bias[e]`` (``[E, N]``, the output dtype). ``config``: a
     ``grouped_heuristics.GroupedConfig`` (default: its pick). Raises ``GluonUnsupported`` where the kernel does
     not apply (module docstring)."""
-    from .grouped_heuristics import fwd_config
+    from .heuristics import fwd_config
 
     _check_gluon_operands(a, b)
     t, k = a.shape
@@ -615,7 +615,7 @@ def grouped_wgrad_gluon(
     each expert's token columns of ``a [M, C]`` and ``b [N, C]`` (padded columnwise copies, 1x128 scales
     ``[C/128, pad4(M)]`` and ``[C/128, pad4(N)]``), into ``accumulate_into`` (``E`` contiguous fp32 ``[M, N]``,
     added to in place) or new tensors (views of one ``[E, M, N]`` of ``out_dtype``)."""
-    from .grouped_heuristics import wgrad_config
+    from .heuristics import wgrad_config
 
     _check_gluon_operands(a, b)
     m, cap = a.shape

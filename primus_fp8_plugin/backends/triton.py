@@ -20,21 +20,21 @@ import os
 
 import torch
 
-from ..base import Availability, Backend
-from . import norm, rope, swiglu
-from .gemm import blockwise_gemm
-from .gemm_gluon import blockwise_gemm_gluon
-from .grouped import TritonGrouped
-from .quantize_act import quantize_1x128_dual
-from .quantize_act_gluon import quantize_1x128_dual_gluon
-from .quantize_weight import quantize_128x128
-from .quantize_weight_gluon import quantize_128x128_gluon
-from .sm90 import GluonUnsupported
-from .sm90 import runs_on as runs_on_hopper
+from ..kernels.sm90.gemm import blockwise_gemm_gluon
+from ..kernels.sm90.quantize_act import quantize_1x128_dual_gluon
+from ..kernels.sm90.quantize_weight import quantize_128x128_gluon
+from ..kernels.sm90.target import GluonUnsupported
+from ..kernels.sm90.target import runs_on as runs_on_hopper
+from ..kernels.triton import norm, rope, swiglu
+from ..kernels.triton.gemm import blockwise_gemm
+from ..kernels.triton.quantize_act import quantize_1x128_dual
+from ..kernels.triton.quantize_weight import quantize_128x128
+from .base import Availability, Backend
+from .triton_grouped import TritonGrouped
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRET:
-    from . import interpreter_fix
+    from ..kernels.triton import interpreter_fix
 
     interpreter_fix.apply()
 

@@ -27,12 +27,12 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
-from .fused_act_gluon import quantize_fused_gluon
+from ..sm90.fused_act import quantize_fused_gluon
+from ..sm90.target import GluonUnsupported, runs_on
 from .fused_math import FP_OPTIONS, OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU, swiglu_value
 from .launch import FastLauncher
 from .quantize_act import MAX_DIM, MAX_GRID_Y, NUM_STAGES, _column_scales, _columnwise_copy, _rowwise_copy, dual_outputs
 from .scales import amax_nan, max_nan, scale_and_inverse
-from .sm90 import GluonUnsupported, runs_on
 
 # Launch configs (SUB_M rows per pass, warps): checked spill-free ahead of time (aot_fused.py)
 FULL_TILE = {OP_LAYERNORM: (128, 8), OP_RMSNORM: (128, 8), OP_SWIGLU: (64, 8)}  # M, K multiples of 16

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sm90 import runs_on
+from .target import runs_on
 
 
 @dataclass(frozen=True)

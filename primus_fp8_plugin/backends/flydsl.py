@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from ...preshuffle import PRESHUFFLE16
-from ..base import Availability, Backend, fused_ops_from_triton
-from ..triton import TritonBackend, device_availability
-from ..triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
-from . import gemm_lds
-from .gemm import blockwise_gemm
+from ..kernels.gfx950 import gemm_lds
+from ..kernels.gfx950.gemm import blockwise_gemm
+from ..kernels.triton.quantize_weight_preshuffle import quantize_128x128_preshuffled
+from ..preshuffle import PRESHUFFLE16
+from .base import Availability, Backend, fused_ops_from_triton
+from .triton import TritonBackend, device_availability
 
 E4M3 = torch.float8_e4m3fn
 

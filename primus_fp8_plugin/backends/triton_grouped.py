@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from .gemm_grouped import grouped_gemm, grouped_wgrad
-from .gemm_grouped_gluon import grouped_gemm_gluon, grouped_wgrad_gluon
-from .grouped_heuristics import use_gluon, weight_quant_per_expert
-from .quantize_grouped import quantize_128x128_batched, quantize_grouped_1x128
-from .quantize_grouped_gluon import quantize_128x128_per_expert_gluon
-from .sm90 import GluonUnsupported
+from ..kernels.sm90.gemm_grouped import grouped_gemm_gluon, grouped_wgrad_gluon
+from ..kernels.sm90.heuristics import use_gluon, weight_quant_per_expert
+from ..kernels.sm90.quantize_grouped import quantize_128x128_per_expert_gluon
+from ..kernels.sm90.target import GluonUnsupported
+from ..kernels.triton.gemm_grouped import grouped_gemm, grouped_wgrad
+from ..kernels.triton.quantize_grouped import quantize_128x128_batched, quantize_grouped_1x128
 
 
 def _gemm(op, a, a_s, b, b_s, layout, out_dtype, bias=None):

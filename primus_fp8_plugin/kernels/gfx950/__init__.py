@@ -1,0 +1,1 @@
+"""FlyDSL kernels for AMD MI355X (gfx950)."""

@@ -1,0 +1,1 @@
+"""Gluon kernels for NVIDIA Hopper (sm_90)."""

@@ -1,0 +1,1 @@
+"""Portable Triton kernels: quantizers, blockwise GEMMs (dense and grouped), fused ops, launch."""
