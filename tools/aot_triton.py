@@ -415,21 +415,22 @@ def compile_gemm(v: GemmVariant):
     from triton.runtime.jit import mangle_type
 
     from primus_fp8_plugin.kernels.sm90 import gemm as G
+    from primus_fp8_plugin.kernels.sm90 import gemm_library as L
     from primus_fp8_plugin.tensor import ceil_div
 
     cfg = v.config
     bm, bn = cfg.block_m, cfg.block_n
     out_dtype = torch.float32 if v.accumulate else v.out_dtype
-    stages = G.stages_that_fit(bm, bn, out_dtype, cfg.num_stages, v.b_block_dim)
-    cn = G._c_block_n(bm, bn)
+    stages = L.stages_that_fit(bm, bn, out_dtype, cfg.num_stages, v.b_block_dim)
+    cn = L.c_block_n(bm, bn)
     m = n = k = 1024  # only the descriptors' types matter
     a = torch.empty(m, k, dtype=v.a_dtype)
     b = torch.empty(n, k, dtype=v.b_dtype)
     c = torch.empty(m, n, dtype=out_dtype)
     descs = [
-        TensorDescriptor.from_tensor(a, [bm, G.BLOCK_K], G._shared_layout([bm, G.BLOCK_K], a.dtype)),
-        TensorDescriptor.from_tensor(b, [bn, G.BLOCK_K], G._shared_layout([bn, G.BLOCK_K], b.dtype)),
-        TensorDescriptor.from_tensor(c, [64, cn], G._shared_layout([64, cn], out_dtype)),
+        TensorDescriptor.from_tensor(a, [bm, L.BLOCK_K], L.shared_layout([bm, L.BLOCK_K], a.dtype)),
+        TensorDescriptor.from_tensor(b, [bn, L.BLOCK_K], L.shared_layout([bn, L.BLOCK_K], b.dtype)),
+        TensorDescriptor.from_tensor(c, [64, cn], L.shared_layout([64, cn], out_dtype)),
     ]
     sig = {
         "a_desc": mangle_type(descs[0]), "b_desc": mangle_type(descs[1]), "c_desc": mangle_type(descs[2]),
@@ -443,16 +444,16 @@ def compile_gemm(v: GemmVariant):
             "ACCUMULATE": v.accumulate, "NUM_STAGES": stages, "GROUP_M": cfg.group_m,
             "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
     if cfg.scale_tma:
-        kbs = ceil_div(k, G.BLOCK_K)
-        b_box = list(G._B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
+        kbs = ceil_div(k, L.BLOCK_K)
+        b_box = list(L.B2D_SCALE_BOX) if v.b_block_dim == 2 else [1, bn]
         for name, rows, box in (("as_desc", kbs, [1, bm]), ("bs_desc", kbs, b_box)):
-            sig[name] = mangle_type(G._scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box))
+            sig[name] = mangle_type(L.scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box))
             del cons[name]
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("a_s_ptr", "b_s_ptr", "bias_ptr", "c_ptr")}
     attrs.update({(names.index(p),): [["tt.divisibility", 16]] for p in ("N", "K", "stride_as", "stride_cm")})
     src = GluonASTSource(fn=G._blockwise_gemm_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": G.MAXNREG})
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": L.MAXNREG})
 
 
 def inspect_gemm(kernel) -> dict:
@@ -530,27 +531,28 @@ def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from primus_fp8_plugin.kernels.sm90 import gemm as G
     from primus_fp8_plugin.kernels.sm90 import gemm_grouped as GG
+    from primus_fp8_plugin.kernels.sm90 import gemm_library as L
     from primus_fp8_plugin.kernels.sm90 import heuristics as GH
+    from primus_fp8_plugin.kernels.sm90 import schedule as S
 
     _, op, a_dtype, out_dtype, has_bias, accumulate = v
-    d = lambda t, box: G._desc(t, list(t.shape), [t.shape[1], 1], box, G._shared_layout(box, t.dtype))  # noqa: E731
-    sd = lambda rows, box: G._scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box)  # noqa: E731
+    d = lambda t, box: L.tma_desc(t, list(t.shape), [t.shape[1], 1], box, L.shared_layout(box, t.dtype))  # noqa: E731
+    sd = lambda rows, box: L.scale_desc(torch.empty(rows, 1024, dtype=torch.float32), 1024, box)  # noqa: E731
     a = torch.empty(1024, 1024, dtype=a_dtype)
     b = torch.empty(1024, 1024, dtype=torch.float8_e4m3fn)
     if op == "fwd":
         cfg = GH.FWD_128x256
         c = torch.empty(1024, 1024, dtype=out_dtype)
         sig = {"a_desc": mangle_type(d(a, [128, 128])), "b_desc": mangle_type(d(b, [256, 128])),
-               "c_desc": mangle_type(d(c, [64, 64])), "bs_desc": mangle_type(sd(64, list(G._B2D_SCALE_BOX))),
+               "c_desc": mangle_type(d(c, [64, 64])), "bs_desc": mangle_type(sd(64, list(L.B2D_SCALE_BOX))),
                "a_s_ptr": "*fp32", "bias_ptr": f"*{sig_type(out_dtype)}", "c_ptr": f"*{sig_type(out_dtype)}",
                "offsets_ptr": "*i32", "padded_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32", "stride_as": "i32",
                "stride_cm": "i32", "stride_biase": "i32", "HAS_BIAS": "constexpr", "NUM_STAGES": "constexpr",
                "GROUP_M": "constexpr", "LOG_E": "constexpr", "CONSUMER_REGS": "constexpr",
                "PRODUCER_REGS": "constexpr"}  # fmt: skip
-        cons = {"HAS_BIAS": has_bias, "NUM_STAGES": G.stages_that_fit(128, 256, out_dtype, 0, 2),
-                "GROUP_M": cfg.group_m, "LOG_E": GG.log2_experts(num_groups), "CONSUMER_REGS": cfg.consumer_regs,
+        cons = {"HAS_BIAS": has_bias, "NUM_STAGES": L.stages_that_fit(128, 256, out_dtype, 0, 2),
+                "GROUP_M": cfg.group_m, "LOG_E": S.log2_experts(num_groups), "CONSUMER_REGS": cfg.consumer_regs,
                 "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
         fn, div = GG._grouped_fwd_gluon_kernel, ("a_s_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_as", "stride_cm")
     else:
@@ -566,7 +568,7 @@ def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store
                "STORE_TMA": "constexpr", "NUM_STAGES": "constexpr", "GROUP_M": "constexpr",
                "CONSUMER_REGS": "constexpr", "PRODUCER_REGS": "constexpr"}  # fmt: skip
         cons = {"C_TABLE": accumulate, "ACCUMULATE": accumulate, "STORE_TMA": store_tma,
-                "NUM_STAGES": GG.wgrad_stages(out_dtype, store_tma, cfg.num_stages), "GROUP_M": cfg.group_m,
+                "NUM_STAGES": L.stages_that_fit(bm, bn, out_dtype, cfg.num_stages, 1, store_tma), "GROUP_M": cfg.group_m,
                 "CONSUMER_REGS": cfg.consumer_regs, "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
         if not store_tma:
             sig["c_desc"] = "constexpr"
@@ -575,7 +577,7 @@ def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in div}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
-    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": G.MAXNREG})
+    return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": L.MAXNREG})
 
 
 GROUPED_WGRAD_STACK = 16

@@ -103,6 +103,8 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
     both B scale layouts and scales TMA cannot read in place."""
     import dataclasses
 
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     from primus_fp8_plugin.kernels.sm90 import gemm as G
 
     launched = []
@@ -121,11 +123,11 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
     out_dtype = torch.float32 if out != "bf16" else torch.bfloat16
     call(a, a_s, b, b_s, b_block_dim=bdim, out_dtype=out_dtype, accumulate_into=acc)
     (args,) = launched
-    descs = [x for x in args if isinstance(x, G.TensorDescriptor)]
+    descs = [x for x in args if isinstance(x, TensorDescriptor)]
     assert len(descs) == (5 if G.select_config(bdim, out_dtype, acc is not None).scale_tma else 3)
     for d in descs:
-        fields = {f.name: getattr(d, f.name) for f in dataclasses.fields(G.TensorDescriptor)}
-        G.TensorDescriptor(**fields)  # runs the skipped checks; raises AssertionError on a violation
+        fields = {f.name: getattr(d, f.name) for f in dataclasses.fields(TensorDescriptor)}
+        TensorDescriptor(**fields)  # runs the skipped checks; raises AssertionError on a violation
 
 
 def test_config_selection_and_shared_memory():
@@ -135,6 +137,7 @@ def test_config_selection_and_shared_memory():
     Only 128x256 and 256x128 tiles stage their scales through shared memory, and their four [64, 64]
     output buffers take as much shared memory as one [128, 128] tile's."""
     from primus_fp8_plugin.kernels.sm90 import gemm as G
+    from primus_fp8_plugin.kernels.sm90 import gemm_library as L
 
     for out_dtype, acc in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
         assert G.select_config(1, out_dtype, acc) is G.CONFIG_256x128
@@ -153,13 +156,13 @@ def test_config_selection_and_shared_memory():
     assert "spills" in G.supports(G.CONFIG_128x256, 1, torch.float32, True, has_bias=True)
     assert G.CONFIG_128x256.scale_tma and G.CONFIG_256x128.scale_tma and not G.CONFIG_128x128.scale_tma
     assert G.CONFIG_256x128.block_m == 256 and G.CONFIG_128x256.block_m == 128
-    assert G._c_block_n(128, 256) == 64 and G._c_block_n(128, 128) == 128 and G._c_block_n(256, 128) == 64
+    assert L.c_block_n(128, 256) == 64 and L.c_block_n(128, 128) == 128 and L.c_block_n(256, 128) == 64
     assert G.select_config(1, torch.float32, False) is G.CONFIG_128x128
     # a bf16 output: 4 stages of 128x256 with 128x128 B (48 KiB + 640 B of scales each) next to 32 KiB of
     # output buffers; 3 with 1x128 B (48 KiB + 1.5 KiB of scales), in either tile shape
-    assert G.stages_that_fit(128, 256, torch.bfloat16, 0, 2) == 4
-    assert G.stages_that_fit(128, 256, torch.bfloat16, 0, 1) == 3
-    assert G.stages_that_fit(256, 128, torch.bfloat16, 0, 1) == 3
+    assert L.stages_that_fit(128, 256, torch.bfloat16, 0, 2) == 4
+    assert L.stages_that_fit(128, 256, torch.bfloat16, 0, 1) == 3
+    assert L.stages_that_fit(256, 128, torch.bfloat16, 0, 1) == 3
 
 
 @pytest.mark.parametrize("bias, acc, out_dtype", [(True, True, torch.float32), (False, False, torch.float32)])

@@ -32,7 +32,7 @@ Tiles (``GluonGemmConfig``; ``select_config`` picks one per call; BLOCK_K is alw
 
 * 128x256 and 256x128: the producer also TMA-loads each K block's scales into the stage (the A-scale
   row slice [BLOCK_M]; 1x128 B: the [BLOCK_N] row slice; 128x128 B: a [2, 16] box holding the tile's
-  two block scales, ``_B2D_SCALE_BOX``), and the consumers read them with ld.shared a chain ahead of
+  two block scales, ``B2D_SCALE_BOX``), and the consumers read them with ld.shared a chain ahead of
   their use (a 128x128 B scale as one broadcast word). The last chain of a K block is retired inside
   the block: a wgmma in flight across the K loop's back edge makes ptxas serialise every wgmma. Four
   running + two fresh accumulators are 4 x 32 + 2 x 32 fp32 registers per thread; setmaxnreg 240 /
@@ -47,7 +47,7 @@ Tiles (``GluonGemmConfig``; ``select_config`` picks one per call; BLOCK_K is alw
   most 6 (``stages_that_fit``), unless the config asks for a number.
 
 Scale layouts: TE's [KB, pad4(M)] (1x128) and [NB, pad4(KB)] (128x128) tensors have 16-byte aligned
-rows, as TMA needs, and are read in place; other layouts are copied first (``_tma_ready_scale``);
+rows, as TMA needs, and are read in place; other layouts are copied first (``tma_ready_scale``);
 TMA zero-fills entries past the tensor.
 
 Limits, checked by the wrapper before anything is allocated or launched: NVIDIA sm_90; A and B
@@ -75,17 +75,28 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...tensor import ceil_div
 from ..triton.gemm import check_operands
 from ..triton.launch import FastLauncher, aligned, int_class
-from .target import SMEM_LIMIT, TORCH_TO_GL, GluonUnsupported, num_sms, runs_on
-
-BLOCK_K = 128  # one scale per K block: fixed by the recipe
-# registers per thread at launch, every config: 12 warps (2 consumer warpgroups + the producer's
-# warpgroup) share the 64K-register file, 168 * 384 <= 65536; setmaxnreg then moves registers between them
-MAXNREG = 168
+from .gemm_library import (
+    B2D_SCALE_BOX,
+    BLOCK_K,
+    MAXNREG,
+    b2d_block_scale,
+    c_block_n,
+    epilogue_add,
+    k_block_256x128,
+    promote,
+    scale_desc,
+    shared_layout,
+    stages_that_fit,
+    store_piece,
+    tma_desc,
+    tma_ready_scale,
+)
+from .schedule import tile_coords, tile_grid
+from .target import GluonUnsupported, num_sms, runs_on
 
 
 @dataclass(frozen=True)
@@ -123,51 +134,9 @@ def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, ha
     return CONFIG_128x128
 
 
-def _c_block_n(block_m: int, block_n: int) -> int:
-    # 128x256 and 256x128 tiles store four [64, 64] pieces per warpgroup through two buffers
-    return 64 if block_n == 256 or block_m == 256 else block_n
-
-
-def stages_that_fit(block_m: int, block_n: int, out_dtype: torch.dtype, requested: int = 0, b_block_dim: int = 1) -> int:
-    """Pipeline stages of a ``block_m`` x ``block_n`` tile (``requested``, or as many as fit, at most 6)
-    next to the output buffers; raises ValueError when fewer than 2, or ``requested``, do not fit."""
-    four_pieces = block_n == 256 or block_m == 256
-    stage_bytes = (block_m + block_n) * BLOCK_K  # fp8 A and B tiles
-    if four_pieces:  # + the fp32 A-scale row slice and the B scales of the K block (scale_tma)
-        stage_bytes += (block_m + (_B2D_SCALE_BOX[0] * _B2D_SCALE_BOX[1] if b_block_dim == 2 else block_n)) * 4
-    # [64, _c_block_n] output buffers: two per warpgroup with four pieces, else one
-    c_bufs = 4 if four_pieces else 2
-    c_bytes = c_bufs * 64 * _c_block_n(block_m, block_n) * out_dtype.itemsize
-    fit = (SMEM_LIMIT - c_bytes - 512) // stage_bytes  # 512: mbarriers and alignment (264-320 bytes in use)
-    stages = min(fit, 6) if requested <= 0 else requested
-    if stages < 2 or stages > fit:
-        raise ValueError(f"{stages} stages of a {block_m}x{block_n} tile do not fit in shared memory (max {fit})")
-    return stages
-
-
 # --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _tile_grid(M, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BK: gl.constexpr):
-    # output tiles per column and row, their count, and K blocks: what every partition walks
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    return num_pid_m, num_pid_n, num_pid_m * num_pid_n, gl.cdiv(K, BK)
-
-
-@gluon.jit
-def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    # L2-friendly order: GROUP_M rows of tiles sweep the N tiles together.
-    width = GROUP_M * num_pid_n
-    group = tile // width
-    first_m = group * GROUP_M
-    group_size = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % width) % group_size
-    pid_n = (tile % width) // group_size
-    return pid_m, pid_n
 
 
 @gluon.jit
@@ -177,7 +146,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
-    num_pid_m, num_pid_n, num_tiles, nk = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
+    num_pid_m, num_pid_n, num_tiles, nk = tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
     if SCALE_TMA:
         # + the K block's A-scale [1, BLOCK_M] row slice and B-scale box ([1, BLOCK_N], or [2, 16] for
         # 128x128 B scales) (fp32; entries past the tensor are zero-filled and, like the tiles'
@@ -188,7 +157,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         for kb in range(nk):
@@ -202,7 +171,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, as_desc, bs
             if SCALE_TMA:
                 tma.async_copy_global_to_shared(as_desc, [kb, off_m], ready.index(s), as_bufs.index(s))
                 if B_2D:  # b_s[n // 128 + (0, 1), kb] in a [2, 16] box starting at the 16-byte aligned
-                    # column kb & ~3 (_B2D_SCALE_BOX)
+                    # column kb & ~3 (B2D_SCALE_BOX)
                     tma.async_copy_global_to_shared(bs_desc, [off_n // BK, kb & ~3], ready.index(s), bs_bufs.index(s))
                 else:
                     tma.async_copy_global_to_shared(bs_desc, [kb, off_n], ready.index(s), bs_bufs.index(s))
@@ -223,20 +192,6 @@ def _load_scales(a_s_ptr, b_s_ptr, kb, nk, offs_m, m_mask, offs_n, n_mask, sb_ro
 
 
 @gluon.jit
-def _promote(acc, part, sa, sb, B_2D: gl.constexpr, ROW_FIRST: gl.constexpr = False):
-    # ROW_FIRST (1x128 B): (part * sa) * sb, whose FMULs by the row scales need not wait for the
-    # column scales' ld.shared; equal to part * (sa * sb) for power-of-2 scales (TE's default), within
-    # an ulp otherwise
-    if B_2D:
-        acc = acc + part * gl.expand_dims(sa * sb, 1)
-    elif ROW_FIRST:
-        acc = acc + (part * gl.expand_dims(sa, 1)) * gl.expand_dims(sb, 0)
-    else:
-        acc = acc + part * (gl.expand_dims(sa, 1) * gl.expand_dims(sb, 0))
-    return acc
-
-
-@gluon.jit
 def _consumer_128x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
                       M, N, K, stride_as, stride_bs, stride_cm,
                       WG: gl.constexpr, B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
@@ -253,13 +208,13 @@ def _consumer_128x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
 
-    num_pid_m, num_pid_n, num_tiles, nk = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
+    num_pid_m, num_pid_n, num_tiles, nk = tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
     c_smem = c_bufs.index(WG)
     zero = gl.zeros([HALF_M, BLOCK_N], gl.float32, mma_layout)
 
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M + WG * HALF_M
         off_n = pid_n * BLOCK_N
         offs_m = off_m + gl.arange(0, HALF_M, layout=row_layout)
@@ -283,32 +238,17 @@ def _consumer_128x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s
                                       stride_as, stride_bs, B_2D)  # fmt: skip
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             mbarrier.arrive(empty.index(s))
-            acc = _promote(acc, part, sa, sb, B_2D)
+            acc = promote(acc, part, sa, sb, B_2D)
             sa = sa_n
             sb = sb_n
 
         # ---- epilogue: bias, accumulate, one rounding, TMA store of this warpgroup's 64 rows
-        if HAS_BIAS:
-            bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)
-            acc = acc + gl.expand_dims(bias, 0)
-        if ACCUMULATE:
-            c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
-            c_mask = gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0)
-            acc = acc + gl.load(c_ptrs, mask=c_mask, other=0.0)
+        acc = epilogue_add(acc, offs_m, m_mask, offs_n, n_mask, bias_ptr, c_ptr, stride_cm, HAS_BIAS, ACCUMULATE)
         tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
         c_smem.store(acc.to(c_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _b2d_block_scale(bs_words, s, kb, half, word_layout: gl.constexpr, SB_W: gl.constexpr):
-    """The 128x128 B scale of tile half ``half`` for K block ``kb``: one word of stage ``s``'s [2, SB_W]
-    box (word ``half * SB_W + (kb & 3)``), loaded by every thread (a broadcast ld.shared)."""
-    SB_N: gl.constexpr = 2 * SB_W
-    word = bs_words.index(s * SB_N + half * SB_W + (kb & 3)).load(word_layout)
-    return gl.sum(word, axis=0)
 
 
 @gluon.jit
@@ -339,15 +279,15 @@ def _k_block_128x256(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb,
     their operands from shared memory through the same queue as these loads, so a load issued just
     before the wait of its own chain would leave the promotion's FMULs waiting for it. Chain 0's
     column scales are not loaded before chain 3's promotion: holding them there spills registers."""
-    # Promotions go through _promote with row scales and column scales: for 128x128 B the rows carry
+    # Promotions go through promote with row scales and column scales: for 128x128 B the rows carry
     # the block's B scale already (s_lo, s_hi) and the column scale is 1.0 (folded away).
     if not FIRST:  # chain 3's 1x128 B scales, from its stage (not released yet)
         sb3_prev = _col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D)
     mbarrier.wait(ready.index(s), phase)
     sa = as_rows.index(s).slice(WG * HALF_M, HALF_M).load(row_layout)
     if B_2D:
-        s_lo = sa * _b2d_block_scale(bs_scales, s, kb, 0, word_layout, SB_W)
-        s_hi = sa * _b2d_block_scale(bs_scales, s, kb, 1, word_layout, SB_W)
+        s_lo = sa * b2d_block_scale(bs_scales, s, kb, 0, word_layout, SB_W)
+        s_hi = sa * b2d_block_scale(bs_scales, s, kb, 1, word_layout, SB_W)
     else:
         s_lo = sa
         s_hi = sa
@@ -355,48 +295,25 @@ def _k_block_128x256(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb,
     bt = b_bufs.index(s)
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
-        acc3 = _promote(acc3, pb, sa_prev, sb3_prev, B_2D)
+        acc3 = promote(acc3, pb, sa_prev, sb3_prev, B_2D)
         mbarrier.arrive(empty.index(s_prev))
     sb0 = _col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
     sb1 = _col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     # chain 0
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc0 = _promote(acc0, pa, s_lo, sb0, B_2D)
+    acc0 = promote(acc0, pa, s_lo, sb0, B_2D)
     sb2 = _col_scales(bs_scales, s, 2, Q, col_layout, B_2D)
     pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     # chain 1
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-    acc1 = _promote(acc1, pb, s_lo, sb1, B_2D)
+    acc1 = promote(acc1, pb, s_lo, sb1, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     # chain 2
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc2 = _promote(acc2, pa, s_hi, sb2, B_2D)
+    acc2 = promote(acc2, pa, s_hi, sb2, B_2D)
     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
     return pa, pb, acc0, acc1, acc2, acc3, s_hi
-
-
-@gluon.jit
-def _store_piece(acc, PIECE: gl.constexpr, off_m, off_n, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
-                 stride_cm, WG: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr):  # fmt: skip
-    """Epilogue of one [64, 64] piece: + bias, + accumulate_into, one rounding, TMA store through the
-    warpgroup's buffer ``PIECE & 1``. Piece 0 waits for every earlier store (the previous tile's, long
-    done: a tile at the N edge may have stored 1 or 3 pieces, so its last store can use either
-    buffer); pieces 1-3 wait for the store two pieces back, the last user of their buffer. (Bulk store
-    groups are counted per thread: this relies on Triton issuing every TMA store of the warpgroup from
-    the same elected lane, as its PTX shows, with a barrier after each wait.)"""
-    offs_n = off_n + cols
-    n_mask = offs_n < N
-    if HAS_BIAS:
-        acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32), 0)
-    if ACCUMULATE:
-        c_ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
-        acc = acc + gl.load(c_ptrs, mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0), other=0.0)
-    c_smem = c_bufs.index(WG * 2 + (PIECE & 1))
-    tma.store_wait(pendings=0 if PIECE == 0 else 1)
-    c_smem.store(acc.to(c_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
 
 
 @gluon.jit
@@ -423,7 +340,7 @@ def _consumer_128x256(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     word_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # one word, in every thread
 
-    num_pid_m, num_pid_n, num_tiles, nk = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
+    num_pid_m, num_pid_n, num_tiles, nk = tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
     zero = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     cols = gl.arange(0, Q, layout=col_layout)
     # the TMA boxes (unswizzled) seen as plain fp32 rows per stage (A scales, 1x128 B scales) or, for
@@ -441,7 +358,7 @@ def _consumer_128x256(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_
     pa = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     pb = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M + WG * HALF_M
         off_n0 = pid_n * BLOCK_N
         offs_m = off_m + gl.arange(0, HALF_M, layout=row_layout)
@@ -463,72 +380,29 @@ def _consumer_128x256(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_
             )  # fmt: skip
             s_prev = s
             it += 1
-        acc3 = _promote(acc3, pb, sa3, _col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D), B_2D)
+        acc3 = promote(acc3, pb, sa3, _col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D), B_2D)
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: four [64, 64] pieces (those that start inside N)
-        _store_piece(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm, WG,
+        store_piece(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm, WG,
                      HAS_BIAS, ACCUMULATE)  # fmt: skip
         if off_n0 + Q < N:
-            _store_piece(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+            store_piece(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
                          stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
         if off_n0 + 2 * Q < N:
-            _store_piece(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+            store_piece(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
                          stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
         if off_n0 + 3 * Q < N:
-            _store_piece(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+            store_piece(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
                          stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _k_block_256x128(a_bufs, b_bufs, ready, empty, s, phase, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa_prev,
-                     as_rows, bs_scales, WG: gl.constexpr, H: gl.constexpr, Q: gl.constexpr,
-                     row_layout: gl.constexpr, col_layout: gl.constexpr, FIRST: gl.constexpr):  # fmt: skip
-    """One K block of _consumer_256x128 (1x128-scaled B): four m64n64k32 chains over the warpgroup's
-    128 x 128, in column-major order (rows h, columns q) = (0, 0), (1, 0), (0, 1), (1, 1), into the
-    fresh accumulators pa, pb, pa, pb, each promoted while the next runs, as in _k_block_128x256. Each
-    column-scale vector serves two consecutive chains: loaded once, and the two are never held
-    together (in row-major order both would be live across a promotion, which spills). Promotions
-    are (part * row scale) * column scale, so their first 32 FMULs need no ld.shared. Unless FIRST,
-    the previous block's chain 3 (in ``pb``, row scales ``sa_prev``, column scales re-read from its
-    stage) is promoted while chain 0 runs, and its stage released. Returns with chain 3 retired, in
-    ``pb``, and its row scales."""
-    mbarrier.wait(ready.index(s), phase)
-    rows = as_rows.index(s).slice(WG * 2 * H, 2 * H)
-    sa0 = rows.slice(0, H).load(row_layout)
-    sa1 = rows.slice(H, H).load(row_layout)
-    a_all = a_bufs.index(s).slice(WG * 2 * H, 2 * H)
-    a0 = a_all.slice(0, H)
-    a1 = a_all.slice(H, H)
-    bt = b_bufs.index(s)
-    b0 = bt.slice(0, Q).permute((1, 0))
-    b1 = bt.slice(Q, Q).permute((1, 0))
-    pa = warpgroup_mma(a0, b0, pa, use_acc=False, is_async=True)
-    if not FIRST:
-        sb3_prev = bs_scales.index(s_prev).slice(Q, Q).load(col_layout)
-        acc3 = _promote(acc3, pb, sa_prev, sb3_prev, False, True)
-        mbarrier.arrive(empty.index(s_prev))
-    sb0 = bs_scales.index(s).slice(0, Q).load(col_layout)
-    pb = warpgroup_mma(a1, b0, pb, use_acc=False, is_async=True)
-    pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc0 = _promote(acc0, pa, sa0, sb0, False, True)
-    pa = warpgroup_mma(a0, b1, pa, use_acc=False, is_async=True)
-    pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-    acc2 = _promote(acc2, pb, sa1, sb0, False, True)
-    sb1 = bs_scales.index(s).slice(Q, Q).load(col_layout)
-    pb = warpgroup_mma(a1, b1, pb, use_acc=False, is_async=True)
-    pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc1 = _promote(acc1, pa, sa0, sb1, False, True)
-    pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
-    return pa, pb, acc0, acc1, acc2, acc3, sa1
 
 
 @gluon.jit
 def _consumer_256x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N, K, stride_cm, as_bufs, bs_bufs,
                       WG: gl.constexpr, ACCUMULATE: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
     """Warpgroup ``WG`` of a 256 x 128 tile, 1x128-scaled B (wgrad): rows WG*128 .. +127 as two m64
-    halves, four m64n64k32 chains per K block (see _k_block_256x128); per thread 4 x 32 running + 2 x
+    halves, four m64n64k32 chains per K block (see k_block_256x128); per thread 4 x 32 running + 2 x
     32 fresh fp32 registers, as in _consumer_128x256; three 64-column scale vectors loaded per K block
     for 128 x 128 outputs, where _consumer_128x256 loads four for 64 x 256. Epilogue: four [64, 64]
     pieces through two buffers per warpgroup (no bias)."""
@@ -544,7 +418,7 @@ def _consumer_256x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N,
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
 
-    num_pid_m, num_pid_n, num_tiles, nk = _tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
+    num_pid_m, num_pid_n, num_tiles, nk = tile_grid(M, N, K, BLOCK_M, BLOCK_N, BK)
     zero = gl.zeros([H, Q], gl.float32, mma_layout)
     cols = gl.arange(0, Q, layout=col_layout)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -555,11 +429,11 @@ def _consumer_256x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N,
     pa = gl.zeros([H, Q], gl.float32, mma_layout)
     pb = gl.zeros([H, Q], gl.float32, mma_layout)
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M + WG * 2 * H
         off_n = pid_n * BLOCK_N
         s = it % NUM_STAGES
-        pa, pb, acc0, acc1, acc2, acc3, sa3 = _k_block_256x128(
+        pa, pb, acc0, acc1, acc2, acc3, sa3 = k_block_256x128(
             a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s, pa, pb, zero, zero, zero, zero,
             gl.zeros([H], gl.float32, row_layout), as_rows, bs_scales, WG, H, Q, row_layout, col_layout, True,
         )  # fmt: skip
@@ -567,29 +441,29 @@ def _consumer_256x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N,
         it += 1
         for _kb in range(1, nk):
             s = it % NUM_STAGES
-            pa, pb, acc0, acc1, acc2, acc3, sa3 = _k_block_256x128(
+            pa, pb, acc0, acc1, acc2, acc3, sa3 = k_block_256x128(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s_prev, pa, pb, acc0, acc1, acc2, acc3, sa3,
                 as_rows, bs_scales, WG, H, Q, row_layout, col_layout, False,
             )  # fmt: skip
             s_prev = s
             it += 1
-        acc3 = _promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, True)
+        acc3 = promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, True)
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: pieces (rows h, columns q) = acc0 (0, 0), acc1 (0, 1), acc2 (1, 0), acc3 (1, 1)
         offs_m0 = off_m + gl.arange(0, H, layout=row_layout)
         offs_m1 = offs_m0 + H
-        _store_piece(acc0, 0, off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm, WG,
+        store_piece(acc0, 0, off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm, WG,
                      False, ACCUMULATE)  # fmt: skip
         if off_n + Q < N:
-            _store_piece(acc1, 1, off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
+            store_piece(acc1, 1, off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
                          stride_cm, WG, False, ACCUMULATE)  # fmt: skip
         # acc2 as piece 0 (buffer 0, waiting for every earlier store): piece 1 may have been skipped at
         # the N edge, so the store two pieces back is not the last one in buffer 0
-        _store_piece(acc2, 0, off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm,
+        store_piece(acc2, 0, off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm,
                      WG, False, ACCUMULATE)  # fmt: skip
         if off_n + Q < N:
-            _store_piece(acc3, 3, off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
+            store_piece(acc3, 3, off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
                          stride_cm, WG, False, ACCUMULATE)  # fmt: skip
     tma.store_wait(pendings=0)
 
@@ -672,55 +546,6 @@ def _blockwise_gemm_gluon_kernel(
 
 # The compiled kernel per specialisation, launched without JITFunction.run's per-call Python (launch.py)
 _launch = FastLauncher(_blockwise_gemm_gluon_kernel)
-
-
-@functools.lru_cache(maxsize=64)
-def _shared_layout_cached(block_shape: tuple[int, ...], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), TORCH_TO_GL[dtype])
-
-
-def _shared_layout(block_shape, dtype):
-    # cached: Gluon's get_default_for costs ~12 us of Python per call, three times per GEMM
-    return _shared_layout_cached(tuple(block_shape), dtype)
-
-
-def _desc(base: torch.Tensor, shape: list[int], strides: list[int], block_shape: list[int], layout) -> TensorDescriptor:
-    """``TensorDescriptor(base, shape, strides, block_shape, layout)`` without its ``__post_init__``
-    checks (~6 us of Python each, five descriptors per GEMM): ``_check_inputs`` and the allocations
-    here already guarantee what they check (16-byte aligned base and strides, unit last stride,
-    positive shape); tests/backends/test_gemm_gluon_inputs.py rebuilds every descriptor the wrapper
-    makes through the checked constructor."""
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block_shape, layout=layout, padding="zero")
-    return desc
-
-
-# fp32 boxes of the scale tensors (scale_tma): unswizzled, read back with plain ld.shared
-_SCALE_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-
-
-# 128x128-scaled B (b_s [ceil(N/128), >=KB]): one [2, 16] box per K block holds b_s[n0 // 128 + (0, 1),
-# kb] of a 128x256 tile. 16 columns wide so that each stage's box spans 128 bytes of shared memory
-# (TMA destinations are 128-byte aligned); starting at column kb & ~3, 16 bytes aligned, so the scales
-# are words kb & 3 and 16 + (kb & 3). The start must be 16-byte aligned: a box starting at column kb
-# faults on the H200 once kb > 0 ("illegal instruction" at the producer's TMA).
-_B2D_SCALE_BOX = (2, 16)
-
-
-def _scale_desc(scale: torch.Tensor, cols: int, box: list[int]) -> TensorDescriptor:
-    """TMA descriptor over ``scale[:, :cols]`` (fp32 [rows, >=cols], unit column stride) in ``box``
-    boxes; TMA zero-fills what lies past the rows or ``cols``."""
-    return _desc(scale, [scale.shape[0], cols], [scale.stride(0), 1], box, _SCALE_SMEM_LAYOUT)
-
-
-def _tma_ready_scale(scale: torch.Tensor, cols: int) -> torch.Tensor:
-    """``scale`` itself where TMA can read it (16-byte aligned base and row stride: TE's [KB, pad4(.)]
-    layout), else a copy of ``scale[:, :cols]`` with rows padded to a multiple of 4."""
-    if scale.data_ptr() % 16 == 0 and (scale.stride(0) * 4) % 16 == 0:
-        return scale
-    padded = torch.zeros(scale.shape[0], ceil_div(cols, 4) * 4, dtype=torch.float32, device=scale.device)
-    padded[:, :cols] = scale[:, :cols]
-    return padded
 
 
 def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
@@ -825,21 +650,21 @@ def blockwise_gemm_gluon(
         return c
     cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None, bias is not None)
     bm, bn = cfg.block_m, cfg.block_n
-    cn = _c_block_n(bm, bn)
-    a_desc = _desc(a, [m, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
-    b_desc = _desc(b, [n, k], [k, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
-    c_desc = _desc(c, [m, n], [c.stride(0), 1], [64, cn], _shared_layout([64, cn], c.dtype))
+    cn = c_block_n(bm, bn)
+    a_desc = tma_desc(a, [m, k], [k, 1], [bm, BLOCK_K], shared_layout([bm, BLOCK_K], a.dtype))
+    b_desc = tma_desc(b, [n, k], [k, 1], [bn, BLOCK_K], shared_layout([bn, BLOCK_K], b.dtype))
+    c_desc = tma_desc(c, [m, n], [c.stride(0), 1], [64, cn], shared_layout([64, cn], c.dtype))
     as_desc = bs_desc = None
     if cfg.scale_tma:
-        a_scale_inv = _tma_ready_scale(a_scale_inv, m)
-        as_desc = _scale_desc(a_scale_inv, m, [1, bm])
+        a_scale_inv = tma_ready_scale(a_scale_inv, m)
+        as_desc = scale_desc(a_scale_inv, m, [1, bm])
         if b_block_dim == 2:
             kb = ceil_div(k, BLOCK_K)
-            b_scale_inv = _tma_ready_scale(b_scale_inv, kb)
-            bs_desc = _scale_desc(b_scale_inv, kb, list(_B2D_SCALE_BOX))
+            b_scale_inv = tma_ready_scale(b_scale_inv, kb)
+            bs_desc = scale_desc(b_scale_inv, kb, list(B2D_SCALE_BOX))
         else:
-            b_scale_inv = _tma_ready_scale(b_scale_inv, n)
-            bs_desc = _scale_desc(b_scale_inv, n, [1, bn])
+            b_scale_inv = tma_ready_scale(b_scale_inv, n)
+            bs_desc = scale_desc(b_scale_inv, n, [1, bn])
     num_tiles = ceil_div(m, bm) * ceil_div(n, bn)
     grid = (min(num_tiles, num_sms(a.device.index if a.device.index is not None else torch.cuda.current_device())),)
     # what can vary between calls with this config: dtypes (the descriptors' layouts follow from them and

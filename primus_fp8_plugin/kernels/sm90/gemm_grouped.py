@@ -3,7 +3,7 @@
 
 Same contracts as ``gemm_grouped.grouped_gemm`` / ``grouped_wgrad`` (the portable Triton kernels),
 and the same results bit for bit as a loop of dense Gluon calls (``blockwise_gemm_gluon``), one per
-expert: every tile runs the dense kernel's K loop and promotion (``_promote``, the dense kernel's
+expert: every tile runs the dense kernel's K loop and promotion (``promote``, the dense kernel's
 chain order), only the tile schedule and the epilogue's bounds differ.
 
 ``grouped_gemm_gluon`` (fprop, dgrad): ``C [T, N]``, expert ``e``'s rows ``= A_e [c_e, K] @ B_e [N, K]^T``;
@@ -19,7 +19,7 @@ that crosses the end by masked stores from registers.
 
 ``grouped_wgrad_gluon``: ``dW_e [M, N] = dY_e^T X_e`` over expert ``e``'s token columns of the padded
 columnwise copies (``[M, C]``, ``[N, C]``, scales ``[C/128, >=M]``, ``[C/128, >=N]``): 256x128 tiles, the
-dense ``CONFIG_256x128`` K block (``_k_block_256x128``, scales by TMA: every box starts at a multiple
+dense ``CONFIG_256x128`` K block (``k_block_256x128``, scales by TMA: every box starts at a multiple
 of 128) over ``ceil(c_e/128)`` K blocks (the zero padding of the last one stands for the dense
 kernel's masked loads). Output: ``acc += C`` into ``E`` fp32 ``main_grad`` tensors lying in one span
 of memory (Megatron's gradient buffer; reached through a pointer table, TMA-stored through one
@@ -29,7 +29,7 @@ returns).
 
 Tile schedule (device side, from the ``GroupLayout``): fwd/dgrad, expert ``e`` owns tiles
 ``padded[e]/128 * NT .. padded[e+1]/128 * NT`` (``NT = ceil(N/256)``), walked in the dense kernel's
-L2-grouped order within the expert (``_tile_coords``); a tile finds its expert by a binary search of
+L2-grouped order within the expert (``tile_coords``); a tile finds its expert by a binary search of
 ``padded_offsets`` (``ceil(log2 E)`` L1-resident loads). Total tiles ``padded[E]/128 * NT`` from the device;
 the grid is ``min(#SMs, capacity/128 * NT)`` and programs past the last tile stop. wgrad: ``E x MT x NT``
 tiles, expert-major. The kernels take no decisions: ``grouped_heuristics.py`` picks kernel and config.
@@ -53,67 +53,28 @@ from ...recipe import BLOCK
 from ...tensor import ceil_div
 from ..triton.launch import FastLauncher
 from ..triton.pointer_table import pointer_table
-from .gemm import (
-    _B2D_SCALE_BOX,
-    _SCALE_SMEM_LAYOUT,
+from .gemm_library import (
+    B2D_SCALE_BOX,
     BLOCK_K,
     MAXNREG,
-    _b2d_block_scale,
-    _desc,
-    _k_block_256x128,
-    _promote,
-    _scale_desc,
-    _shared_layout,
-    _store_piece,
-    _tile_coords,
-    _tma_ready_scale,
+    SCALE_SMEM_LAYOUT,
+    b2d_block_scale,
+    k_block_256x128,
+    promote,
+    scale_desc,
+    shared_layout,
     stages_that_fit,
+    store_piece,
+    store_rows,
+    tma_desc,
+    tma_ready_scale,
 )
-from .target import SMEM_LIMIT, GluonUnsupported, num_sms, runs_on
+from .schedule import fwd_tile, log2_experts, wgrad_tile
+from .target import GluonUnsupported, num_sms, runs_on
 
 # --------------------------------------------------------------------------------------------------
 # Device-side tile schedule
 # --------------------------------------------------------------------------------------------------
-
-
-@gluon.jit
-def _find_expert(padded_ptr, row, E, LOG_E: gl.constexpr):
-    """The largest ``e < E`` with ``padded[e] <= row`` (``row < padded[E]``): the expert whose padded rows
-    hold ``row`` (empty experts share their successor's start and are passed over)."""
-    lo = E * 0
-    hi = E
-    for _ in gl.static_range(LOG_E):
-        mid = (lo + hi) // 2
-        if gl.load(padded_ptr + mid) <= row:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@gluon.jit
-def _fwd_tile(tile, offsets_ptr, padded_ptr, E, num_pid_n, BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr,
-              LOG_E: gl.constexpr):  # fmt: skip
-    """(expert, first token row, the expert's end row, N tile) of fwd/dgrad tile ``tile``."""
-    g = tile // num_pid_n  # the tile's padded row tile: expert e owns padded[e]/128 .. padded[e+1]/128
-    e = _find_expert(padded_ptr, g * BLOCK_M, E, LOG_E)
-    p0 = gl.load(padded_ptr + e) // BLOCK_M
-    mt = gl.load(padded_ptr + e + 1) // BLOCK_M - p0
-    pid_m, pid_n = _tile_coords(tile - p0 * num_pid_n, mt, num_pid_n, GROUP_M)
-    row0 = gl.load(offsets_ptr + e) + pid_m * BLOCK_M
-    end = gl.load(offsets_ptr + e + 1)
-    return e, row0, end, pid_n
-
-
-@gluon.jit
-def _wgrad_tile(tile, offsets_ptr, padded_ptr, num_pid_m, num_pid_n, GROUP_M: gl.constexpr, BK: gl.constexpr):
-    """(expert, M tile, N tile, K blocks, first token column) of wgrad tile ``tile`` (expert-major)."""
-    per_expert = num_pid_m * num_pid_n
-    e = tile // per_expert
-    pid_m, pid_n = _tile_coords(tile - e * per_expert, num_pid_m, num_pid_n, GROUP_M)
-    tokens = gl.load(offsets_ptr + e + 1) - gl.load(offsets_ptr + e)
-    col0 = gl.load(padded_ptr + e)  # a multiple of 128
-    return e, pid_m, pid_n, gl.cdiv(tokens, BK), col0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,7 +96,7 @@ def _fwd_producer(a_desc, b_desc, bs_desc, a_bufs, b_bufs, bs_bufs, ready, empty
     num_tiles = gl.load(padded_ptr + E) // BLOCK_M * num_pid_n
     it = 0
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        e, row0, end, pid_n = _fwd_tile(tile, offsets_ptr, padded_ptr, E, num_pid_n, BLOCK_M, GROUP_M, LOG_E)
+        e, row0, end, pid_n = fwd_tile(tile, offsets_ptr, padded_ptr, E, num_pid_n, BLOCK_M, GROUP_M, LOG_E)
         off_n = pid_n * BLOCK_N
         b_row = e * N + off_n  # rows of the [E * N, K] view; rows past this expert's N feed no stored column
         bs_row = e * nb + off_n // BK
@@ -158,37 +119,25 @@ def _k_block_fwd(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc
     same promotions, same order; returns chain 3 retired in ``pb``, its row scales, the next A scales."""
     sa_next = gl.load(sa_next_ptrs, mask=sa_next_mask, other=0.0)
     mbarrier.wait(ready.index(s), phase)
-    s_lo = sa * _b2d_block_scale(bs_words, s, kb, 0, word_layout, SB_W)
-    s_hi = sa * _b2d_block_scale(bs_words, s, kb, 1, word_layout, SB_W)
+    s_lo = sa * b2d_block_scale(bs_words, s, kb, 0, word_layout, SB_W)
+    s_hi = sa * b2d_block_scale(bs_words, s, kb, 1, word_layout, SB_W)
     a_op = a_bufs.index(s).slice(WG * HALF_M, HALF_M)
     bt = b_bufs.index(s)
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
-        acc3 = _promote(acc3, pb, sa_prev, 1.0, True)
+        acc3 = promote(acc3, pb, sa_prev, 1.0, True)
         mbarrier.arrive(empty.index(s_prev))
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc0 = _promote(acc0, pa, s_lo, 1.0, True)
+    acc0 = promote(acc0, pa, s_lo, 1.0, True)
     pa = warpgroup_mma(a_op, bt.slice(2 * Q, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     pb = warpgroup_mma_wait(num_outstanding=1, deps=(pb,))
-    acc1 = _promote(acc1, pb, s_lo, 1.0, True)
+    acc1 = promote(acc1, pb, s_lo, 1.0, True)
     pb = warpgroup_mma(a_op, bt.slice(3 * Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
-    acc2 = _promote(acc2, pa, s_hi, 1.0, True)
+    acc2 = promote(acc2, pa, s_hi, 1.0, True)
     pb = warpgroup_mma_wait(num_outstanding=0, deps=(pb,))
     return pa, pb, acc0, acc1, acc2, acc3, s_hi, sa_next
-
-
-@gluon.jit
-def _store_rows(acc, off_n, offs_m, m_mask, cols, bias_ptr, c_ptr, N, stride_cm, HAS_BIAS: gl.constexpr):
-    """A [64, 64] piece that crosses its expert's end: + bias (fp32), one rounding, masked stores of the
-    rows before the end, from registers (what _store_piece computes, without the TMA store)."""
-    offs_n = off_n + cols
-    n_mask = offs_n < N
-    if HAS_BIAS:
-        acc = acc + gl.expand_dims(gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32), 0)
-    ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
-    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0))
 
 
 @gluon.jit
@@ -222,7 +171,7 @@ def _fwd_consumer(a_bufs, b_bufs, bs_bufs, ready, empty, c_desc, c_bufs, a_s_ptr
     pa = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     pb = gl.zeros([HALF_M, Q], gl.float32, mma_layout)
     for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        e, row0, end, pid_n = _fwd_tile(tile, offsets_ptr, padded_ptr, E, num_pid_n, BLOCK_M, GROUP_M, LOG_E)
+        e, row0, end, pid_n = fwd_tile(tile, offsets_ptr, padded_ptr, E, num_pid_n, BLOCK_M, GROUP_M, LOG_E)
         off_m = row0 + WG * HALF_M
         off_n0 = pid_n * BLOCK_N
         offs_m = off_m + rows
@@ -247,29 +196,29 @@ def _fwd_consumer(a_bufs, b_bufs, bs_bufs, ready, empty, c_desc, c_bufs, a_s_ptr
             )  # fmt: skip
             s_prev = s
             it += 1
-        acc3 = _promote(acc3, pb, sa3, 1.0, True)
+        acc3 = promote(acc3, pb, sa3, 1.0, True)
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: the pieces that start inside N, of the rows before the expert's end
         bias_e = bias_ptr + e * stride_biase
         live = end - off_m
         if live >= HALF_M:
-            _store_piece(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N, stride_cm, WG,
+            store_piece(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N, stride_cm, WG,
                          HAS_BIAS, False)  # fmt: skip
             if off_n0 + Q < N:
-                _store_piece(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
+                store_piece(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
                              stride_cm, WG, HAS_BIAS, False)  # fmt: skip
             if off_n0 + 2 * Q < N:
-                _store_piece(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
+                store_piece(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
                              stride_cm, WG, HAS_BIAS, False)  # fmt: skip
             if off_n0 + 3 * Q < N:
-                _store_piece(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
+                store_piece(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
                              stride_cm, WG, HAS_BIAS, False)  # fmt: skip
         elif live > 0:
-            _store_rows(acc0, off_n0, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS)
-            _store_rows(acc1, off_n0 + Q, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS)
-            _store_rows(acc2, off_n0 + 2 * Q, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS)
-            _store_rows(acc3, off_n0 + 3 * Q, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS)
+            store_rows(acc0, off_n0, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS, False)
+            store_rows(acc1, off_n0 + Q, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS, False)
+            store_rows(acc2, off_n0 + 2 * Q, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS, False)
+            store_rows(acc3, off_n0 + 3 * Q, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS, False)
     tma.store_wait(pendings=0)
 
 
@@ -324,7 +273,7 @@ def _wgrad_producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, b
     num_pid_n = gl.cdiv(N, BLOCK_N)
     it = 0
     for tile in range(gl.program_id(0), E * num_pid_m * num_pid_n, gl.num_programs(0)):
-        e, pid_m, pid_n, nk, col0 = _wgrad_tile(tile, offsets_ptr, padded_ptr, num_pid_m, num_pid_n, GROUP_M, BK)
+        e, pid_m, pid_n, nk, col0 = wgrad_tile(tile, offsets_ptr, padded_ptr, num_pid_m, num_pid_n, GROUP_M, BK)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         srow = col0 // BK
@@ -337,18 +286,6 @@ def _wgrad_producer(a_desc, b_desc, as_desc, bs_desc, a_bufs, b_bufs, as_bufs, b
             tma.async_copy_global_to_shared(as_desc, [srow + kb, off_m], ready.index(s), as_bufs.index(s))
             tma.async_copy_global_to_shared(bs_desc, [srow + kb, off_n], ready.index(s), bs_bufs.index(s))
             it += 1
-
-
-@gluon.jit
-def _wgrad_piece(acc, c_e, offs_m, M, off_n, cols, N, ACCUMULATE: gl.constexpr):
-    """A [64, 64] piece of expert ``e``'s ``[M, N]`` output: ``+= C`` (fp32) when accumulating, one rounding,
-    masked stores from registers."""
-    offs_n = off_n + cols
-    mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_n < N, 0)
-    ptrs = c_e + gl.expand_dims(offs_m.to(gl.int64) * N, 1) + gl.expand_dims(offs_n, 0)
-    if ACCUMULATE:
-        acc = acc + gl.load(ptrs, mask=mask, other=0.0)
-    gl.store(ptrs, acc.to(c_e.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -371,29 +308,29 @@ def _wgrad_epilogue(acc0, acc1, acc2, acc3, c_desc, c_bufs, c_e, row0, off_m, of
                     ACCUMULATE: gl.constexpr, STORE_TMA: gl.constexpr):  # fmt: skip
     """The four [64, 64] pieces (rows h, columns q) = acc0 (0, 0), acc1 (0, 1), acc2 (1, 0), acc3 (1, 1) of the
     warpgroup's 128 rows at (``off_m``, ``off_n``) of the expert's output ``c_e`` [M, N]: ``+= C`` when
-    accumulating; STORE_TMA: the dense ``_store_piece`` (TMA store at row ``row0 + off_m`` of the span
+    accumulating; STORE_TMA: the dense ``store_piece`` (TMA store at row ``row0 + off_m`` of the span
     descriptor ``c_desc``), else masked stores from registers."""
     offs_m0 = off_m + gl.arange(0, H, layout=row_layout)
     offs_m1 = offs_m0 + H
     cols = gl.arange(0, Q, layout=col_layout)
     if STORE_TMA:  # (pieces from row M on would reach the next output: skipped; M % 64 == 0)
         if off_m < M:
-            _store_piece(acc0, 0, row0 + off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_e, c_e, N, N, WG,
+            store_piece(acc0, 0, row0 + off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_e, c_e, N, N, WG,
                          False, ACCUMULATE)  # fmt: skip
             if off_n + Q < N:
-                _store_piece(acc1, 1, row0 + off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_e, c_e, N,
+                store_piece(acc1, 1, row0 + off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_e, c_e, N,
                              N, WG, False, ACCUMULATE)  # fmt: skip
         if off_m + H < M:  # (piece 0 again: piece 1 may have been skipped, see the dense epilogue)
-            _store_piece(acc2, 0, row0 + off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_e, c_e, N, N,
+            store_piece(acc2, 0, row0 + off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_e, c_e, N, N,
                          WG, False, ACCUMULATE)  # fmt: skip
             if off_n + Q < N:
-                _store_piece(acc3, 3, row0 + off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_e,
+                store_piece(acc3, 3, row0 + off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_e,
                              c_e, N, N, WG, False, ACCUMULATE)  # fmt: skip
     else:
-        _wgrad_piece(acc0, c_e, offs_m0, M, off_n, cols, N, ACCUMULATE)
-        _wgrad_piece(acc1, c_e, offs_m0, M, off_n + Q, cols, N, ACCUMULATE)
-        _wgrad_piece(acc2, c_e, offs_m1, M, off_n, cols, N, ACCUMULATE)
-        _wgrad_piece(acc3, c_e, offs_m1, M, off_n + Q, cols, N, ACCUMULATE)
+        store_rows(acc0, off_n, offs_m0, offs_m0 < M, cols, c_e, c_e, N, N, False, ACCUMULATE)
+        store_rows(acc1, off_n + Q, offs_m0, offs_m0 < M, cols, c_e, c_e, N, N, False, ACCUMULATE)
+        store_rows(acc2, off_n, offs_m1, offs_m1 < M, cols, c_e, c_e, N, N, False, ACCUMULATE)
+        store_rows(acc3, off_n + Q, offs_m1, offs_m1 < M, cols, c_e, c_e, N, N, False, ACCUMULATE)
 
 
 @gluon.jit
@@ -422,12 +359,12 @@ def _wgrad_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, c_bu
     pa = gl.zeros([H, Q], gl.float32, mma_layout)
     pb = gl.zeros([H, Q], gl.float32, mma_layout)
     for tile in range(gl.program_id(0), E * num_pid_m * num_pid_n, gl.num_programs(0)):
-        e, pid_m, pid_n, nk, col0 = _wgrad_tile(tile, offsets_ptr, padded_ptr, num_pid_m, num_pid_n, GROUP_M, BK)
+        e, pid_m, pid_n, nk, col0 = wgrad_tile(tile, offsets_ptr, padded_ptr, num_pid_m, num_pid_n, GROUP_M, BK)
         off_m = pid_m * BLOCK_M + WG * 2 * H
         off_n = pid_n * BLOCK_N
         if nk > 0:
             s = it % NUM_STAGES
-            pa, pb, acc0, acc1, acc2, acc3, sa3 = _k_block_256x128(
+            pa, pb, acc0, acc1, acc2, acc3, sa3 = k_block_256x128(
                 a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s, pa, pb, zero, zero, zero, zero,
                 gl.zeros([H], gl.float32, row_layout), as_rows, bs_scales, WG, H, Q, row_layout, col_layout, True,
             )  # fmt: skip
@@ -435,13 +372,13 @@ def _wgrad_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, c_bu
             it += 1
             for _kb in range(1, nk):
                 s = it % NUM_STAGES
-                pa, pb, acc0, acc1, acc2, acc3, sa3 = _k_block_256x128(
+                pa, pb, acc0, acc1, acc2, acc3, sa3 = k_block_256x128(
                     a_bufs, b_bufs, ready, empty, s, (it // NUM_STAGES) & 1, s_prev, pa, pb, acc0, acc1, acc2, acc3,
                     sa3, as_rows, bs_scales, WG, H, Q, row_layout, col_layout, False,
                 )  # fmt: skip
                 s_prev = s
                 it += 1
-            acc3 = _promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, True)
+            acc3 = promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, True)
             mbarrier.arrive(empty.index(s_prev))
             c_e, row0 = _wgrad_out(c_table_ptr, c0_ptr, e, M, stride_ce, span_base, row_bytes, C_TABLE)
             _wgrad_epilogue(acc0, acc1, acc2, acc3, c_desc, c_bufs, c_e, row0, off_m, off_n, M, N, WG, H, Q, row_layout,
@@ -497,23 +434,6 @@ def _grouped_wgrad_gluon_kernel(
 
 _launch_fwd = FastLauncher(_grouped_fwd_gluon_kernel)
 _launch_wgrad = FastLauncher(_grouped_wgrad_gluon_kernel)
-
-
-def log2_experts(num_groups: int) -> int:
-    """Steps of the binary search over ``num_groups`` experts (``_find_expert``): ceil(log2(E))."""
-    return max(num_groups - 1, 0).bit_length()
-
-
-def wgrad_stages(out_dtype: torch.dtype, store_tma: bool, requested: int = 0) -> int:
-    """Pipeline stages of the 256x128 wgrad tile beside its output buffers (four [64, 64] of ``out_dtype``
-    with TMA stores, none without), at most 6."""
-    stage = (256 + 128) * BLOCK_K + (256 + 128) * 4
-    c_bytes = 4 * 64 * 64 * out_dtype.itemsize if store_tma else 0
-    fit = (SMEM_LIMIT - c_bytes - 512) // stage
-    stages = min(fit, 6) if requested <= 0 else requested
-    if not 2 <= stages <= fit:
-        raise ValueError(f"{stages} stages of a 256x128 wgrad tile do not fit in shared memory (max {fit})")
-    return stages
 
 
 def output_span(outs: Sequence[torch.Tensor], m: int, n: int) -> tuple[torch.Tensor, int, int] | None:
@@ -581,13 +501,13 @@ def grouped_gemm_gluon(
     bm, bn = cfg.block_m, cfg.block_n
     nbk = ceil_div(k, BLOCK_K)
     bs2d = b_scale_inv.reshape(e * b_scale_inv.shape[1], b_scale_inv.shape[2])
-    bs2d = _tma_ready_scale(bs2d, nbk)
+    bs2d = tma_ready_scale(bs2d, nbk)
     stages = stages_that_fit(bm, bn, out_dtype, cfg.num_stages, 2)
-    a_desc = _desc(a, [t, k], [k, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
+    a_desc = tma_desc(a, [t, k], [k, 1], [bm, BLOCK_K], shared_layout([bm, BLOCK_K], a.dtype))
     b2d = b.view(e * n, k)
-    b_desc = _desc(b2d, [e * n, k], [k, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
-    c_desc = _desc(c, [t, n], [n, 1], [64, 64], _shared_layout([64, 64], c.dtype))
-    bs_desc = _scale_desc(bs2d, nbk, list(_B2D_SCALE_BOX))
+    b_desc = tma_desc(b2d, [e * n, k], [k, 1], [bn, BLOCK_K], shared_layout([bn, BLOCK_K], b.dtype))
+    c_desc = tma_desc(c, [t, n], [n, 1], [64, 64], shared_layout([64, 64], c.dtype))
+    bs_desc = scale_desc(bs2d, nbk, list(B2D_SCALE_BOX))
     tiles = layout.capacity // BLOCK * ceil_div(n, bn)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = (max(1, min(tiles, cfg.ctas or num_sms(dev))),)
@@ -647,16 +567,16 @@ def grouped_wgrad_gluon(
         raise GluonUnsupported("accumulating into main_grads that do not lie in one span of memory (whole rows apart, "
                                "m % 64 == 0) is not supported: that epilogue (stores from registers) gave wrong tiles "
                                "on the H200; use the portable kernel (gemm_grouped.grouped_wgrad)")  # fmt: skip
-    a_scale_inv = _tma_ready_scale(a_scale_inv, m)
-    b_scale_inv = _tma_ready_scale(b_scale_inv, n)
-    a_desc = _desc(a, [m, cap], [cap, 1], [bm, BLOCK_K], _shared_layout([bm, BLOCK_K], a.dtype))
-    b_desc = _desc(b, [n, cap], [cap, 1], [bn, BLOCK_K], _shared_layout([bn, BLOCK_K], b.dtype))
-    as_desc = _desc(a_scale_inv, [a_scale_inv.shape[0], m], [a_scale_inv.stride(0), 1], [1, bm], _SCALE_SMEM_LAYOUT)
-    bs_desc = _desc(b_scale_inv, [b_scale_inv.shape[0], n], [b_scale_inv.stride(0), 1], [1, bn], _SCALE_SMEM_LAYOUT)
+    a_scale_inv = tma_ready_scale(a_scale_inv, m)
+    b_scale_inv = tma_ready_scale(b_scale_inv, n)
+    a_desc = tma_desc(a, [m, cap], [cap, 1], [bm, BLOCK_K], shared_layout([bm, BLOCK_K], a.dtype))
+    b_desc = tma_desc(b, [n, cap], [cap, 1], [bn, BLOCK_K], shared_layout([bn, BLOCK_K], b.dtype))
+    as_desc = tma_desc(a_scale_inv, [a_scale_inv.shape[0], m], [a_scale_inv.stride(0), 1], [1, bm], SCALE_SMEM_LAYOUT)
+    bs_desc = tma_desc(b_scale_inv, [b_scale_inv.shape[0], n], [b_scale_inv.stride(0), 1], [1, bn], SCALE_SMEM_LAYOUT)
     c_desc, span_base, row_bytes = None, 0, 1
     if store_tma:
         base_t, rows, row_bytes = span
-        c_desc = _desc(base_t, [rows, n], [n, 1], [64, 64], _shared_layout([64, 64], base_t.dtype))
+        c_desc = tma_desc(base_t, [rows, n], [n, 1], [64, 64], shared_layout([64, 64], base_t.dtype))
         span_base = base_t.data_ptr()
     tiles = e * ceil_div(m, bm) * ceil_div(n, bn)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -664,7 +584,7 @@ def grouped_wgrad_gluon(
     _launch_wgrad(
         grid, a_desc, b_desc, as_desc, bs_desc, c_desc, table, c0, layout.offsets, layout.padded_offsets, e, m, n,
         stride_ce, span_base, row_bytes, accumulate_into is not None, accumulate_into is not None, store_tma,
-        wgrad_stages(c0.dtype, store_tma, cfg.num_stages), cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
+        stages_that_fit(bm, bn, c0.dtype, cfg.num_stages, 1, store_tma), cfg.group_m, cfg.consumer_regs, cfg.producer_regs,
         num_warps=4, maxnreg=MAXNREG,
     )  # fmt: skip
     return outs
