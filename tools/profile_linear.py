@@ -202,15 +202,11 @@ def ab(steps: dict, rounds: int) -> None:
 
 def with_hints(use: bool, fn):
     """``fn`` run with the launch hints (launch.py) on or off."""
-    from primus_fp8_plugin.kernels.triton.launch import FastLauncher
+    from primus_fp8_plugin.kernels.triton.launch import launch_settings
 
     def run():
-        before = FastLauncher.use_hints
-        FastLauncher.use_hints = use
-        try:
+        with launch_settings(hints=use):
             fn()
-        finally:
-            FastLauncher.use_hints = before
 
     return run
 
@@ -218,14 +214,11 @@ def with_hints(use: bool, fn):
 def plain_launch(fn):
     """``fn`` with every kernel launched through ``kernel[grid]`` (JITFunction.run) instead of the
     compiled handle (launch.py)."""
-    from primus_fp8_plugin.kernels.triton.launch import FastLauncher
+    from primus_fp8_plugin.kernels.triton.launch import launch_settings
 
     def run():
-        FastLauncher.enabled = False
-        try:
+        with launch_settings(fast=False):
             fn()
-        finally:
-            FastLauncher.enabled = True
 
     return run
 
@@ -282,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-profiler", action="store_true", help="only torch.profiler tables of 5 steps")
     ap.add_argument("--trace", help="with --torch-profiler: write a chrome trace (with Python stacks) of 3 steps")
     ap.add_argument("--ab-hints", type=int, default=0, metavar="ROUNDS",
-                    help="only an A/B of launch hints (FastLauncher.use_hints) on eager steps, ROUNDS rounds")  # fmt: skip
+                    help="only an A/B of launch hints (LaunchSettings.hints) on eager steps, ROUNDS rounds")  # fmt: skip
     ap.add_argument("--ab-backends", default="", metavar="A,B,...",
                     help="only an A/B of these backends' eager steps (bf16: torch's nn.Linear), --rounds rounds")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=15, help="rounds of --ab-backends")

@@ -11,22 +11,22 @@ import pytest
 import torch
 from triton import knobs
 
-from primus_fp8_plugin.kernels.triton.launch import _launch_hooks_set
+from primus_fp8_plugin.kernels.triton.launch import launch_hooks_set
 
 
 def test_launch_hooks_are_seen_inside_triton_hook_chains():
     """triton 3.6 keeps (empty) HookChain objects as launch hooks: only a registered hook counts."""
-    assert not _launch_hooks_set()
+    assert not launch_hooks_set()
 
     def hook(metadata):
         return None
 
     knobs.runtime.launch_enter_hook.add(hook)
     try:
-        assert _launch_hooks_set()
+        assert launch_hooks_set()
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
-    assert not _launch_hooks_set()
+    assert not launch_hooks_set()
 
 
 def test_a_wrong_argument_count_is_refused_before_launching(tmp_path):

@@ -8,13 +8,11 @@ import pytest
 @pytest.fixture(autouse=True, scope="session")
 def verify_launch_hints():
     """Every hinted launch of the GPU suite recomputes Triton's full specialisation key and raises if a
-    wrapper's hint stood for two specialisations (backends/triton/launch.py)."""
-    from primus_fp8_plugin.kernels.triton.launch import FastLauncher
+    wrapper's hint stood for two specialisations (kernels/triton/launch.py)."""
+    from primus_fp8_plugin.kernels.triton.launch import launch_settings
 
-    before = FastLauncher.verify_hints
-    FastLauncher.verify_hints = True
-    yield
-    FastLauncher.verify_hints = before
+    with launch_settings(verify_hints=True):
+        yield
 
 
 @pytest.fixture(scope="module")

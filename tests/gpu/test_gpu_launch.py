@@ -1,4 +1,4 @@
-"""The fast Triton launch path (backends/triton/launch.py) on a GPU: every call gives the same bits as
+"""The fast Triton launch path (kernels/triton/launch.py) on a GPU: every call gives the same bits as
 the ordinary ``kernel[grid]`` launch, a repeated call reuses its binary, and a change in pointer
 alignment, in an int's divisibility by 16 or a dim equal to 1 picks another binary. Skipped without
 a GPU (CI)."""
@@ -45,12 +45,8 @@ def _same_bits(a, b):
 
 def _plain_launch(call):
     """``call()`` with every launch going the ordinary ``kernel[grid]`` way (FastLauncher off)."""
-    before = launch_mod.FastLauncher.enabled
-    launch_mod.FastLauncher.enabled = False
-    try:
+    with launch_mod.launch_settings(fast=False):
         return call()
-    finally:
-        launch_mod.FastLauncher.enabled = before
 
 
 @pytest.mark.parametrize("m, k, offset", [(1, 256, 0), (17, 144, 0), (256, 384, 0), (130, 256, 1), (16, 128, 3)])
@@ -151,8 +147,8 @@ def test_hinted_launches_reuse_one_binary_per_hint_and_match_plain_launches(monk
         raise AssertionError("a repeated hinted call took the full-key path")
 
     monkeypatch.setattr(launch_mod.FastLauncher, "__call__", full_path)  # hinted() falls back to self(...)
-    monkeypatch.setattr(launch_mod.FastLauncher, "use_hints", True)
-    monkeypatch.setattr(launch_mod.FastLauncher, "verify_hints", False)  # verification computes the key only
+    # hints on, verification off (it computes the full key)
+    monkeypatch.setattr(launch_mod.FastLauncher, "settings", launch_mod.LaunchSettings(hints=True, verify_hints=False))
     again = quantize_act_gluon.quantize_1x128_dual_gluon(x * 1.0, p, rowwise=True, columnwise=True)
     assert (len(launcher._hinted), launcher.misses) == (hints, misses)
     monkeypatch.undo()
@@ -171,6 +167,6 @@ def test_a_hint_that_misses_a_varying_property_is_caught_when_verifying(triton_b
     launcher.hinted(("copy",), (4,), x, y, 512, 128)  # first call of the hint: the full path
     launcher.hinted(("copy",), (4,), x, y, 512, 128)  # found by hint
     assert torch.equal(x, y)
-    monkeypatch.setattr(launch_mod.FastLauncher, "verify_hints", True)
+    monkeypatch.setattr(launch_mod.FastLauncher, "settings", launch_mod.LaunchSettings(verify_hints=True))
     with pytest.raises(RuntimeError, match="stands for two specialisations"):
         launcher.hinted(("copy",), (4,), x, y, 500, 128)  # 500: not divisible by 16, another binary

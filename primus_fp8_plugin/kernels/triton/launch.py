@@ -17,18 +17,23 @@ Computing that key is itself most of the remaining cost where a kernel takes man
 GEMM: 24, five of them tensor descriptors whose specialisation formats their layout into a string;
 ~40 us per launch on the H200's host under cProfile). ``FastLauncher.hinted`` lets a wrapper that knows which of
 its arguments can vary name them in a short ``hint`` tuple instead; the binary is found once per
-hint through the full key. ``PRIMUS_FP8_VERIFY_LAUNCH_HINTS=1`` recomputes the full key on every
-hinted call and raises if a hint ever stands for two specialisations (the GPU tests run so);
-``PRIMUS_FP8_LAUNCH_HINTS=0`` (or ``FastLauncher.use_hints = False``) makes hinted calls take the full key.
+hint through the full key.
 
 Arguments are passed positionally in the kernel's signature order, constexprs included.
-``PRIMUS_FP8_FAST_LAUNCH=0`` (or ``FastLauncher.enabled = False``) sends every call the ordinary way.
+
+Switches (``LaunchSettings``, for every launcher of the process at once: the launchers are module-level
+objects of the kernel modules): ``fast=False`` sends every call the ordinary way; ``hints=False`` makes
+hinted calls take the full key; ``verify_hints=True`` recomputes the full key on every hinted call and
+raises if a hint ever stands for two specialisations (the GPU tests run so). ``launch_settings(...)``
+changes them inside a ``with`` block; the defaults are the production path.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from triton import knobs
@@ -36,7 +41,29 @@ from triton._C.libtriton import native_specialize_impl
 from triton.runtime.jit import JITFunction
 
 
-def _launch_hooks_set() -> bool:
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How ``FastLauncher`` launches (module docstring): ``fast`` (the compiled handle, keyed on Triton's
+    specialisation), ``hints`` (hinted calls keyed on their hint), ``verify_hints`` (check every hint)."""
+
+    fast: bool = True
+    hints: bool = True
+    verify_hints: bool = False
+
+
+@contextlib.contextmanager
+def launch_settings(**changes) -> Iterator[LaunchSettings]:
+    """Inside the ``with`` block every launcher runs with ``changes`` (``LaunchSettings`` fields) applied to
+    the current settings; they are restored after it."""
+    before = FastLauncher.settings
+    FastLauncher.settings = dataclasses.replace(before, **changes)
+    try:
+        yield FastLauncher.settings
+    finally:
+        FastLauncher.settings = before
+
+
+def launch_hooks_set() -> bool:
     """Whether a Triton launch hook is installed (triton 3.6 keeps empty ``HookChain`` objects there;
     older versions keep None or a function)."""
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
@@ -78,9 +105,7 @@ class FastLauncher:
     options (``num_warps``, ``num_stages``, ``maxnreg``, ...). Works for Triton and Gluon kernels (Gluon's
     host-side ``TensorDescriptor`` arguments are specialised by Triton like any other argument)."""
 
-    enabled = os.environ.get("PRIMUS_FP8_FAST_LAUNCH", "1") != "0"
-    verify_hints = os.environ.get("PRIMUS_FP8_VERIFY_LAUNCH_HINTS", "0") == "1"
-    use_hints = os.environ.get("PRIMUS_FP8_LAUNCH_HINTS", "1") != "0"  # 0: hinted calls take the full key
+    settings = LaunchSettings()  # of every launcher: ``launch_settings`` changes it
 
     def __init__(self, fn: JITFunction) -> None:
         self.fn = fn
@@ -110,13 +135,13 @@ class FastLauncher:
         return (device, tuple(sorted(options.items())), knob_opts, spec, constexprs)
 
     def __call__(self, grid: tuple[int, ...], *args, **options) -> None:
-        if not (self._jit and FastLauncher.enabled):
+        if not (self._jit and FastLauncher.settings.fast):
             self.fn[grid](*args, **options)
             return
         if len(args) != len(self._names):
             raise TypeError(f"{self.fn.__name__} takes {len(self._names)} arguments ({', '.join(self._names)}), got {len(args)}")
         device = torch.cuda.current_device()
-        hooks = _launch_hooks_set()
+        hooks = launch_hooks_set()
         kernel = None
         if device in self._backend and not hooks:
             key = self._key(device, args, options)
@@ -139,9 +164,10 @@ class FastLauncher:
         ``hint`` is the caller's promise that two calls with equal hints specialise identically: the same
         dtypes, the same 16-byte alignment of every pointer, the same ints equal to 1, divisible by 16 or
         64-bit, the same constexprs and launch options. The first call of a hint takes the full path and
-        records its key; with ``verify_hints`` every call recomputes the full key and raises
+        records its key; with ``LaunchSettings.verify_hints`` every call recomputes the full key and raises
         ``RuntimeError`` if it differs (a wrapper whose hint misses something that varies)."""
-        if not (self._jit and FastLauncher.enabled and FastLauncher.use_hints) or _launch_hooks_set():
+        settings = FastLauncher.settings
+        if not (self._jit and settings.fast and settings.hints) or launch_hooks_set():
             self(grid, *args, **options)
             return
         device = torch.cuda.current_device()
@@ -153,7 +179,7 @@ class FastLauncher:
             self._hinted[lookup] = (self._compiled[key], key)
             return
         kernel, key = entry
-        if FastLauncher.verify_hints and self._key(device, args, options) != key:
+        if settings.verify_hints and self._key(device, args, options) != key:
             raise RuntimeError(
                 f"{self.fn.__name__}: launch hint {hint} stands for two specialisations: it was first seen with "
                 f"key {key}, now {self._key(device, args, options)}; the wrapper's hint misses an argument property"
