@@ -1,4 +1,4 @@
-"""The LDS-staged FlyDSL GEMMs' index arithmetic, executed on the CPU: ``gemm_lds.emulate`` walks the
+"""The LDS-staged FlyDSL GEMMs' index arithmetic, executed on the CPU: ``flydsl_emulation.emulate`` walks the
 kernel's L2-grouped tile schedule and its waves' 16x16 strips, gathers B at the kernel's preshuffled
 addresses, picks each strip's 128x128 scale block as the kernel does and applies the buffer bounds
 (ragged M); its result must match the reference backend's blockwise GEMM. The FlyDSL kernels
@@ -15,6 +15,7 @@ from primus_fp8_plugin.kernels.gfx950 import gemm_lds as G
 from primus_fp8_plugin.preshuffle import preshuffle
 
 from ..conftest import make_input
+from .flydsl_emulation import emulate
 
 REF = ReferenceBackend()
 E4M3 = torch.float8_e4m3fn
@@ -35,7 +36,7 @@ def test_fprop_schedule_preshuffle_addressing_and_ragged_m(cfg_name, m, n, k):
         cfg = G.TileConfig(cfg.bm, cfg.bn, cfg.waves, cfg.b_layout, waves_m=cfg.waves_m, group_m=3)
     x = REF.quantize_act(make_input((m, k), seed=m), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
     w = REF.quantize_weight(make_input((n, k), seed=n + 1), QuantParams(E4M3, 2))
-    ours = G.emulate(cfg, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data), w.rowwise_scale_inv, n_out=n)
+    ours = emulate(cfg, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data), w.rowwise_scale_inv, n_out=n)
     _close(ours, REF.gemm_fwd(x, w, None, torch.float32))
 
 
@@ -43,7 +44,7 @@ def test_dgrad_reads_the_preshuffled_transpose():
     m, n, k = 130, 384, 256  # W [n, k]; dgrad's B is W^T [k, n], its output has k columns
     dy = REF.quantize_act(make_input((m, n), seed=5), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
     w = REF.quantize_weight(make_input((n, k), seed=6), QuantParams(E4M3, 2))
-    ours = G.emulate(G.FWD_128x256, dy.rowwise_data, dy.rowwise_scale_inv, preshuffle(w.columnwise_data),
+    ours = emulate(G.FWD_128x256, dy.rowwise_data, dy.rowwise_scale_inv, preshuffle(w.columnwise_data),
                      w.columnwise_scale_inv, n_out=k)  # fmt: skip
     _close(ours, REF.gemm_dgrad(dy, w, torch.float32))
 
@@ -53,7 +54,7 @@ def test_wgrad_k_major_column_scales():
     p = QuantParams(E4M3, 1)
     dy = REF.quantize_act(make_input((t, n), seed=7), p, rowwise=False, columnwise=True)
     x = REF.quantize_act(make_input((t, k), seed=8), p, rowwise=False, columnwise=True)
-    ours = G.emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+    ours = emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
                      x.columnwise_scale_inv, n_out=k)  # fmt: skip
     _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
 
@@ -69,7 +70,7 @@ def test_wgrad_ragged_m_odd_and_padded_token_counts(tokens, n, k):
     a, b = G.pad_contraction(dy.columnwise_data), G.pad_contraction(x.columnwise_data)
     assert a.shape == (n, -(-tokens // 128) * 128) and b.shape[1] == a.shape[1]
     assert G.scale_a_split(G.WGRAD_256x128, n) == (n % 256 == 0)
-    ours = G.emulate(G.WGRAD_256x128, a, dy.columnwise_scale_inv, b, x.columnwise_scale_inv, n_out=k)
+    ours = emulate(G.WGRAD_256x128, a, dy.columnwise_scale_inv, b, x.columnwise_scale_inv, n_out=k)
     _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
     assert G.wgrad_fits(n, k, tokens) and not G.wgrad_fits(n, 192, tokens)
 
@@ -91,7 +92,7 @@ def test_emulation_catches_a_wrong_soffset(monkeypatch):
     ref = REF.gemm_fwd(x, w, None, torch.float32)
     right = G.b_soffset
     monkeypatch.setattr(G, "b_soffset", lambda cfg, kk, kt, rn: right(cfg, kk, kt, rn) - kt * 1024)
-    wrong = G.emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data),
+    wrong = emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data),
                       w.rowwise_scale_inv, n_out=n)  # fmt: skip
     assert not torch.allclose(wrong, ref, rtol=1e-3)
 
@@ -104,7 +105,7 @@ def test_bounds_model_rejects_an_unchecked_scale_offset(monkeypatch):
     x = REF.quantize_act(make_input((tokens, k), seed=14), p, rowwise=False, columnwise=True)
     monkeypatch.setattr(G, "scale_a_split", lambda cfg, m: True)
     with pytest.raises(AssertionError, match="unmasked load"):
-        G.emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+        emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
                   x.columnwise_scale_inv, n_out=k)  # fmt: skip
 
 
@@ -142,7 +143,7 @@ def test_dgrad_on_k_padded_wt_uses_256_wide_tiles(m, n, k, garbage):
     cfg, b, sb, n_valid = G.dgrad_operands(wq)
     assert cfg is G.FWD_128x256 and b.shape == (k + 128, n) and sb.shape[0] == (k + 128) // 128 and n_valid == k
     assert G.pad_strip_set(cfg, 128) == {4, 5, 6, 7}
-    ours = G.emulate(cfg, dy.rowwise_data, dy.rowwise_scale_inv, b, sb, n_out=k + 128, n_valid=k)
+    ours = emulate(cfg, dy.rowwise_data, dy.rowwise_scale_inv, b, sb, n_out=k + 128, n_valid=k)
     assert ours.shape == (m, k)
     _close(ours, REF.gemm_dgrad(dy, w, torch.float32))
     # without the padded storage (a copy of the tensor): the 128-wide tile on the tensors as they are
@@ -164,7 +165,7 @@ def test_emulation_catches_a_wrong_address():
     m, n, k = 64, 128, 128
     x = REF.quantize_act(make_input((m, k), seed=9), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
     w = REF.quantize_weight(make_input((n, k), seed=10), QuantParams(E4M3, 2))
-    wrong = G.emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv, n_out=n)
+    wrong = emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv, n_out=n)
     assert not torch.allclose(wrong, REF.gemm_fwd(x, w, None, torch.float32), rtol=1e-3)
 
 
