@@ -16,11 +16,11 @@ Contenders (triton backend; on Hopper its unfused quantizer is the Gluon kernel)
   (what a Megatron layer without the fused spec runs);
 * ``copy``: a device-to-device copy of the input (the bandwidth ceiling).
 
-``--variants`` adds every launch variant of the fused kernels (``fused_tuning.py``; all give the same
-bits): ``fused [stats=..,gluon=..]`` for the norms, ``fused [gluon=..]`` for SwiGLU, ``ours [bwd=..]``
-for the norm backward, and the norm's two kernels timed apart, ``stats [..]`` (read x, write the
-statistics) and ``quantize [gluon=..]`` (read x, write both FP8 copies); the plain ``fused`` /
-``ours`` rows run the default variants (``fused_tuning.ACTIVE``).
+``--variants`` adds every launch variant of the fused kernels (``backends/triton.py``'s ``FusedVariants``;
+all give the same bits): ``fused [stats=..,gluon=..]`` for the norms, ``fused [gluon=..]`` for SwiGLU,
+``ours [bwd=..]`` for the norm backward, and the norm's two kernels timed apart, ``stats [..]`` (read x,
+write the statistics) and ``quantize [gluon=..]`` (read x, write both FP8 copies; Hopper); the plain
+``fused`` / ``ours`` rows run the default variants.
 
 Columns: ``us`` time per call (``benchlib.Timing``: do_bench median with L2 flushed, or ``--sustained``);
 ``MB``: for the forward rows the bytes the contender's own kernels read and write (each kernel reading
@@ -34,6 +34,7 @@ Default shapes: M x H with H = 4096 / 8192 (Llama-3 8B / 70B hidden) for norms, 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -44,11 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 from benchmarks.benchlib import Timing, bench_parser, environment, report, require_cuda, shapes_or  # noqa: E402
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.reference_fused import rope_cos_sin  # noqa: E402
+from primus_fp8_plugin.backends.triton import FusedVariants, TritonBackend  # noqa: E402
+from primus_fp8_plugin.kernels.sm90.fused_act import quantize_fused_gluon  # noqa: E402
+from primus_fp8_plugin.kernels.sm90.heuristics import FUSED_QUANT  # noqa: E402
 from primus_fp8_plugin.kernels.sm90.target import runs_on  # noqa: E402
-from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning  # noqa: E402
 from primus_fp8_plugin.kernels.triton import norm as triton_norm  # noqa: E402
-from primus_fp8_plugin.kernels.triton.fused_act import quantize_fused, quantize_fused_triton  # noqa: E402
+from primus_fp8_plugin.kernels.triton.fused_act import quantize_fused  # noqa: E402
 from primus_fp8_plugin.kernels.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU  # noqa: E402
+from primus_fp8_plugin.kernels.triton.heuristics import NORM_BWD, NORM_STATS  # noqa: E402
 from primus_fp8_plugin.tensor import ceil_div, pad4  # noqa: E402
 
 NORM_SHAPES = [(8192, 4096), (16384, 4096), (8192, 8192)]
@@ -97,19 +101,9 @@ def bytes_swiglu_bwd(m: int, f: int, elem: int) -> int:
     return 5 * m * f * elem
 
 
-def _in_variant(fn, **names):
-    """``fn`` run with the fused kernels' launch variants ``names`` (kind=name), the defaults restored after."""
-
-    def call():
-        before = dict(fused_tuning.ACTIVE)
-        for kind, name in names.items():
-            fused_tuning.use(kind, name)
-        try:
-            return fn()
-        finally:
-            fused_tuning.ACTIVE.update(before)
-
-    return call
+def _in_variant(**names) -> TritonBackend:
+    """A triton backend whose fused ops run the launch variants ``names`` (``FusedVariants`` fields)."""
+    return TritonBackend(fused=FusedVariants(**names))
 
 
 def _variant_label(**names) -> str:
@@ -133,8 +127,8 @@ def _norm_rows(timing, be, p, shapes, rows, variants=False):
 
             def triton_kernel():
                 mean, rstd = triton_norm.norm_stats(x, 1e-5, kind)
-                return quantize_fused_triton(x, code, p, k=h, mean=mean, rstd=rstd, gamma=w, beta=beta, rowwise=True,
-                                             columnwise=True)  # fmt: skip
+                return quantize_fused(x, code, p, k=h, mean=mean, rstd=rstd, gamma=w, beta=beta, rowwise=True,
+                                      columnwise=True)  # fmt: skip
 
             contenders = {
                 "fused": (lambda: be.quantize_norm_act(x, w, beta, 1e-5, kind, p, rowwise=True, columnwise=True), "fused"),
@@ -144,23 +138,22 @@ def _norm_rows(timing, be, p, shapes, rows, variants=False):
             }  # fmt: skip
             if runs_on(x.device):
                 contenders["fused (Triton kernel)"] = (triton_kernel, "fused")
-            fused = contenders["fused"][0]
             mean, rstd = triton_norm.norm_stats(x, 1e-5, kind)
             if variants:
-                for sv in fused_tuning.STATS:
-                    for gv in fused_tuning.GLUON:
+                for sv in NORM_STATS:
+                    for gv in FUSED_QUANT:
+                        vb = _in_variant(stats=sv, gluon=gv)
                         contenders[f"fused [{_variant_label(stats=sv, gluon=gv)}]"] = (
-                            _in_variant(fused, stats=sv, gluon=gv), "fused")  # fmt: skip
-                for sv in fused_tuning.STATS:
-                    contenders[f"stats [{sv}]"] = (_in_variant(lambda: triton_norm.norm_stats(x, 1e-5, kind), stats=sv),
-                                                   "stats")  # fmt: skip
-
-                def quantize():
-                    return quantize_fused(x, code, p, k=h, mean=mean, rstd=rstd, gamma=w, beta=beta, rowwise=True,
-                                          columnwise=True)  # fmt: skip
-
-                for gv in fused_tuning.GLUON:
-                    contenders[f"quantize [gluon={gv}]"] = (_in_variant(quantize, gluon=gv), "quantize")
+                            lambda vb=vb: vb.quantize_norm_act(x, w, beta, 1e-5, kind, p, rowwise=True, columnwise=True),
+                            "fused")  # fmt: skip
+                for sv, cfg in NORM_STATS.items():
+                    contenders[f"stats [{sv}]"] = (lambda cfg=cfg: triton_norm.norm_stats(x, 1e-5, kind, cfg), "stats")
+                if runs_on(x.device):
+                    for gv, cfg in FUSED_QUANT.items():
+                        contenders[f"quantize [gluon={gv}]"] = (
+                            lambda cfg=cfg: quantize_fused_gluon(x, code, p, k=h, config=cfg, mean=mean, rstd=rstd,
+                                                                 gamma=w, beta=beta, rowwise=True, columnwise=True),
+                            "quantize")  # fmt: skip
             _add(rows, timing, f"{kind}+quant", f"{m}x{h}", contenders, lambda how: bytes_norm(m, h, 2, how), copy_bw)
 
 
@@ -178,12 +171,14 @@ def _swiglu_rows(timing, be, p, shapes, rows, variants=False):
         }
         if runs_on(hh.device):
             contenders["fused (Triton kernel)"] = (
-                lambda: quantize_fused_triton(hh, OP_SWIGLU, p, k=f, up_offset=f, rowwise=True, columnwise=True),
+                lambda: quantize_fused(hh, OP_SWIGLU, p, k=f, up_offset=f, rowwise=True, columnwise=True),
                 "fused",
             )
         if variants:
-            for gv in fused_tuning.GLUON:
-                contenders[f"fused [gluon={gv}]"] = (_in_variant(contenders["fused"][0], gluon=gv), "fused")
+            for gv in FUSED_QUANT:
+                vb = _in_variant(gluon=gv)
+                contenders[f"fused [gluon={gv}]"] = (
+                    lambda vb=vb: vb.quantize_swiglu_act(hh, p, rowwise=True, columnwise=True), "fused")  # fmt: skip
         _add(rows, timing, "SwiGLU+quant", f"{m}x{f}", contenders, lambda how: bytes_swiglu(m, f, 2, how), copy_bw)
 
 
@@ -204,8 +199,11 @@ def _bwd_rows(timing, be, norm_shapes, swiglu_shapes, rows, variants=False):
                 "torch autograd": (lambda: torch.autograd.grad(y, params, dy, retain_graph=True), None),
             }
             if variants:
-                for bv in fused_tuning.BWD:
-                    contenders[f"ours [bwd={bv}]"] = (_in_variant(contenders["ours"][0], bwd=bv), None)
+                for bv in NORM_BWD:
+                    vb = _in_variant(bwd=bv)
+                    contenders[f"ours [bwd={bv}]"] = (
+                        lambda vb=vb: vb.norm_bwd(dy, x, w, mean, rstd, need_dgamma=True, need_dbeta=beta is not None),
+                        None)  # fmt: skip
             nbytes = bytes_norm_bwd(m, h, 2)
             _add(rows, timing, f"{kind} bwd", f"{m}x{h}", contenders, lambda how: nbytes, None, base="torch autograd")
     for m, f in swiglu_shapes:
@@ -268,7 +266,7 @@ def main() -> int:
     ap.add_argument("--ops", default="norm,swiglu,bwd,rope", help="comma-separated: norm, swiglu, bwd, rope")
     ap.add_argument("--backend", default="triton", help="the backend whose fused ops are timed (default triton)")
     ap.add_argument("--variants", action="store_true",
-                    help="also time every launch variant of the fused kernels (fused_tuning.py), and the norm's "
+                    help="also time every launch variant of the fused kernels (FusedVariants), and the norm's "
                          "two kernels apart")  # fmt: skip
     ap.add_argument("--sustained", type=float, default=0.0, metavar="S",
                     help="time each contender back to back for S seconds (benchlib.Timing) instead of do_bench")  # fmt: skip
@@ -295,7 +293,7 @@ def main() -> int:
     env = environment()
     env["timing"] = timing.describe()
     env["backend"] = args.backend
-    env["fused variants (default)"] = _variant_label(**fused_tuning.ACTIVE)
+    env["fused variants (default)"] = _variant_label(**dataclasses.asdict(FusedVariants()))
     cols = [("op", ""), ("shape", ""), ("impl", ""), ("us", ".1f"), ("MB", ".1f"), ("TB/s", ".2f"), ("% copy", ".0f"),
             ("vs plugin", ".2f"), ("vs torch", ".2f"), ("vs base", ".2f")]  # fmt: skip
     report("bench_fused", env, rows, cols, args)

@@ -5,8 +5,8 @@
     python benchmarks/bench_gemm.py --sustained 0      # do_bench's short timing instead of 1 s sustained runs
 
 ``ours`` is what the ``triton`` backend runs: on Hopper the warp-specialised Gluon kernel
-(backends/triton/gemm_gluon.py), elsewhere the portable Triton kernel; ``portable`` is the portable
-Triton kernel (backends/triton/gemm.py) on every GPU. ``--gluon-configs`` adds Gluon launch configs
+(kernels/sm90/gemm.py), elsewhere the portable Triton kernel; ``portable`` is the portable
+Triton kernel (kernels/triton/gemm.py) on every GPU. ``--gluon-configs`` adds Gluon launch configs
 (names from ``tools.gemm_variants.VARIANTS``) as further columns, where they support the GEMM.
 
 For each layer shape (M, N, K) and each GEMM of a linear layer (fwd Y=XW^T, dgrad dX=dYW,

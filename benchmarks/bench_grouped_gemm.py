@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Grouped (MoE) FP8 GEMMs alone, on a Hopper GPU: the Gluon grouped kernels (gemm_grouped_gluon.py) vs the
-portable Triton grouped kernels (gemm_grouped.py) vs a loop of dense Gluon GEMMs (one per expert) vs BF16
+"""Grouped (MoE) FP8 GEMMs alone, on a Hopper GPU: the Gluon grouped kernels (kernels/sm90/gemm_grouped.py) vs
+the portable Triton grouped kernels (kernels/triton/gemm_grouped.py) vs a loop of dense Gluon GEMMs (one per expert) vs BF16
 (``torch._grouped_mm`` where this torch has it, else a loop of BF16 matmuls), for fwd, dgrad and wgrad (into
 fp32 main_grads), all contenders in one run.
 
@@ -90,6 +90,7 @@ def contenders(e, k, n, counts, bf16_grouped):
     """op -> {name: fn} for one expert linear and routing."""
     from primus_fp8_plugin import BlockwiseRecipe, TensorRole
     from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped, quantize_weight_grouped
+    from primus_fp8_plugin.kernels.sm90 import heuristics as H
     from primus_fp8_plugin.kernels.sm90.gemm import blockwise_gemm_gluon
     from primus_fp8_plugin.kernels.sm90.gemm_grouped import grouped_gemm_gluon, grouped_wgrad_gluon
     from primus_fp8_plugin.kernels.triton.gemm_grouped import grouped_gemm, grouped_wgrad
@@ -113,28 +114,32 @@ def contenders(e, k, n, counts, bf16_grouped):
     ws = [wq.expert(i) for i in range(e)]
     live = [i for i, c in enumerate(counts) if c]
 
+    fwd_dense, wgrad_dense = H.gemm_config(2, torch.bfloat16, False), H.gemm_config(1, torch.float32, True)
+    fwd_cfg, wgrad_cfg = H.grouped_fwd_config(n), H.grouped_wgrad_config(accumulate=True)
+
     def loop(op):
         if op == "fwd":
             return lambda: [blockwise_gemm_gluon(xs[i].rowwise_data, xs[i].rowwise_scale_inv, ws[i].rowwise_data,
-                                                 ws[i].rowwise_scale_inv, b_block_dim=2, out_dtype=torch.bfloat16)
-                            for i in live]  # fmt: skip
+                                                 ws[i].rowwise_scale_inv, b_block_dim=2, out_dtype=torch.bfloat16,
+                                                 config=fwd_dense) for i in live]  # fmt: skip
         if op == "dgrad":
             return lambda: [blockwise_gemm_gluon(dys[i].rowwise_data, dys[i].rowwise_scale_inv, ws[i].columnwise_data,
-                                                 ws[i].columnwise_scale_inv, b_block_dim=2, out_dtype=torch.bfloat16)
-                            for i in live]  # fmt: skip
+                                                 ws[i].columnwise_scale_inv, b_block_dim=2, out_dtype=torch.bfloat16,
+                                                 config=fwd_dense) for i in live]  # fmt: skip
         return lambda: [blockwise_gemm_gluon(dys[i].columnwise_data, dys[i].columnwise_scale_inv, xs[i].columnwise_data,
                                              xs[i].columnwise_scale_inv, b_block_dim=1, out_dtype=torch.float32,
-                                             accumulate_into=mg[i]) for i in live]  # fmt: skip
+                                             config=wgrad_dense, accumulate_into=mg[i]) for i in live]  # fmt: skip
 
     offs = layout.offsets[1:].contiguous()
     bf = _bf16_fns(x, dy, w, counts, offs, bf16_grouped)
     return {
-        "fwd": {"gluon": lambda: grouped_gemm_gluon(*fwd, out_dtype=torch.bfloat16),
+        "fwd": {"gluon": lambda: grouped_gemm_gluon(*fwd, out_dtype=torch.bfloat16, config=fwd_cfg),
                 "portable": lambda: grouped_gemm(*fwd, out_dtype=torch.bfloat16), "loop": loop("fwd"), "bf16": bf["fwd"]},
-        "dgrad": {"gluon": lambda: grouped_gemm_gluon(*dgrad, out_dtype=torch.bfloat16),
+        "dgrad": {"gluon": lambda: grouped_gemm_gluon(*dgrad, out_dtype=torch.bfloat16, config=H.grouped_fwd_config(k)),
                   "portable": lambda: grouped_gemm(*dgrad, out_dtype=torch.bfloat16), "loop": loop("dgrad"),
                   "bf16": bf["dgrad"]},
-        "wgrad": {"gluon": lambda: grouped_wgrad_gluon(*wgrad, out_dtype=torch.float32, accumulate_into=mg),
+        "wgrad": {"gluon": lambda: grouped_wgrad_gluon(*wgrad, out_dtype=torch.float32, config=wgrad_cfg,
+                                                       accumulate_into=mg),
                   "portable": lambda: grouped_wgrad(*wgrad, out_dtype=torch.float32, accumulate_into=mg),
                   "loop": loop("wgrad"), "bf16": bf["wgrad"]},
     }  # fmt: skip

@@ -34,6 +34,7 @@ from benchmarks.benchlib import (  # noqa: E402
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole  # noqa: E402
 from primus_fp8_plugin.backends.reference import ReferenceBackend  # noqa: E402
 from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant  # noqa: E402
+from primus_fp8_plugin.kernels.triton.heuristics import QuantizeConfig  # noqa: E402
 from primus_fp8_plugin.kernels.triton.quantize_act import quantize_1x128_dual  # noqa: E402
 from primus_fp8_plugin.kernels.triton.quantize_weight import quantize_128x128  # noqa: E402
 from primus_fp8_plugin.tensor import ceil_div  # noqa: E402
@@ -118,8 +119,9 @@ def sweep_variants(p_act, p_w, m: int = 8192, k: int = 8192) -> None:
     print(f"variants on {m}x{k} (copy {copy_bw:.2f} TB/s): sub_m, num_warps -> % of copy (act dual, weight)")
     for sub_m in (16, 32, 64, 128):
         for warps in (2, 4, 8):
-            t_a = bench_ms(lambda: quantize_1x128_dual(x, p_act, rowwise=True, columnwise=True, sub_m=sub_m, num_warps=warps))
-            t_w = bench_ms(lambda: quantize_128x128(x, p_w, sub_m=sub_m, num_warps=warps))
+            cfg = QuantizeConfig(sub_m, warps)
+            t_a = bench_ms(lambda: quantize_1x128_dual(x, p_act, rowwise=True, columnwise=True, config=cfg))
+            t_w = bench_ms(lambda: quantize_128x128(x, p_w, config=cfg))
             pa, pw = (100 * nbytes / t / 1e9 / copy_bw for t in (t_a, t_w))
             print(f"  {sub_m:4} {warps:2} -> {pa:5.1f}%  {pw:5.1f}%", flush=True)
 

@@ -11,7 +11,7 @@ kernels need flydsl 0.2.4, which cannot share a process with this project's flyd
 makes a virtualenv (default ``~/.cache/primus_fp8_plugin/flydsl-0.2.4``) with ``pip install
 flydsl==0.2.4 --no-deps``, lets it see this interpreter's torch/numpy through a ``.pth`` file (the
 venv's own flydsl comes first on ``sys.path``), and compiles each variant there in a child process with
-``COMPILE_ONLY=1 ARCH=gfx950`` and the compile-only ROCm root of ``backends/flydsl/toolchain.py``.
+``COMPILE_ONLY=1 ARCH=gfx950`` and the compile-only ROCm root of ``tools/flydsl_toolchain.py``.
 Each variant is compiled at M, N, K = 256, 512, 1024 with the kernel's own defaults; the table
 columns are those of ``tools/flydsl_isa.py`` (its docstring defines the occupancy).
 """

@@ -2,9 +2,9 @@
 
     python -m tools.aot_flydsl [--json FILE]
 
-Variants (M, N, K = 256, 512, 1024 unless stated): the direct-load kernel (``flydsl/gemm.py``:
+Variants (M, N, K = 256, 512, 1024 unless stated): the direct-load kernel (``kernels/gfx950/gemm.py``:
 K-major B, 64x64 tiles, fprop/dgrad bf16 and fp32 out, wgrad) and the LDS-staged kernels
-(``flydsl/gemm_lds.py``): fprop/dgrad reading the preshuffled weight (128x128 / 4 waves, 128x256 /
+(``kernels/gfx950/gemm_lds.py``): fprop/dgrad reading the preshuffled weight (128x128 / 4 waves, 128x256 /
 8 waves; and dgrad on a W^T padded from 384 to 512 rows, its 384 output columns stored), wgrad
 256x128 / 8 waves with K-major B (whole, and with a ragged last M tile). Per variant: ``b_layout``,
 registers, LDS (static + dynamic), spills, MFMA count, the K loop's MFMA / VALU / vector-memory / LDS
@@ -30,7 +30,7 @@ DIRECT = {  # name -> (M, N, K, b_block_dim, out_bf16)
     "fwd/dgrad fp32 out": (256, 384, 640, 2, False),
     "wgrad fp32 out": (256, 256, 1024, 1, False),
 }
-LDS = {  # name -> (config name in gemm_lds, out_bf16, M)
+LDS = {  # name -> (config name in kernels/gfx950/heuristics.py, out_bf16, M)
     "lds fwd/dgrad 128x128 w4": ("FWD_128x128", True, 256),
     "lds fwd/dgrad 128x256 w8": ("FWD_128x256", True, 256),
     "lds wgrad 256x128 w8": ("WGRAD_256x128", False, 256),
@@ -79,7 +79,7 @@ def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
     import flydsl.compiler as flyc
     import torch
 
-    from primus_fp8_plugin.kernels.gfx950 import gemm_lds
+    from primus_fp8_plugin.kernels.gfx950 import gemm_lds, heuristics
     from primus_fp8_plugin.kernels.gfx950.gemm import THREADS, build_kernel
 
     f8 = torch.float8_e4m3fn
@@ -98,7 +98,7 @@ def run_all(dump_dir: Path | None = None) -> dict[str, dict]:
         reports[name]["problems"] = check(r, lds_kernel=False)
     _, n, k = SHAPE
     for name, (cfg_name, bf16, m) in LDS.items():
-        cfg = getattr(gemm_lds, cfg_name)
+        cfg = getattr(heuristics, cfg_name)
         n_valid = N_VALID.get(name, n)
         c = torch.zeros(m, n_valid, dtype=torch.bfloat16 if bf16 else torch.float32)
         if cfg.b_layout == "preshuffle16":  # fprop/dgrad: M dynamic (compiled once per N, K)

@@ -1,5 +1,6 @@
 """The grouped (MoE) Triton kernels' variants for the ahead-of-time check (sm_90 and gfx950), as plain
-keyword dicts of the AOT tool's ``KernelSpec`` (so this list does not depend on where the tool lives).
+keyword dicts of ``tools/aot_triton.py``'s ``KernelSpec`` (``aot_triton`` imports this module), with the
+configs of ``kernels/triton/heuristics.py``.
 
 Each variant is compiled as the wrappers launch it: the int arguments that the launch specialises as
 multiples of 16 (K-derived sizes and strides, the padded token capacity) are named in ``divisible``; the
@@ -8,14 +9,16 @@ token counts and the number of experts are not (ragged routings).
 
 from __future__ import annotations
 
-from primus_fp8_plugin.kernels.triton import gemm_grouped, quantize_act, quantize_grouped, quantize_weight
+from primus_fp8_plugin.kernels.triton import gemm_grouped, quantize_grouped
+from primus_fp8_plugin.kernels.triton import heuristics as portable
 
 _FP8_SM90 = {"fp8e4nv": "e4m3x2", "fp8e5": "e5m2x2"}
 _FP8_GFX950 = {"fp8e4nv": "v_cvt_scalef32_pk_fp8_f32", "fp8e5": "v_cvt_scalef32_pk_bf8_f32"}
 
 
 def _quant_act(fp8_ty: str, ragged: bool) -> dict:
-    sub_m, num_warps = quantize_act.launch_config(16, 17 if ragged else 16)
+    cfg = portable.act_quant_config(16, 17 if ragged else 16)
+    sub_m, num_warps = cfg.sub_m, cfg.num_warps
     sig = {"x_ptr": "*bf16", "row_q_ptr": f"*{fp8_ty}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{fp8_ty}",
            "col_s_ptr": "*fp32", "offsets_ptr": "*i32", "padded_ptr": "*i32", "E": "i32", "T": "i32", "K": "i32",
            "T_PAD": "i32", "CAP": "i32", "K_PAD": "i32", "stride_xm": "i32", "fp8_max": "fp32", "amax_eps": "fp32",
@@ -23,11 +26,11 @@ def _quant_act(fp8_ty: str, ragged: bool) -> dict:
            "SUB_M": "constexpr", "BLOCK_E": "constexpr"}  # fmt: skip
     return dict(
         name=f"quantize_grouped_1x128[bf16->{fp8_ty},sub_m={sub_m}{',ragged' if ragged else ''}]",
-        fn=quantize_grouped._quantize_grouped_1x128_kernel,
+        fn=quantize_grouped.quantize_grouped_1x128_kernel,
         signature=sig,
         constexprs={"ROWWISE": True, "COLWISE": True, "POW2": True, "BLOCK": 128, "SUB_M": sub_m, "BLOCK_E": 16},
         num_warps=num_warps,
-        num_stages=quantize_act.NUM_STAGES,
+        num_stages=cfg.num_stages,
         expect={
             "sm90": [rf"cvt\.rn\.satfinite\.{_FP8_SM90[fp8_ty]}\.f32", r"max\.NaN\.f32"],
             "gfx950": [_FP8_GFX950[fp8_ty], r"v_maximum3?_f32"],
@@ -38,17 +41,18 @@ def _quant_act(fp8_ty: str, ragged: bool) -> dict:
 
 
 def _quant_weight_batched() -> dict:
+    cfg = portable.weight_quant_config()
     sig = {"w_table_ptr": "*i64", "w0_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32",
            "st_ptr": "*fp32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_we": "i32", "stride_s": "i32",
            "stride_st": "i32", "stride_se": "i32", "stride_ste": "i32", "fp8_max": "fp32", "amax_eps": "fp32",
            "in_max": "fp32", "W_TABLE": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr"}  # fmt: skip
     return dict(
         name="quantize_128x128_batched[bf16->fp8e4nv,table]",
-        fn=quantize_grouped._quantize_128x128_batched_kernel,
+        fn=quantize_grouped.quantize_128x128_batched_kernel,
         signature=sig,
-        constexprs={"W_TABLE": True, "POW2": True, "BLOCK": 128, "SUB_M": quantize_weight.SUB_M},
-        num_warps=quantize_weight.NUM_WARPS,
-        num_stages=quantize_weight.NUM_STAGES,
+        constexprs={"W_TABLE": True, "POW2": True, "BLOCK": 128, "SUB_M": cfg.sub_m},
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         expect={
             "sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"max\.NaN\.f32"],
             "gfx950": ["v_cvt_scalef32_pk_fp8_f32", r"v_maximum3?_f32"],
@@ -65,7 +69,7 @@ def _mma_expect(a_ty: str) -> dict:
 
 
 def _gemm(direction: str, a_ty: str = "fp8e4nv") -> dict:
-    cfg = gemm_grouped.grouped_config()
+    cfg = portable.gemm_config()
     sig = {"a_ptr": f"*{a_ty}", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "a_s_ptr": "*fp32", "b_s_ptr": "*fp32",
            "bias_ptr": "*bf16", "offsets_ptr": "*i32", "padded_ptr": "*i32", "E": "i32", "N": "i32", "K": "i32",
            "stride_am": "i32", "stride_be": "i32", "stride_bn": "i32", "stride_cm": "i32", "stride_as": "i32",
@@ -76,7 +80,7 @@ def _gemm(direction: str, a_ty: str = "fp8e4nv") -> dict:
             "GROUP_M": cfg.group_m, "BLOCK_E": 16}  # fmt: skip
     return dict(
         name=f"grouped_gemm[{direction}{',' + a_ty if a_ty != 'fp8e4nv' else ''}]",
-        fn=gemm_grouped._grouped_gemm_kernel,
+        fn=gemm_grouped.grouped_gemm_kernel,
         signature=sig,
         constexprs=cons,
         num_warps=cfg.num_warps,
@@ -88,7 +92,7 @@ def _gemm(direction: str, a_ty: str = "fp8e4nv") -> dict:
 
 
 def _wgrad(accumulate: bool, a_ty: str = "fp8e4nv") -> dict:
-    cfg = gemm_grouped.grouped_config()
+    cfg = portable.gemm_config()
     out_ty = "fp32" if accumulate else "bf16"
     sig = {"a_ptr": f"*{a_ty}", "b_ptr": "*fp8e4nv", "c_table_ptr": "*i64" if accumulate else f"*{out_ty}",
            "c0_ptr": f"*{out_ty}", "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "offsets_ptr": "*i32", "padded_ptr": "*i32",
@@ -99,7 +103,7 @@ def _wgrad(accumulate: bool, a_ty: str = "fp8e4nv") -> dict:
             "BLOCK_K": 128, "GROUP_M": cfg.group_m}  # fmt: skip
     return dict(
         name=f"grouped_wgrad[{'main_grad' if accumulate else 'bf16'}{',' + a_ty if a_ty != 'fp8e4nv' else ''}]",
-        fn=gemm_grouped._grouped_wgrad_kernel,
+        fn=gemm_grouped.grouped_wgrad_kernel,
         signature=sig,
         constexprs=cons,
         num_warps=cfg.num_warps,

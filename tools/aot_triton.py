@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from primus_fp8_plugin.kernels.triton import gemm, quantize_act, quantize_weight, quantize_weight_preshuffle
+from primus_fp8_plugin.kernels.triton import heuristics as portable
 from primus_fp8_plugin.kernels.triton.fused_math import OP_SWIGLU
 from tools import aot_specs_fused as aot_fused
 from tools.aot_specs_grouped import grouped_kernel_specs
@@ -78,10 +79,10 @@ def _quant_act_spec(
     ragged: bool = False,
 ) -> KernelSpec:  # fmt: skip
     """The act quantizer as launched for aligned shapes (M, K multiples of 16) or, with ``ragged``,
-    for the others (``quantize_act.launch_config``), or with another (sub_m, num_warps)."""
-    default_sub_m, default_warps = quantize_act.launch_config(17 if ragged else 16, 16)
-    sub_m = sub_m or default_sub_m
-    num_warps = num_warps or default_warps
+    for the others (``heuristics.act_quant_config``), or with another (sub_m, num_warps)."""
+    cfg = portable.act_quant_config(17 if ragged else 16, 16)
+    sub_m = sub_m or cfg.sub_m
+    num_warps = num_warps or cfg.num_warps
     sig = {"x_ptr": f"*{in_ty}", "row_q_ptr": f"*{fp8_ty}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{fp8_ty}",
            "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "stride_xm": "i32",
            "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr",
@@ -91,11 +92,11 @@ def _quant_act_spec(
     return KernelSpec(
         f"quantize_1x128_dual[{in_ty}->{fp8_ty},row={int(rowwise)},col={int(columnwise)},sub_m={sub_m}"
         f"{',ragged' if ragged else ''}]",
-        quantize_act._quantize_1x128_dual_kernel,
+        quantize_act.quantize_1x128_dual_kernel,
         sig,
         {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": True, "BLOCK": 128, "SUB_M": sub_m},
         num_warps,
-        quantize_act.NUM_STAGES,
+        cfg.num_stages,
         # the FP8 conversion, and the NaN-propagating amax (a plain max would hide NaN tiles)
         {"sm90": [rf"cvt\.rn\.satfinite\.{cvt}\.f32", r"max\.NaN\.f32"], "gfx950": [amd, r"v_maximum3?_f32"]},
         ints_divisible=not ragged,
@@ -103,16 +104,17 @@ def _quant_act_spec(
 
 
 def _quant_weight_spec() -> KernelSpec:
+    cfg = portable.weight_quant_config()
     sig = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
            "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr"}  # fmt: skip
     return KernelSpec(
         "quantize_128x128[bf16->fp8e4nv]",
-        quantize_weight._quantize_128x128_kernel,
+        quantize_weight.quantize_128x128_kernel,
         sig,
-        {"POW2": True, "BLOCK": 128, "SUB_M": quantize_weight.SUB_M},
-        quantize_weight.NUM_WARPS,
-        quantize_weight.NUM_STAGES,
+        {"POW2": True, "BLOCK": 128, "SUB_M": cfg.sub_m},
+        cfg.num_warps,
+        cfg.num_stages,
         {
             "sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"max\.NaN\.f32"],
             "gfx950": ["v_cvt_scalef32_pk_fp8_f32", r"v_maximum3?_f32"],
@@ -121,16 +123,17 @@ def _quant_weight_spec() -> KernelSpec:
 
 
 def _quant_weight_preshuffle_spec() -> KernelSpec:
+    cfg = portable.weight_quant_config()
     sig = {"w_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32",
            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_s": "i32", "stride_st": "i32", "fp8_max": "fp32",
            "amax_eps": "fp32", "in_max": "fp32", "POW2": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
     return KernelSpec(
         "quantize_128x128_preshuffle16[bf16->fp8e4nv]",
-        quantize_weight_preshuffle._quantize_128x128_preshuffle_kernel,
+        quantize_weight_preshuffle.quantize_128x128_preshuffle_kernel,
         sig,
         {"POW2": True, "BLOCK": 128},
-        quantize_weight_preshuffle.NUM_WARPS,
-        quantize_weight_preshuffle.NUM_STAGES,
+        cfg.num_warps,
+        cfg.num_stages,
         {
             "sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"max\.NaN\.f32"],
             "gfx950": ["v_cvt_scalef32_pk_fp8_f32", r"v_maximum3?_f32"],
@@ -141,7 +144,7 @@ def _quant_weight_preshuffle_spec() -> KernelSpec:
 def _gemm_spec(direction: str) -> KernelSpec:
     b_2d = direction != "wgrad"
     out_ty = "fp32" if direction == "wgrad" else "bf16"
-    cfg = gemm.default_config()
+    cfg = portable.gemm_config()
     sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": f"*{out_ty}", "a_s_ptr": "*fp32", "b_s_ptr": "*fp32",
            "bias_ptr": f"*{out_ty}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_bn": "i32",
            "stride_cm": "i32", "stride_as": "i32", "stride_bs": "i32", "B_2D": "constexpr", "HAS_BIAS": "constexpr",
@@ -151,7 +154,7 @@ def _gemm_spec(direction: str) -> KernelSpec:
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "GROUP_M": cfg.group_m}  # fmt: skip
     return KernelSpec(
         f"blockwise_gemm[{direction}]",
-        gemm._blockwise_gemm_kernel,
+        gemm.blockwise_gemm_kernel,
         sig,
         cons,
         cfg.num_warps,
@@ -230,7 +233,7 @@ def undefined_registers(ptx: str) -> set[str]:
 
 
 def inspect_quantizer(kernel, fp8_dtype) -> dict:
-    """A compiled Gluon quantizer (quantize_act_gluon.py, quantize_weight_gluon.py): registers,
+    """A compiled Gluon quantizer (kernels/sm90/quantize_act.py, quantize_weight.py): registers,
     spills, shared memory and the instructions that matter, from PTX and SASS."""
     ptx = kernel.asm["ptx"]
     res, sass = sm90_resources(kernel.asm["cubin"])
@@ -370,16 +373,17 @@ class GemmVariant:
     accumulate: bool
     a_dtype: torch.dtype = torch.float8_e4m3fn
     b_dtype: torch.dtype = torch.float8_e4m3fn
-    config: object = None  # gemm_gluon.GluonGemmConfig
+    config: object = None  # kernels/sm90/gemm.GluonGemmConfig
 
 
 def gemm_aot_variants(configs: dict | None = None) -> list[GemmVariant]:
     """Every kernel variant the Gluon GEMM's wrapper launches for the given configs ({name: config});
-    by default, every variant that ``gemm_gluon.select_config`` picks (what the backend runs)."""
+    by default, every variant that ``heuristics.gemm_config`` picks (what the backend runs)."""
     from primus_fp8_plugin.kernels.sm90 import gemm as G
+    from primus_fp8_plugin.kernels.sm90 import heuristics as H
 
     selected_only = configs is None
-    configs = configs or {"128x128": G.CONFIG_128x128, "128x256": G.CONFIG_128x256, "256x128": G.CONFIG_256x128}
+    configs = configs or {"128x128": H.CONFIG_128x128, "128x256": H.CONFIG_128x256, "256x128": H.CONFIG_256x128}
     out = []
     for cfg_name, cfg in configs.items():
         for bdim in (2, 1):
@@ -404,7 +408,7 @@ def gemm_aot_variants(configs: dict | None = None) -> list[GemmVariant]:
             out.append(GemmVariant(f"{cfg_name}:b2d:e5m2xe4m3:bf16", 2, torch.bfloat16, False, False,
                                    a_dtype=torch.float8_e5m2, config=cfg))  # fmt: skip
     if selected_only:
-        out = [v for v in out if G.select_config(v.b_block_dim, v.out_dtype, v.accumulate, v.has_bias) == v.config]
+        out = [v for v in out if H.gemm_config(v.b_block_dim, v.out_dtype, v.accumulate, v.has_bias) == v.config]
     return out
 
 
@@ -452,7 +456,7 @@ def compile_gemm(v: GemmVariant):
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in ("a_s_ptr", "b_s_ptr", "bias_ptr", "c_ptr")}
     attrs.update({(names.index(p),): [["tt.divisibility", 16]] for p in ("N", "K", "stride_as", "stride_cm")})
-    src = GluonASTSource(fn=G._blockwise_gemm_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    src = GluonASTSource(fn=G.blockwise_gemm_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
     return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": 4, "maxnreg": L.MAXNREG})
 
 
@@ -512,7 +516,7 @@ def check_gemm(dump_dir: Path | None = None, verbose: bool = True, configs: dict
 
 def grouped_gluon_variants() -> list[tuple]:
     """(name, op, a dtype, out dtype, has_bias, accumulate) of every Gluon grouped GEMM variant the backend
-    launches (gemm_grouped_gluon.py): fwd with and without bias (bf16, fp16), dgrad (E4M3 and HYBRID's E5M2
+    launches (kernels/sm90/gemm_grouped.py): fwd with and without bias (bf16, fp16), dgrad (E4M3 and HYBRID's E5M2
     dY), wgrad into main_grad (fp32 accumulate, E4M3 / E5M2 dY) and into new bf16 tensors (TMA-stored: the
     outputs in one span of memory, ``gemm_grouped_gluon.output_span``)."""
     e4, e5, bf, f16, f32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32
@@ -527,13 +531,13 @@ def grouped_gluon_variants() -> list[tuple]:
 
 def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store_tma: bool = True):
     """Compile one Gluon grouped GEMM variant (``grouped_gluon_variants``) for sm_90 without a GPU, with the
-    config ``grouped_heuristics`` picks."""
+    config ``kernels/sm90/heuristics.py`` picks."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     from primus_fp8_plugin.kernels.sm90 import gemm_grouped as GG
     from primus_fp8_plugin.kernels.sm90 import gemm_library as L
-    from primus_fp8_plugin.kernels.sm90 import heuristics as GH
+    from primus_fp8_plugin.kernels.sm90 import heuristics as H
     from primus_fp8_plugin.kernels.sm90 import schedule as S
 
     _, op, a_dtype, out_dtype, has_bias, accumulate = v
@@ -542,7 +546,7 @@ def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store
     a = torch.empty(1024, 1024, dtype=a_dtype)
     b = torch.empty(1024, 1024, dtype=torch.float8_e4m3fn)
     if op == "fwd":
-        cfg = GH.FWD_128x256
+        cfg = H.GROUPED_FWD_128x256
         c = torch.empty(1024, 1024, dtype=out_dtype)
         sig = {"a_desc": mangle_type(d(a, [128, 128])), "b_desc": mangle_type(d(b, [256, 128])),
                "c_desc": mangle_type(d(c, [64, 64])), "bs_desc": mangle_type(sd(64, list(L.B2D_SCALE_BOX))),
@@ -554,9 +558,9 @@ def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store
         cons = {"HAS_BIAS": has_bias, "NUM_STAGES": L.stages_that_fit(128, 256, out_dtype, 0, 2),
                 "GROUP_M": cfg.group_m, "LOG_E": S.log2_experts(num_groups), "CONSUMER_REGS": cfg.consumer_regs,
                 "PRODUCER_REGS": cfg.producer_regs}  # fmt: skip
-        fn, div = GG._grouped_fwd_gluon_kernel, ("a_s_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_as", "stride_cm")
+        fn, div = GG.grouped_fwd_gluon_kernel, ("a_s_ptr", "bias_ptr", "c_ptr", "N", "K", "stride_as", "stride_cm")
     else:
-        cfg = wgrad_cfg or GH.wgrad_config(1024, 1024, num_groups, 1024, accumulate)
+        cfg = wgrad_cfg or H.grouped_wgrad_config(accumulate)
         bm, bn = cfg.block_m, cfg.block_n
         c = torch.empty(1024, 1024, dtype=out_dtype)
         sig = {"a_desc": mangle_type(d(a, [bm, 128])), "b_desc": mangle_type(d(b, [bn, 128])),
@@ -573,7 +577,7 @@ def compile_grouped_gluon(v: tuple, num_groups: int = 128, wgrad_cfg=None, store
         if not store_tma:
             sig["c_desc"] = "constexpr"
             cons["c_desc"] = None
-        fn, div = GG._grouped_wgrad_gluon_kernel, ("c0_ptr", "M", "N")
+        fn, div = GG.grouped_wgrad_gluon_kernel, ("c0_ptr", "M", "N")
     names = list(sig)
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in div}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=cons, attrs=attrs)
@@ -654,12 +658,12 @@ def compile_act_quant(in_dtype, fp8_dtype, pow2, rowwise, columnwise):
            "col_s_ptr": "*fp32", "M": "i32", "K": "i32", "M_PAD": "i32", "K_PAD": "i32", "fp8_max": "fp32",
            "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr", "COLWISE": "constexpr", "POW2": "constexpr",
            "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr"}  # fmt: skip
-    lay, lay_n, lt_raw, t_raw = Q._layouts(torch.finfo(in_dtype).bits // 8)
+    lay, lay_n, lt_raw, t_raw = Q.layouts(torch.finfo(in_dtype).bits // 8)
     names = list(sig)
     divisible_by_16 = ("x_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "M", "K", "M_PAD", "K_PAD")
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
     cons = {"ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "L": lay, "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw}
-    src = GluonASTSource(fn=Q._quantize_1x128_dual_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    src = GluonASTSource(fn=Q.quantize_1x128_dual_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
     return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": Q.NUM_WARPS})
 
 
@@ -692,7 +696,7 @@ def compile_weight_quant(in_dtype, fp8_dtype, pow2, row_first=False):
     divisible_by_16 = ("w_ptr", "q_ptr", "qt_ptr", "s_ptr", "st_ptr", "N", "K", "stride_wn")
     attrs = {(names.index(p),): [["tt.divisibility", 16]] for p in divisible_by_16}
     cons = {"POW2": pow2, "ROW_FIRST": row_first, "L": lay, "LN": lay_n, "LT": lay_t, "T_SMEM": t_smem}
-    src = GluonASTSource(fn=Q._quantize_128x128_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    src = GluonASTSource(fn=Q.quantize_128x128_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
     return triton.compile(src, target=TARGETS["sm90"], options={"num_warps": Q.NUM_WARPS})
 
 
@@ -729,22 +733,22 @@ def fused_act_variants() -> list[tuple]:
 
 
 def fused_act_tunings() -> dict:
-    """{name: ``fused_tuning.GluonConfig``}: every launch variant of the Gluon fused quantizer."""
-    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
+    """{name: ``FusedQuantConfig``}: every launch variant of the Gluon fused quantizer."""
+    from primus_fp8_plugin.kernels.sm90.heuristics import FUSED_QUANT
 
-    return dict(fused_tuning.GLUON)
+    return dict(FUSED_QUANT)
 
 
 def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise, tuning=None):
     """Compile one variant for sm_90 without a GPU, as a launch with M, K, the stride multiples of 16 compiles;
-    ``tuning``: a ``fused_tuning.GluonConfig`` (default: the active one)."""
+    ``tuning``: a ``FusedQuantConfig`` (default: the heuristics' default variant)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from primus_fp8_plugin.kernels.sm90.fused_act import NUM_WARPS, _layouts, _quantize_fused_gluon_kernel, half_layouts
+    from primus_fp8_plugin.kernels.sm90.fused_act import NUM_WARPS, half_layouts, layouts, quantize_fused_gluon_kernel
+    from primus_fp8_plugin.kernels.sm90.heuristics import fused_quant_config
     from primus_fp8_plugin.kernels.triton.fused_math import FP_OPTIONS
-    from primus_fp8_plugin.kernels.triton.heuristics import gluon_config
 
-    tuning = tuning or gluon_config()
+    tuning = tuning or fused_quant_config()
 
     t, f8 = sig_type(in_dtype), sig_type(fp8_dtype)
     sig = {"src_ptr": f"*{t}", "row_q_ptr": f"*{f8}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{f8}", "col_s_ptr": "*fp32",
@@ -753,7 +757,7 @@ def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise
            "in_max": "fp32", "OP": "constexpr", "HAS_BETA": "constexpr", "ROWWISE": "constexpr", "COLWISE": "constexpr",
            "POW2": "constexpr", "L": "constexpr", "LN": "constexpr", "LT_RAW": "constexpr", "T_RAW": "constexpr",
            "PARTS": "constexpr", "L2": "constexpr", "LN2": "constexpr"}  # fmt: skip
-    lay, lay_n, lt_raw, t_raw = _layouts(torch.finfo(in_dtype).bits // 8)
+    lay, lay_n, lt_raw, t_raw = layouts(torch.finfo(in_dtype).bits // 8)
     names = list(sig)
     divisible_by_16 = ("src_ptr", "row_q_ptr", "row_s_ptr", "col_q_ptr", "col_s_ptr", "mean_ptr", "rstd_ptr", "gamma_ptr",
                        "beta_ptr", "M", "K", "M_PAD", "K_PAD", "stride_sm", "up_offset")  # fmt: skip
@@ -762,7 +766,7 @@ def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise
     cons = {"OP": code, "HAS_BETA": has_beta, "ROWWISE": rowwise, "COLWISE": columnwise, "POW2": pow2, "L": lay,
             "LN": lay_n, "LT_RAW": lt_raw, "T_RAW": t_raw, "PARTS": tuning.parts, "L2": half_layouts()[0],
             "LN2": half_layouts()[1]}  # fmt: skip
-    src = GluonASTSource(fn=_quantize_fused_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
+    src = GluonASTSource(fn=quantize_fused_gluon_kernel, signature=sig, constexprs=cons, attrs=attrs)
     options = {"num_warps": NUM_WARPS, **FP_OPTIONS}
     cap = tuning.maxnreg(code == OP_SWIGLU, torch.finfo(in_dtype).bits // 8, rowwise, columnwise)
     if cap is not None:
@@ -771,8 +775,8 @@ def compile_fused_act_variant(op, in_dtype, fp8_dtype, pow2, rowwise, columnwise
 
 
 def check_fused_act_quant(verbose: bool = True) -> bool:
-    """Compile and check every variant (``check_quantizer_variants``) of fused_act_gluon.py, for each of its
-    launch variants (``fused_tuning.GLUON``), and that no FMA was contracted."""
+    """Compile and check every variant (``check_quantizer_variants``) of kernels/sm90/fused_act.py, for each of its
+    launch variants (``kernels/sm90/heuristics.FUSED_QUANT``), and that no FMA was contracted."""
     tunings = fused_act_tunings()
 
     def name(v):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Check and time the Gluon blockwise FP8 GEMM (``backends/triton/gemm_gluon.py``) on an H100/H200.
+"""Check and time the Gluon blockwise FP8 GEMM (``kernels/sm90/gemm.py``) on an H100/H200.
 
     python -m tools.check_gluon_gemm                      # correctness + benchmark, 128x128 tiles
     python -m tools.check_gluon_gemm --configs 128x128,128x128_s4,128x64,128x128_g16
@@ -203,7 +203,8 @@ def correctness(cfg_name: str, cfg: GluonGemmConfig, shapes, first_outputs: dict
     try:
         a, a_s, b, b_s = make_inputs(64, 128, 136, 1)
         a2 = torch.empty(64, 136, dtype=torch.float8_e4m3fn, device="cuda")[:, :130]
-        blockwise_gemm_gluon(a2, a_s, b[:, :130].contiguous(), b_s, b_block_dim=1, out_dtype=torch.bfloat16)
+        blockwise_gemm_gluon(a2, a_s, b[:, :130].contiguous(), b_s, b_block_dim=1, out_dtype=torch.bfloat16,
+                             config=CONFIGS["128x128"])  # fmt: skip
         print("  FAIL unsupported input (non-contiguous, K=130) did not raise")
         fails += 1
     except (ValueError, NotImplementedError) as e:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Check and time the Hopper Gluon quantizers (``backends/triton/quantize_weight_gluon.py``,
-``quantize_act_gluon.py``) against the Triton kernels and the reference backend, on an H100/H200.
+"""Check and time the Hopper Gluon quantizers (``kernels/sm90/quantize_weight.py``,
+``quantize_act.py``) against the Triton kernels and the reference backend, on an H100/H200.
 
     timeout -k 10 300 python -m tools.check_quant_hopper [--no-check] [--no-bench] [--rounds 3] [--graph]
 

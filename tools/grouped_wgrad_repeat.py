@@ -4,10 +4,11 @@ portable dense kernel, per register split and epilogue (H200 only).
     python -m tools.grouped_wgrad_repeat [--reps 10] [--splits 24:240 40:232 56:224]
 
 Why: at the default 240 / 24 consumer / producer registers the Gluon kernel gave wrong tiles in a few experts per
-call, differing from run to run (grouped_heuristics.GLUON_MAIN_GRAD). The routing is tests/gpu/test_gpu_grouped.py's
-``qwen-like-128`` (128 experts, skewed counts, K 2048, N 1536) with device-side counts. The main_grads are views of
-one buffer, as Megatron's gradient buffer holds them: the TMA-stored epilogue (the wrapper refuses to accumulate
-through stores from registers, which failed at every split tried)."""
+call, differing from run to run (so main_grad takes the portable kernel: kernels/sm90/heuristics.grouped_wgrad;
+issue 39). The routing is tests/gpu/test_gpu_grouped.py's ``qwen-like-128`` (128 experts, skewed counts, K 2048,
+N 1536) with device-side counts. The main_grads are views of one buffer, as Megatron's gradient buffer holds them:
+the TMA-stored epilogue (the wrapper refuses to accumulate through stores from registers, which failed at every
+split tried)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import torch
 
 import primus_fp8_plugin.kernels.sm90.gemm_grouped as gg
 from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped
-from primus_fp8_plugin.kernels.sm90 import heuristics as gh
 from primus_fp8_plugin.kernels.sm90.target import runs_on
 from primus_fp8_plugin.kernels.triton.gemm import blockwise_gemm
 from tests.gpu.test_gpu_grouped import ROUTINGS, _case, same
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     print(f"qwen-like-128: {num} experts, K {k}, N {n}, device counts; experts differing per call")
     for split in args.splits:
         pr, cr = (int(v) for v in split.split(":"))
-        cfg = gh.GroupedConfig(block_m=256, block_n=128, producer_regs=pr, consumer_regs=cr)
+        cfg = gg.GroupedConfig(block_m=256, block_n=128, producer_regs=pr, consumer_regs=cr)
         print(f"  producer {pr:3d} / consumer {cr:3d}: {[run(cfg) for _ in range(args.reps)]}", flush=True)
 
 

@@ -1,12 +1,8 @@
 """The ``hopper`` backend: on NVIDIA Hopper, each GEMM by the kernel that is faster for it, as measured
 sustained on the H200 (each kernel run back to back at the card's power limit, as in training;
-docs/PERFORMANCE.md):
-
-* fwd and dgrad: the Gluon kernel (``triton`` backend);
-* wgrad into a bf16/fp16 ``weight.grad``: cuBLAS blockwise (``cublas`` backend);
-* wgrad accumulated into an fp32 ``main_grad`` (Megatron's gradient-accumulation fusion): the Gluon
-  kernel, which adds into ``main_grad`` in its epilogue, where cuBLAS writes an fp32 product that a
-  second pass adds (``CublasBackend.gemm_wgrad``).
+docs/PERFORMANCE.md): fwd and dgrad by the Gluon kernel (``triton`` backend); wgrad by the kernel
+``kernels/sm90/heuristics.wgrad_by_cublas`` names: cuBLAS blockwise (``cublas`` backend) into a bf16/fp16
+``weight.grad``, the Gluon kernel into an fp32 ``main_grad`` (Megatron's gradient-accumulation fusion).
 
 Quantization: the Triton/Gluon kernels, as in the ``triton`` and ``cublas`` backends. Inputs cuBLAS
 cannot take (E5M2 operands, unaligned dims) go to the Triton GEMM, as in the ``cublas`` backend.
@@ -17,6 +13,7 @@ wgrad is the Gluon kernel's, whose 1x128 x 1x128 product differs from cuBLAS's i
 
 from __future__ import annotations
 
+from ..kernels.sm90.heuristics import wgrad_by_cublas
 from .base import Backend, fused_ops_from_triton
 from .cublas import CublasBackend
 from .triton import TritonBackend
@@ -51,5 +48,5 @@ class HopperBackend(Backend):
         return self.triton.gemm_dgrad(dy, w, out_dtype)
 
     def gemm_wgrad(self, dy, x, out_dtype, accumulate_into):
-        backend = self.triton if accumulate_into is not None else self.cublas
+        backend = self.cublas if wgrad_by_cublas(accumulate_into is not None) else self.triton
         return backend.gemm_wgrad(dy, x, out_dtype, accumulate_into)

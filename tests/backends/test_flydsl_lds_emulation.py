@@ -12,6 +12,7 @@ import torch
 from primus_fp8_plugin import QuantParams
 from primus_fp8_plugin.backends.reference import ReferenceBackend
 from primus_fp8_plugin.kernels.gfx950 import gemm_lds as G
+from primus_fp8_plugin.kernels.gfx950 import heuristics as H
 from primus_fp8_plugin.preshuffle import preshuffle
 
 from ..conftest import make_input
@@ -31,7 +32,7 @@ SHAPES = [("FWD_128x128", 200, 256, 384), ("FWD_128x256", 77, 256, 256), ("FWD_1
 
 @pytest.mark.parametrize("cfg_name,m,n,k", SHAPES)
 def test_fprop_schedule_preshuffle_addressing_and_ragged_m(cfg_name, m, n, k):
-    cfg = getattr(G, cfg_name)
+    cfg = getattr(H, cfg_name)
     if m > 800:  # 8 M tiles: L2 groups of 3, 3, 2
         cfg = G.TileConfig(cfg.bm, cfg.bn, cfg.waves, cfg.b_layout, waves_m=cfg.waves_m, group_m=3)
     x = REF.quantize_act(make_input((m, k), seed=m), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
@@ -44,7 +45,7 @@ def test_dgrad_reads_the_preshuffled_transpose():
     m, n, k = 130, 384, 256  # W [n, k]; dgrad's B is W^T [k, n], its output has k columns
     dy = REF.quantize_act(make_input((m, n), seed=5), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
     w = REF.quantize_weight(make_input((n, k), seed=6), QuantParams(E4M3, 2))
-    ours = emulate(G.FWD_128x256, dy.rowwise_data, dy.rowwise_scale_inv, preshuffle(w.columnwise_data),
+    ours = emulate(H.FWD_128x256, dy.rowwise_data, dy.rowwise_scale_inv, preshuffle(w.columnwise_data),
                      w.columnwise_scale_inv, n_out=k)  # fmt: skip
     _close(ours, REF.gemm_dgrad(dy, w, torch.float32))
 
@@ -54,7 +55,7 @@ def test_wgrad_k_major_column_scales():
     p = QuantParams(E4M3, 1)
     dy = REF.quantize_act(make_input((t, n), seed=7), p, rowwise=False, columnwise=True)
     x = REF.quantize_act(make_input((t, k), seed=8), p, rowwise=False, columnwise=True)
-    ours = emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+    ours = emulate(H.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
                      x.columnwise_scale_inv, n_out=k)  # fmt: skip
     _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
 
@@ -69,10 +70,10 @@ def test_wgrad_ragged_m_odd_and_padded_token_counts(tokens, n, k):
     x = REF.quantize_act(make_input((tokens, k), seed=tokens + 1), p, rowwise=False, columnwise=True)
     a, b = G.pad_contraction(dy.columnwise_data), G.pad_contraction(x.columnwise_data)
     assert a.shape == (n, -(-tokens // 128) * 128) and b.shape[1] == a.shape[1]
-    assert G.scale_a_split(G.WGRAD_256x128, n) == (n % 256 == 0)
-    ours = emulate(G.WGRAD_256x128, a, dy.columnwise_scale_inv, b, x.columnwise_scale_inv, n_out=k)
+    assert G.scale_a_split(H.WGRAD_256x128, n) == (n % 256 == 0)
+    ours = emulate(H.WGRAD_256x128, a, dy.columnwise_scale_inv, b, x.columnwise_scale_inv, n_out=k)
     _close(ours, REF.gemm_wgrad(dy, x, torch.float32, None))
-    assert G.wgrad_fits(n, k, tokens) and not G.wgrad_fits(n, 192, tokens)
+    assert G.wgrad_fits(H.WGRAD_256x128, n, k, tokens) and not G.wgrad_fits(H.WGRAD_256x128, n, 192, tokens)
 
 
 def test_pad_contraction_is_a_zero_padded_copy():
@@ -92,7 +93,7 @@ def test_emulation_catches_a_wrong_soffset(monkeypatch):
     ref = REF.gemm_fwd(x, w, None, torch.float32)
     right = G.b_soffset
     monkeypatch.setattr(G, "b_soffset", lambda cfg, kk, kt, rn: right(cfg, kk, kt, rn) - kt * 1024)
-    wrong = emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data),
+    wrong = emulate(H.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, preshuffle(w.rowwise_data),
                       w.rowwise_scale_inv, n_out=n)  # fmt: skip
     assert not torch.allclose(wrong, ref, rtol=1e-3)
 
@@ -105,7 +106,7 @@ def test_bounds_model_rejects_an_unchecked_scale_offset(monkeypatch):
     x = REF.quantize_act(make_input((tokens, k), seed=14), p, rowwise=False, columnwise=True)
     monkeypatch.setattr(G, "scale_a_split", lambda cfg, m: True)
     with pytest.raises(AssertionError, match="unmasked load"):
-        emulate(G.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+        emulate(H.WGRAD_256x128, dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
                   x.columnwise_scale_inv, n_out=k)  # fmt: skip
 
 
@@ -140,24 +141,25 @@ def test_dgrad_on_k_padded_wt_uses_256_wide_tiles(m, n, k, garbage):
     reaches columns that are never written."""
     w, wq = _padded_weight(n, k, seed=k, garbage=garbage)
     dy = REF.quantize_act(make_input((m, n), seed=m), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
-    cfg, b, sb, n_valid = G.dgrad_operands(wq)
-    assert cfg is G.FWD_128x256 and b.shape == (k + 128, n) and sb.shape[0] == (k + 128) // 128 and n_valid == k
+    b, sb, n_valid, padded = G.dgrad_operands(wq)
+    cfg = H.lds_dgrad(dy, k, padded)
+    assert cfg is H.FWD_128x256 and b.shape == (k + 128, n) and sb.shape[0] == (k + 128) // 128 and n_valid == k
     assert G.pad_strip_set(cfg, 128) == {4, 5, 6, 7}
     ours = emulate(cfg, dy.rowwise_data, dy.rowwise_scale_inv, b, sb, n_out=k + 128, n_valid=k)
     assert ours.shape == (m, k)
     _close(ours, REF.gemm_dgrad(dy, w, torch.float32))
     # without the padded storage (a copy of the tensor): the 128-wide tile on the tensors as they are
     wq.columnwise_data = wq.columnwise_data.clone()
-    cfg2, b2, _, nv2 = G.dgrad_operands(wq)
-    assert cfg2 is G.FWD_128x128 and b2.shape == (k, n) and nv2 == k
+    b2, _, nv2, padded2 = G.dgrad_operands(wq)
+    assert H.lds_dgrad(dy, k, padded2) is H.FWD_128x128 and b2.shape == (k, n) and nv2 == k
 
 
 def test_pad_strips_must_be_whole_strips():
     with pytest.raises(ValueError, match="whole strips"):
-        G.pad_strip_set(G.FWD_128x256, 112)
+        G.pad_strip_set(H.FWD_128x256, 112)
     with pytest.raises(ValueError, match="whole strips"):
-        G.pad_strip_set(G.WGRAD_256x128, 64)
-    assert G.pad_strip_set(G.FWD_128x256, 0) == frozenset()
+        G.pad_strip_set(H.WGRAD_256x128, 64)
+    assert G.pad_strip_set(H.FWD_128x256, 0) == frozenset()
 
 
 def test_emulation_catches_a_wrong_address():
@@ -165,7 +167,7 @@ def test_emulation_catches_a_wrong_address():
     m, n, k = 64, 128, 128
     x = REF.quantize_act(make_input((m, k), seed=9), QuantParams(E4M3, 1), rowwise=True, columnwise=False)
     w = REF.quantize_weight(make_input((n, k), seed=10), QuantParams(E4M3, 2))
-    wrong = emulate(G.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv, n_out=n)
+    wrong = emulate(H.FWD_128x128, x.rowwise_data, x.rowwise_scale_inv, w.rowwise_data, w.rowwise_scale_inv, n_out=n)
     assert not torch.allclose(wrong, REF.gemm_fwd(x, w, None, torch.float32), rtol=1e-3)
 
 

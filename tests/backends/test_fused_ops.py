@@ -195,15 +195,16 @@ def test_norm_kernels_match_the_spec_bit_for_bit(m, h, dtype, normalization, non
 @needs_triton
 @pytest.mark.parametrize("kind", ["stats", "bwd"])
 def test_every_norm_launch_variant_is_the_spec_bit_for_bit(kind):
-    """Each launch variant of the norm statistics and backward kernels (fused_tuning.py) on fresh random
-    ragged shapes: rows not a multiple of 16, rows longer than a variant's column step (several
+    """Each launch variant of the norm statistics and backward kernels (kernels/triton/heuristics.py) on fresh
+    random ragged shapes: rows not a multiple of 16, rows longer than a variant's column step (several
     steps, a partial last one) and shorter than one chunk of 128."""
-    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
+    from primus_fp8_plugin.backends.triton import FusedVariants, TritonBackend
+    from primus_fp8_plugin.kernels.triton import heuristics
 
-    tri = get_backend("triton", "cpu")
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    for name in fused_tuning.TABLES[kind]:
+    for name in {"stats": heuristics.NORM_STATS, "bwd": heuristics.NORM_BWD}[kind]:
+        tri = TritonBackend(fused=FusedVariants(**{kind: name}))
         for m, h in ((rng.randint(17, 45), rng.randint(1025, 1400)), (rng.randint(3, 40), rng.randint(40, 300))):
             normalization = rng.choice(["LayerNorm", "RMSNorm"])
             dtype = rng.choice([torch.bfloat16, torch.float32])
@@ -211,14 +212,13 @@ def test_every_norm_launch_variant_is_the_spec_bit_for_bit(kind):
             x, gamma, beta, dy = norm_inputs(m, h, dtype, seed=rng.randint(0, 2**31))
             beta = beta if normalization == "LayerNorm" else None
             y_r, mean_r, rstd_r = REF.norm_fwd(x, gamma, beta, 1e-5, normalization)
-            with fused_tuning.variant(kind, name):
-                if kind == "stats":
-                    y_t, mean_t, rstd_t = tri.norm_fwd(x, gamma, beta, 1e-5, normalization)
-                    assert_same(mean_t, mean_r, f"mean, {what}")
-                    assert_same(rstd_t, rstd_r, f"rstd, {what}")
-                    assert_same(y_t, y_r, f"output, {what}")
-                    continue
-                got = tri.norm_bwd(dy, x, gamma, mean_r, rstd_r, need_dgamma=True, need_dbeta=beta is not None)
+            if kind == "stats":
+                y_t, mean_t, rstd_t = tri.norm_fwd(x, gamma, beta, 1e-5, normalization)
+                assert_same(mean_t, mean_r, f"mean, {what}")
+                assert_same(rstd_t, rstd_r, f"rstd, {what}")
+                assert_same(y_t, y_r, f"output, {what}")
+                continue
+            got = tri.norm_bwd(dy, x, gamma, mean_r, rstd_r, need_dgamma=True, need_dbeta=beta is not None)
             want = REF.norm_bwd(dy, x, gamma, mean_r, rstd_r, need_dgamma=True, need_dbeta=beta is not None)
             for part, a, b in zip(("dx", "dgamma", "dbeta"), got, want):
                 assert_same(a, b, f"{part}, {what}")

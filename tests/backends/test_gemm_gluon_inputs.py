@@ -1,8 +1,8 @@
-"""The Hopper Gluon GEMM's wrapper on any machine: wrong inputs raise ValueError / TypeError, as the
-portable wrapper's do (the contract both share, gemm.check_operands; so the triton backend never
-hands them to another kernel); valid inputs it does not take raise GluonUnsupported (so the backend
-falls back), all before anything is allocated or launched. The kernel itself is checked on the GPU
-(tests/gpu) and compiled in CI (tests/tools/test_triton_aot.py)."""
+"""The Hopper Gluon GEMM's wrapper and its heuristics on any machine: wrong inputs raise ValueError /
+TypeError, as the portable wrapper's do (the contract both share, check_operands); valid inputs outside
+the kernel's limits are refused by ``unsupported_reason``, so that the heuristics pick the portable
+kernel and the wrapper raises GluonUnsupported, all before anything is allocated or launched. The kernel
+itself is checked on the GPU (tests/gpu) and compiled in CI (tests/tools/test_triton_aot.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from primus_fp8_plugin.kernels.sm90 import gemm as G
+from primus_fp8_plugin.kernels.sm90 import heuristics as H
 from primus_fp8_plugin.kernels.sm90.gemm import blockwise_gemm_gluon
 from primus_fp8_plugin.kernels.sm90.target import GluonUnsupported, runs_on
 from primus_fp8_plugin.kernels.triton.gemm import blockwise_gemm
@@ -28,6 +30,10 @@ def operands(m=64, n=128, k=256, b_block_dim=2):
 
 
 def call(a, a_s, b, b_s, b_block_dim=2, out_dtype=torch.bfloat16, wrapper=blockwise_gemm_gluon, **kw):
+    if wrapper is blockwise_gemm_gluon and "config" not in kw:  # the heuristics' pick
+        acc, bias = kw.get("accumulate_into"), kw.get("bias")
+        kw["config"] = H.gemm_config(b_block_dim, torch.float32 if acc is not None else out_dtype, acc is not None,
+                                     bias is not None)  # fmt: skip
     return wrapper(a, a_s, b, b_s, b_block_dim=b_block_dim, out_dtype=out_dtype, **kw)
 
 
@@ -70,16 +76,31 @@ def test_wrong_dtypes_and_scales_are_errors_not_fallbacks(wrapper):
     "shape, match",
     [((64, 128, 24), "K=24 must be a multiple of 16"), ((64, 12, 256), "N=12 must be a multiple of 8")],
 )
-def test_tma_layout_rules_are_gluon_unsupported(shape, match):
+def test_tma_layout_rules_send_the_call_to_the_portable_kernel(shape, match, monkeypatch):
+    """Dims TMA cannot take: the kernel states why, the heuristics pick the portable GEMM (None), and the
+    wrapper, called anyway, raises GluonUnsupported (device check bypassed: no Hopper GPU here)."""
+    monkeypatch.setattr(G, "runs_on", lambda device: True)
     m, n, k = shape
+    a, a_s, b, b_s = operands(m, n, k)
+    assert match in G.unsupported_reason(a, b)
+    assert H.dense_gemm(a, b, b_block_dim=2, out_dtype=torch.bfloat16, bias=None, accumulate_into=None) is None
     with pytest.raises(GluonUnsupported, match=match):
-        call(*operands(m, n, k))
+        call(a, a_s, b, b_s)
+    a, a_s, b, b_s = operands()
+    assert G.unsupported_reason(a, b) is None
+    assert H.dense_gemm(a, b, b_block_dim=2, out_dtype=torch.bfloat16, bias=None, accumulate_into=None) is H.CONFIG_128x256
+    acc = torch.zeros(64, 128)
+    assert H.dense_gemm(a, b, b_block_dim=1, out_dtype=torch.bfloat16, bias=None, accumulate_into=acc) is H.CONFIG_256x128
+    unaligned = torch.zeros(64 * 128 + 1)[1:].view(64, 128)
+    assert "16-byte aligned" in G.unsupported_reason(a, b, unaligned)
+    assert H.dense_gemm(a, b, b_block_dim=1, out_dtype=torch.float32, bias=None, accumulate_into=unaligned) is None
 
 
 def test_valid_inputs_off_hopper_are_gluon_unsupported():
-    """On this machine (CPU tensors) every valid call is refused as unsupported: the backend's cue to
-    use the portable kernel."""
+    """On this machine (CPU tensors) every valid call is refused: the heuristics pick the portable kernel."""
     assert not runs_on(torch.device("cpu"))
+    a, _, b, _ = operands()
+    assert H.dense_gemm(a, b, b_block_dim=2, out_dtype=torch.bfloat16, bias=None, accumulate_into=None) is None
     with pytest.raises(GluonUnsupported, match="sm_90"):
         call(*operands())
     assert issubclass(GluonUnsupported, NotImplementedError)
@@ -105,8 +126,6 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from primus_fp8_plugin.kernels.sm90 import gemm as G
-
     launched = []
     monkeypatch.setattr(G, "runs_on", lambda device: True)
     monkeypatch.setattr(G, "num_sms", lambda index: 132)
@@ -124,7 +143,7 @@ def test_unchecked_descriptors_pass_the_checked_constructor(monkeypatch, m, n, k
     call(a, a_s, b, b_s, b_block_dim=bdim, out_dtype=out_dtype, accumulate_into=acc)
     (args,) = launched
     descs = [x for x in args if isinstance(x, TensorDescriptor)]
-    assert len(descs) == (5 if G.select_config(bdim, out_dtype, acc is not None).scale_tma else 3)
+    assert len(descs) == (5 if H.gemm_config(bdim, out_dtype, acc is not None).scale_tma else 3)
     for d in descs:
         fields = {f.name: getattr(d, f.name) for f in dataclasses.fields(TensorDescriptor)}
         TensorDescriptor(**fields)  # runs the skipped checks; raises AssertionError on a violation
@@ -136,28 +155,27 @@ def test_config_selection_and_shared_memory():
     output and for a bias into accumulate_into with 1x128 B scales (the 128x256 one spills there).
     Only 128x256 and 256x128 tiles stage their scales through shared memory, and their four [64, 64]
     output buffers take as much shared memory as one [128, 128] tile's."""
-    from primus_fp8_plugin.kernels.sm90 import gemm as G
     from primus_fp8_plugin.kernels.sm90 import gemm_library as L
 
     for out_dtype, acc in ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True)):
-        assert G.select_config(1, out_dtype, acc) is G.CONFIG_256x128
-        assert G.select_config(2, out_dtype, acc) is G.CONFIG_128x256
-    assert G.select_config(1, torch.bfloat16, False, has_bias=True) is G.CONFIG_128x256
+        assert H.gemm_config(1, out_dtype, acc) is H.CONFIG_256x128
+        assert H.gemm_config(2, out_dtype, acc) is H.CONFIG_128x256
+    assert H.gemm_config(1, torch.bfloat16, False, has_bias=True) is H.CONFIG_128x256
     for bdim in (1, 2):
-        assert G.select_config(bdim, torch.float32, False).block_n == 128
-        assert "spills" in G.supports(G.CONFIG_128x256, bdim, torch.float32, False)
+        assert H.gemm_config(bdim, torch.float32, False).block_n == 128
+        assert "spills" in G.supports(H.CONFIG_128x256, bdim, torch.float32, False)
     # 256x128 tiles take 1x128 B scales only, without a bias or a plain fp32 output
-    assert "1x128" in G.supports(G.CONFIG_256x128, 2)
-    assert "bias" in G.supports(G.CONFIG_256x128, 1, torch.bfloat16, False, has_bias=True)
-    assert "float32" in G.supports(G.CONFIG_256x128, 1, torch.float32, False)
+    assert "1x128" in G.supports(H.CONFIG_256x128, 2)
+    assert "bias" in G.supports(H.CONFIG_256x128, 1, torch.bfloat16, False, has_bias=True)
+    assert "float32" in G.supports(H.CONFIG_256x128, 1, torch.float32, False)
     # a bias into accumulate_into with 1x128 B scales: 128x128 (the 128x256 epilogue spills there)
-    assert G.select_config(1, torch.float32, True, has_bias=True).block_n == 128
-    assert G.select_config(2, torch.float32, True, has_bias=True) is G.CONFIG_128x256
-    assert "spills" in G.supports(G.CONFIG_128x256, 1, torch.float32, True, has_bias=True)
-    assert G.CONFIG_128x256.scale_tma and G.CONFIG_256x128.scale_tma and not G.CONFIG_128x128.scale_tma
-    assert G.CONFIG_256x128.block_m == 256 and G.CONFIG_128x256.block_m == 128
+    assert H.gemm_config(1, torch.float32, True, has_bias=True).block_n == 128
+    assert H.gemm_config(2, torch.float32, True, has_bias=True) is H.CONFIG_128x256
+    assert "spills" in G.supports(H.CONFIG_128x256, 1, torch.float32, True, has_bias=True)
+    assert H.CONFIG_128x256.scale_tma and H.CONFIG_256x128.scale_tma and not H.CONFIG_128x128.scale_tma
+    assert H.CONFIG_256x128.block_m == 256 and H.CONFIG_128x256.block_m == 128
     assert L.c_block_n(128, 256) == 64 and L.c_block_n(128, 128) == 128 and L.c_block_n(256, 128) == 64
-    assert G.select_config(1, torch.float32, False) is G.CONFIG_128x128
+    assert H.gemm_config(1, torch.float32, False) is H.CONFIG_128x128
     # a bf16 output: 4 stages of 128x256 with 128x128 B (48 KiB + 640 B of scales each) next to 32 KiB of
     # output buffers; 3 with 1x128 B (48 KiB + 1.5 KiB of scales), in either tile shape
     assert L.stages_that_fit(128, 256, torch.bfloat16, 0, 2) == 4
@@ -168,9 +186,8 @@ def test_config_selection_and_shared_memory():
 @pytest.mark.parametrize("bias, acc, out_dtype", [(True, True, torch.float32), (False, False, torch.float32)])
 def test_an_explicit_128x256_config_that_spills_is_refused(monkeypatch, bias, acc, out_dtype):
     """An explicit ``config=CONFIG_128x256`` where the 128x256 kernel spills (a plain fp32 output; a bias
-    into accumulate_into with 1x128 B scales) raises NotImplementedError before launching; with no
-    config the same call takes the 128x128 kernel."""
-    from primus_fp8_plugin.kernels.sm90 import gemm as G
+    into accumulate_into with 1x128 B scales) raises NotImplementedError before launching; the heuristics
+    give the same call the 128x128 kernel."""
 
     launched = []
     monkeypatch.setattr(G, "runs_on", lambda device: True)
@@ -180,7 +197,7 @@ def test_an_explicit_128x256_config_that_spills_is_refused(monkeypatch, bias, ac
     a, a_s, b, b_s = operands(130, 136, 256, b_block_dim=1)
     kw = {"bias": torch.zeros(136) if bias else None, "accumulate_into": torch.zeros(130, 136) if acc else None}
     with pytest.raises(NotImplementedError, match="spills"):
-        call(a, a_s, b, b_s, b_block_dim=1, out_dtype=out_dtype, config=G.CONFIG_128x256, **kw)
+        call(a, a_s, b, b_s, b_block_dim=1, out_dtype=out_dtype, config=H.CONFIG_128x256, **kw)
     assert not launched
     call(a, a_s, b, b_s, b_block_dim=1, out_dtype=out_dtype, **kw)
-    assert len(launched) == 1
+    assert len(launched) == 1 and H.gemm_config(1, out_dtype, acc, bias).block_n == 128

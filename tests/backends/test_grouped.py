@@ -284,10 +284,9 @@ def test_few_experts_take_the_dense_kernel_per_expert_with_the_batched_bits(monk
     portable dense kernel writing into ``out``: the same bits as the batched kernel."""
     if not backend_availability("triton", "cpu"):
         pytest.skip("the Triton interpreter is not active")
-    import primus_fp8_plugin.backends.triton_grouped as tg
+    import primus_fp8_plugin.kernels.sm90.heuristics as H
     import primus_fp8_plugin.kernels.sm90.quantize_grouped as qg
     from primus_fp8_plugin.backends import get_backend
-    from primus_fp8_plugin.kernels.sm90.heuristics import WEIGHT_PER_EXPERT_MAX_GROUPS
     from primus_fp8_plugin.kernels.triton.quantize_grouped import quantize_128x128_batched
     from primus_fp8_plugin.kernels.triton.quantize_weight import quantize_128x128
 
@@ -302,8 +301,8 @@ def test_few_experts_take_the_dense_kernel_per_expert_with_the_batched_bits(monk
 
     refuse = set()
     monkeypatch.setattr(qg, "quantize_128x128_gluon", dense_into)
-    monkeypatch.setattr(qg, "unsupported_reason", lambda w, p: "refused" if w.data_ptr() in refuse else None)
-    monkeypatch.setattr(tg, "weight_quant_per_expert", lambda dev, e: 0 < e <= WEIGHT_PER_EXPERT_MAX_GROUPS)
+    # the dense Gluon kernel's rules, device check included (no H200 here): every weight but those refused
+    monkeypatch.setattr(qg, "weight_unsupported_reason", lambda w, p: "refused" if w.data_ptr() in refuse else None)
     p = QuantParams(torch.float8_e4m3fn, 2)
     ws = [make_input((144, 272), seed=20 + e) for e in range(5)]  # ragged blocks on both axes
     ws[3][5, 7] = float("nan")
@@ -316,23 +315,28 @@ def test_few_experts_take_the_dense_kernel_per_expert_with_the_batched_bits(monk
     assert again is got and len(launches) == 2 * len(ws), "a stacked [E, N, K] goes per expert into out"
     assert all(same(getattr(got, part), getattr(batched, part)) for part in COPIES)
     launches.clear()
-    many = [make_input((16, 128), seed=e) for e in range(WEIGHT_PER_EXPERT_MAX_GROUPS + 1)]
+    many = [make_input((16, 128), seed=e) for e in range(H.WEIGHT_PER_EXPERT_MAX_GROUPS + 1)]
     assert all(same(getattr(a, part), getattr(b, part))
                for a, b in [(quantize_weight_grouped(many, p, backend="triton"), quantize_128x128_batched(many, p))]
                for part in COPIES) and not launches, "past the expert limit: the batched kernel"  # fmt: skip
     refuse.add(ws[2].data_ptr())
+    assert not H.weight_quant_per_expert(ws, p)
     assert all(same(getattr(quantize_weight_grouped(ws, p, backend="triton"), part), getattr(batched, part))
                for part in COPIES) and not launches, "one weight the Gluon kernel refuses: the batched kernel"  # fmt: skip
 
 
 def test_per_expert_gluon_path_refuses_before_launching():
     """Weights of different shapes are a ValueError; a weight the dense Gluon kernel refuses (here: not on an
-    sm_90 GPU) is a GluonUnsupported naming the expert, which the backend answers with the batched kernel."""
-    from primus_fp8_plugin.kernels.sm90.quantize_grouped import quantize_128x128_per_expert_gluon
+    sm_90 GPU) is a reason naming the expert, so that the heuristics pick the batched kernel, and a
+    GluonUnsupported from the wrapper called anyway."""
+    from primus_fp8_plugin.kernels.sm90 import heuristics as H
+    from primus_fp8_plugin.kernels.sm90.quantize_grouped import quantize_128x128_per_expert_gluon, unsupported_reason
     from primus_fp8_plugin.kernels.sm90.target import GluonUnsupported
 
     p = QuantParams(torch.float8_e4m3fn, 2)
     with pytest.raises(ValueError, match="differ in shape"):
         quantize_128x128_per_expert_gluon([make_input((128, 128), seed=1), make_input((128, 256), seed=2)], p)
+    ws = [make_input((128, 128), seed=1)] * 2
+    assert "sm_90" in unsupported_reason(ws, p) and not H.weight_quant_per_expert(ws, p)
     with pytest.raises(GluonUnsupported, match="expert 0: .*sm_90"):
-        quantize_128x128_per_expert_gluon([make_input((128, 128), seed=1)] * 2, p)
+        quantize_128x128_per_expert_gluon(ws, p)

@@ -1,4 +1,4 @@
-"""Launch hints stand for one specialisation each (backends/triton/launch.py, ``FastLauncher.hinted``),
+"""Launch hints stand for one specialisation each (kernels/triton/launch.py, ``FastLauncher.hinted``),
 checked on CPU over many inputs: each Gluon wrapper runs with its launcher replaced by a recorder that
 computes Triton's full specialisation of every argument (``native_specialize_impl`` on CPU tensors,
 the constexprs by type and value, the launch options) and groups the keys by hint. A hint that
@@ -66,6 +66,7 @@ def _scales(m, n, k, bdim, kind):
 
 def test_gemm_hints(on_hopper, monkeypatch):
     import primus_fp8_plugin.kernels.sm90.gemm as G
+    from primus_fp8_plugin.kernels.sm90.heuristics import gemm_config
 
     rec = _Recorder(G._launch)
     monkeypatch.setattr(G, "_launch", rec)
@@ -79,7 +80,9 @@ def test_gemm_hints(on_hopper, monkeypatch):
                 "fp32": torch.zeros(n)}[bias_kind]  # fmt: skip
         acc = {None: None, "c": torch.zeros(m, n), "wide": torch.zeros(m, n + 4)[:, :n]}[acc_kind]
         try:
-            G.blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=bdim, out_dtype=out, bias=bias, accumulate_into=acc)
+            cfg = gemm_config(bdim, torch.float32 if acc is not None else out, acc is not None, bias is not None)
+            G.blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=bdim, out_dtype=out, config=cfg, bias=bias,
+                                   accumulate_into=acc)  # fmt: skip
         except (NotImplementedError, ValueError, TypeError):
             pass  # refused before launching: nothing recorded
     rec.assert_one_key_per_hint(least_hints=200)
@@ -111,9 +114,9 @@ def test_weight_quantizer_hints(on_hopper, monkeypatch):
 
 def test_fused_quantizer_hints(on_hopper, monkeypatch):
     """The Hopper fused quantizer (norm / SwiGLU producer) over ops, dtypes, flags and its launch variants
-    (fused_tuning.GLUON: the tile in halves and register caps change the binary, so the hint holds them)."""
+    (heuristics.FUSED_QUANT: the tile in halves and register caps change the binary, so the hint holds them)."""
     import primus_fp8_plugin.kernels.sm90.fused_act as FG
-    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
+    from primus_fp8_plugin.kernels.sm90.heuristics import FUSED_QUANT
     from primus_fp8_plugin.kernels.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
 
     rec = _Recorder(FG._launch)
@@ -121,7 +124,7 @@ def test_fused_quantizer_hints(on_hopper, monkeypatch):
     monkeypatch.setattr(FG, "runs_on", lambda device: True)
     cases = itertools.product([OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU], [16, 272], [16, 400],
                               [torch.bfloat16, torch.float32], [E4, E5], [(True, True), (True, False), (False, True)],
-                              list(fused_tuning.GLUON))  # fmt: skip
+                              list(FUSED_QUANT.values()))  # fmt: skip
     for op, m, k, dtype, f8, (row, col), variant in cases:
         kw = {"k": k}
         if op == OP_SWIGLU:
@@ -131,6 +134,5 @@ def test_fused_quantizer_hints(on_hopper, monkeypatch):
             kw.update(rstd=torch.ones(m), gamma=torch.ones(k, dtype=dtype))
             if op == OP_LAYERNORM:
                 kw.update(mean=torch.zeros(m), beta=torch.zeros(k, dtype=dtype))
-        with fused_tuning.variant("gluon", variant):
-            FG.quantize_fused_gluon(src, op, QuantParams(f8, 1, True, 0.0), rowwise=row, columnwise=col, **kw)
-    rec.assert_one_key_per_hint(least_hints=3 * 2 * 2 * 3 * len(fused_tuning.GLUON))
+        FG.quantize_fused_gluon(src, op, QuantParams(f8, 1, True, 0.0), config=variant, rowwise=row, columnwise=col, **kw)
+    rec.assert_one_key_per_hint(least_hints=3 * 2 * 2 * 3 * len(FUSED_QUANT))

@@ -1,8 +1,9 @@
-"""The Hopper Gluon quantizers' wrappers on any machine: valid inputs they do not take (not a Hopper
-GPU, dims not multiples of 16, other dtypes, non-contiguous) raise GluonUnsupported before anything
-is allocated or launched, so the triton backend falls back to the Triton kernels, whose bits are the
-same. The kernel itself is checked on the GPU (tests/gpu, tools/check_quant_hopper.py) and compiled
-in CI (tests/tools/test_triton_aot.py)."""
+"""The Hopper Gluon quantizers and their heuristics on any machine: valid inputs the kernels do not take
+(not a Hopper GPU, dims not multiples of 16, other dtypes, non-contiguous) are refused by their
+``unsupported_reason``, so that the heuristics pick the Triton kernels (whose bits are the same), and a
+wrapper called anyway raises GluonUnsupported before anything is allocated or launched. The kernels
+themselves are checked on the GPU (tests/gpu, tools/check_quant_hopper.py) and compiled in CI
+(tests/tools/test_triton_aot.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from primus_fp8_plugin import QuantParams
 from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopper_or_portable_weight_quant
+from primus_fp8_plugin.kernels.sm90 import heuristics as H
 from primus_fp8_plugin.kernels.sm90.quantize_act import quantize_1x128_dual_gluon
 from primus_fp8_plugin.kernels.sm90.quantize_tiles import MAX_DIM
 from primus_fp8_plugin.kernels.sm90.quantize_weight import quantize_128x128_gluon, unsupported_reason
@@ -30,6 +32,7 @@ def test_off_hopper_is_unsupported():
     with pytest.raises(GluonUnsupported, match="sm_90"):
         quantize_1x128_dual_gluon(w, QuantParams(torch.float8_e4m3fn, 1), rowwise=True, columnwise=True)
     assert issubclass(GluonUnsupported, NotImplementedError)
+    assert not H.weight_quant(w, P) and not H.act_quant(w, QuantParams(torch.float8_e4m3fn, 1))
 
 
 @pytest.mark.parametrize(
@@ -52,6 +55,9 @@ def test_shape_and_dtype_rules(w, match, monkeypatch):
     monkeypatch.setattr(tiles, "runs_on", lambda device: True)
     assert match in unsupported_reason(w, P)
     assert match in act_mod.unsupported_reason(w, QuantParams(torch.float8_e4m3fn, 1))
+    assert not H.weight_quant(w, P) and not H.act_quant(w, QuantParams(torch.float8_e4m3fn, 1))
+    ok = torch.empty(256, 512, dtype=torch.bfloat16)
+    assert H.weight_quant(ok, P) and H.act_quant(ok, QuantParams(torch.float8_e4m3fn, 1))
 
 
 def test_dims_past_the_grid_axis_limit_go_to_the_triton_kernel(monkeypatch):
@@ -98,9 +104,9 @@ def test_act_kernel_takes_1x128_tiles_only():
 
 def test_backend_falls_back_to_the_triton_kernels_off_hopper():
     """Off Hopper the backend's quantizers are the Triton kernels (bit-exact with the reference)."""
-    import os
+    from primus_fp8_plugin.kernels.triton import INTERPRETED
 
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not INTERPRETED:
         pytest.skip("the Triton kernel runs on CPU tensors through the interpreter only")
     from primus_fp8_plugin.backends.reference import ReferenceBackend
 

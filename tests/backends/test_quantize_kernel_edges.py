@@ -122,14 +122,16 @@ def test_weight_kernel_bit_exact_with_reference(case):
 
 def test_launch_configs_bit_exact():
     """The launch configs that benchmarks/bench_quant.py --variants times compute the same bits."""
+    from primus_fp8_plugin.kernels.triton.heuristics import QuantizeConfig
+
     x = random_x(144, 144, torch.bfloat16, seed=7, bad="nan")
     params = QuantParams(E4M3, 1)
     ref = REF.quantize_act(x, params, rowwise=True, columnwise=True)
     for sub_m, warps in ((16, 4), (32, 2), (64, 4), (128, 8)):  # the chunked path, and the one-pass one at 8 warps
-        ours = _act()(x, params, rowwise=True, columnwise=True, sub_m=sub_m, num_warps=warps)
+        ours = _act()(x, params, rowwise=True, columnwise=True, config=QuantizeConfig(sub_m, warps))
         assert_same(ours, ref, True, True, f"act sub_m={sub_m}")
     wp = QuantParams(E4M3, 2)
-    ours = _weight()(x, wp, sub_m=32, num_warps=4)
+    ours = _weight()(x, wp, config=QuantizeConfig(32, 4))
     assert_same(ours, REF.quantize_weight(x, wp), True, True, "weight sub_m=32")
 
 

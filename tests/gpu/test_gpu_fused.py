@@ -114,7 +114,8 @@ def test_swiglu_kernels_are_the_spec_bit_for_bit(m, f, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gluon_fused_quantizer_is_the_triton_one_on_hopper(op, m, k, dtype):
     from primus_fp8_plugin.kernels.sm90.fused_act import quantize_fused_gluon, unsupported_reason
-    from primus_fp8_plugin.kernels.triton.fused_act import quantize_fused_triton
+    from primus_fp8_plugin.kernels.sm90.heuristics import FUSED_QUANT
+    from primus_fp8_plugin.kernels.triton.fused_act import quantize_fused
     from primus_fp8_plugin.kernels.triton.fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
     from primus_fp8_plugin.kernels.triton.norm import norm_stats
 
@@ -131,27 +132,25 @@ def test_gluon_fused_quantizer_is_the_triton_one_on_hopper(op, m, k, dtype):
         kw["mean"], kw["rstd"] = norm_stats(src, 1e-5, op)
         kw["gamma"] = (torch.rand(k, device="cuda") + 0.5).to(dtype)
         kw["beta"] = torch.randn(k, device="cuda").to(dtype) if op == "LayerNorm" else None
-    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
-
     for row, col in ((True, True), (True, False), (False, True)):
-        want = quantize_fused_triton(src, code, P_IN, rowwise=row, columnwise=col, **kw)
-        for name in fused_tuning.GLUON:  # every launch variant of the Gluon kernel
-            with fused_tuning.variant("gluon", name):
-                gluon = quantize_fused_gluon(src, code, P_IN, rowwise=row, columnwise=col, **kw)
+        want = quantize_fused(src, code, P_IN, rowwise=row, columnwise=col, **kw)
+        for name, cfg in FUSED_QUANT.items():  # every launch variant of the Gluon kernel
+            gluon = quantize_fused_gluon(src, code, P_IN, config=cfg, rowwise=row, columnwise=col, **kw)
             assert_same_fp8(gluon, want, f"{op} {row} {col} gluon={name}")
 
 
 @pytest.mark.parametrize("op", ["LayerNorm", "RMSNorm", "SwiGLU"])
 def test_every_fused_launch_variant_is_the_unfused_composition_on_fresh_shapes(op):
-    """Each launch variant (fused_tuning.py) of the norm statistics, the Hopper fused quantizer and the
+    """Each launch variant (FusedVariants) of the norm statistics, the Hopper fused quantizer and the
     norm backward against the unfused composition (the spec's op, then this backend's quantizer) on
     fresh random shapes: M and K multiples of 16 (the Gluon kernel) with partial 128-tiles, and ragged."""
     import os
     import random
 
-    from primus_fp8_plugin.kernels.triton import heuristics as fused_tuning
+    from primus_fp8_plugin.backends.triton import FusedVariants, TritonBackend
+    from primus_fp8_plugin.kernels.sm90.heuristics import FUSED_QUANT
+    from primus_fp8_plugin.kernels.triton.heuristics import NORM_BWD, NORM_STATS
 
-    be = get_backend("triton", "cuda")
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     shapes = [(16 * rng.randint(9, 130), 16 * rng.randint(9, 200)), (rng.randint(130, 1500), rng.randint(130, 2100))]
@@ -161,9 +160,9 @@ def test_every_fused_launch_variant_is_the_unfused_composition_on_fresh_shapes(o
         if op == "SwiGLU":
             h = (make_input((m, 2 * k), dtype=torch.float32, seed=rng.randint(0, 2**31), spread=False) * 4).to(dtype)
             want = REF.quantize_act(REF.swiglu_fwd(h), P_IN, rowwise=True, columnwise=True)
-            for gv in fused_tuning.GLUON:
-                with fused_tuning.variant("gluon", gv):
-                    got = be.quantize_swiglu_act(h.cuda(), P_IN, rowwise=True, columnwise=True)
+            for gv in FUSED_QUANT:
+                be = TritonBackend(fused=FusedVariants(gluon=gv))
+                got = be.quantize_swiglu_act(h.cuda(), P_IN, rowwise=True, columnwise=True)
                 assert_same_fp8(got, want, f"{what} gluon={gv}")
             continue
         g = torch.Generator().manual_seed(rng.randint(0, 2**31))
@@ -174,17 +173,17 @@ def test_every_fused_launch_variant_is_the_unfused_composition_on_fresh_shapes(o
         y_r, mean_r, rstd_r = REF.norm_fwd(x, gamma, beta, 1e-5, op)
         want = REF.quantize_act(y_r, P_IN, rowwise=True, columnwise=True)
         cx, cg, cb, cdy = (None if t is None else t.cuda() for t in (x, gamma, beta, dy))
-        for sv in fused_tuning.STATS:
-            for gv in fused_tuning.GLUON:
-                with fused_tuning.variant("stats", sv), fused_tuning.variant("gluon", gv):
-                    q, mean, rstd = be.quantize_norm_act(cx, cg, cb, 1e-5, op, P_IN, rowwise=True, columnwise=True)
+        for sv in NORM_STATS:
+            for gv in FUSED_QUANT:
+                be = TritonBackend(fused=FusedVariants(stats=sv, gluon=gv))
+                q, mean, rstd = be.quantize_norm_act(cx, cg, cb, 1e-5, op, P_IN, rowwise=True, columnwise=True)
                 assert_same(rstd, rstd_r, f"rstd, {what} stats={sv}")
                 assert_same_fp8(q, want, f"{what} stats={sv} gluon={gv}")
         bwd_r = REF.norm_bwd(dy, x, gamma, mean_r, rstd_r, need_dgamma=True, need_dbeta=beta is not None)
         stats = (None if mean_r is None else mean_r.cuda(), rstd_r.cuda())
-        for bv in fused_tuning.BWD:
-            with fused_tuning.variant("bwd", bv):
-                got = be.norm_bwd(cdy, cx, cg, *stats, need_dgamma=True, need_dbeta=beta is not None)
+        for bv in NORM_BWD:
+            be = TritonBackend(fused=FusedVariants(bwd=bv))
+            got = be.norm_bwd(cdy, cx, cg, *stats, need_dgamma=True, need_dbeta=beta is not None)
             for part, a, b in zip(("dx", "dgamma", "dbeta"), got, bwd_r):
                 assert_same(a, b, f"{part}, {what} bwd={bv}")
 

@@ -97,7 +97,7 @@ def _grouped(backend, x, dy, ws, bias, counts, p, device_counts):
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 @pytest.mark.parametrize("name, counts, k, n", ROUTINGS, ids=[r[0] for r in ROUTINGS])
 def test_grouped_kernels_equal_a_loop_of_the_portable_dense_kernels(name, counts, k, n, fmt):
-    """The Triton grouped kernels against the portable Triton dense GEMM (``backends/triton/gemm.py``, the
+    """The Triton grouped kernels against the portable Triton dense GEMM (``kernels/triton/gemm.py``, the
     same per-128-K promotion) and the triton backend's dense quantizers, expert by expert, bit for bit."""
     if not backend_availability("triton", "cuda"):
         pytest.skip(backend_availability("triton", "cuda").reason)

@@ -1,5 +1,5 @@
-"""The Gluon grouped GEMMs (backends/triton/gemm_grouped_gluon.py) on a Hopper GPU: bit for bit a loop of the
-dense Gluon GEMM per expert and the portable grouped kernels (gemm_grouped.py), for fwd (with and without bias),
+"""The Gluon grouped GEMMs (kernels/sm90/gemm_grouped.py) on a Hopper GPU: bit for bit a loop of the dense
+Gluon GEMM per expert and the portable grouped kernels (kernels/triton/gemm_grouped.py), for fwd (with and without bias),
 dgrad (E4M3 and HYBRID's E5M2 dY) and wgrad (into new tensors, and accumulated into random main_grads), on
 random data and ragged routings with counts 0, 1, 127, 128, 129, skewed, 1 to 64 experts, device-side counts.
 Skipped without an sm_90 GPU."""
@@ -11,6 +11,7 @@ import torch
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped, quantize_weight_grouped
+from primus_fp8_plugin.kernels.sm90 import heuristics as H
 from primus_fp8_plugin.kernels.sm90.gemm import blockwise_gemm_gluon
 from primus_fp8_plugin.kernels.sm90.gemm_grouped import grouped_gemm_gluon, grouped_wgrad_gluon
 from primus_fp8_plugin.kernels.sm90.target import GluonUnsupported
@@ -22,6 +23,28 @@ from ..conftest import make_input
 pytestmark = pytest.mark.gpu
 
 COPIES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def gluon_fwd(a, a_s, b, b_s, layout, *, out_dtype, bias=None):
+    """The Gluon grouped fwd/dgrad with the config the heuristics pick for its N."""
+    return grouped_gemm_gluon(a, a_s, b, b_s, layout, out_dtype=out_dtype, config=H.grouped_fwd_config(b.shape[1]),
+                              bias=bias)  # fmt: skip
+
+
+def gluon_wgrad(a, a_s, b, b_s, layout, *, out_dtype, accumulate_into=None):
+    """The Gluon grouped wgrad with the heuristics' config (into main_grad: the config kept for direct calls;
+    the heuristics send that case to the portable kernel)."""
+    return grouped_wgrad_gluon(a, a_s, b, b_s, layout, out_dtype=out_dtype,
+                               config=H.grouped_wgrad_config(accumulate_into is not None),
+                               accumulate_into=accumulate_into)  # fmt: skip
+
+
+def dense_gluon(a, a_s, b, b_s, *, b_block_dim, out_dtype, bias=None, accumulate_into=None):
+    """The dense Gluon GEMM with the tile the heuristics pick."""
+    acc = accumulate_into is not None
+    cfg = H.gemm_config(b_block_dim, torch.float32 if acc else out_dtype, acc, bias is not None)
+    return blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=b_block_dim, out_dtype=out_dtype, config=cfg, bias=bias,
+                                accumulate_into=accumulate_into)  # fmt: skip
 
 
 def _hopper() -> bool:
@@ -105,10 +128,10 @@ def test_fwd_dgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt):
         fwd = (xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout)
         dgrad = (dyq.rowwise_data, dyq.rowwise_scale_inv, wq.columnwise_data, wq.columnwise_scale_inv, layout)
         got = {
-            "y": grouped_gemm_gluon(*fwd, out_dtype=torch.bfloat16, bias=bias),
-            "y0": grouped_gemm_gluon(*fwd, out_dtype=torch.bfloat16),
-            "y16": grouped_gemm_gluon(*fwd, out_dtype=torch.float16, bias=bias.half()),
-            "dx": grouped_gemm_gluon(*dgrad, out_dtype=torch.bfloat16),
+            "y": gluon_fwd(*fwd, out_dtype=torch.bfloat16, bias=bias),
+            "y0": gluon_fwd(*fwd, out_dtype=torch.bfloat16),
+            "y16": gluon_fwd(*fwd, out_dtype=torch.float16, bias=bias.half()),
+            "dx": gluon_fwd(*dgrad, out_dtype=torch.bfloat16),
         }
         portable = {
             "y": grouped_gemm(*fwd, out_dtype=torch.bfloat16, bias=bias),
@@ -125,9 +148,9 @@ def test_fwd_dgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt):
                 continue
             w = wq.expert(e)
             dense = {
-                "y": blockwise_gemm_gluon(xs[e].rowwise_data, xs[e].rowwise_scale_inv, w.rowwise_data,
+                "y": dense_gluon(xs[e].rowwise_data, xs[e].rowwise_scale_inv, w.rowwise_data,
                                           w.rowwise_scale_inv, b_block_dim=2, out_dtype=torch.bfloat16, bias=bias[e]),
-                "dx": blockwise_gemm_gluon(dys[e].rowwise_data, dys[e].rowwise_scale_inv, w.columnwise_data,
+                "dx": dense_gluon(dys[e].rowwise_data, dys[e].rowwise_scale_inv, w.columnwise_data,
                                            w.columnwise_scale_inv, b_block_dim=2, out_dtype=torch.bfloat16),
             }  # fmt: skip
             for key in dense:
@@ -160,17 +183,17 @@ def test_wgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt, span
     grouped_wgrad(*args, out_dtype=torch.float32, accumulate_into=mg_portable)
     if not span and len(counts) > 1:
         with pytest.raises(GluonUnsupported, match="one span of memory"):
-            grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=start)
+            gluon_wgrad(*args, out_dtype=torch.float32, accumulate_into=start)
         mg = mg_portable
     else:
         for rep in range(8):
             again = views(buf.clone())
-            grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=again)
+            gluon_wgrad(*args, out_dtype=torch.float32, accumulate_into=again)
             bad = [e for e in range(len(counts)) if not same(again[e], mg_portable[e])]
             assert not bad, f"run {rep}: main_grad of experts {bad} differs from the portable kernel"
-        mg = grouped_wgrad_gluon(*args, out_dtype=torch.float32, accumulate_into=start)
+        mg = gluon_wgrad(*args, out_dtype=torch.float32, accumulate_into=start)
         assert all(a is b for a, b in zip(mg, start)), "accumulate_into is updated in place and returned"
-    dw = grouped_wgrad_gluon(*args, out_dtype=torch.bfloat16)
+    dw = gluon_wgrad(*args, out_dtype=torch.bfloat16)
     dw_portable = grouped_wgrad(*args, out_dtype=torch.bfloat16)
     for e, c, _, poff, pc in _segments(counts):
         assert same(mg[e], mg_portable[e]), f"main_grad, expert {e} (count {c}) vs the portable grouped kernel"
@@ -183,8 +206,8 @@ def test_wgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt, span
                dyq.columnwise_scale_inv[poff // BLOCK : (poff + pc) // BLOCK].contiguous(),
                xq.columnwise_data[:, poff : poff + pc].contiguous(),
                xq.columnwise_scale_inv[poff // BLOCK : (poff + pc) // BLOCK].contiguous())  # fmt: skip
-        dense_mg = blockwise_gemm_gluon(*seg, b_block_dim=1, out_dtype=torch.float32, accumulate_into=keep[e].clone())
-        dense_dw = blockwise_gemm_gluon(*seg, b_block_dim=1, out_dtype=torch.bfloat16)
+        dense_mg = dense_gluon(*seg, b_block_dim=1, out_dtype=torch.float32, accumulate_into=keep[e].clone())
+        dense_dw = dense_gluon(*seg, b_block_dim=1, out_dtype=torch.bfloat16)
         assert same(mg[e], dense_mg), f"main_grad, expert {e} (count {c}) vs the dense loop"
         assert same(dw[e], dense_dw), f"bf16 dW, expert {e} (count {c}) vs the dense loop"
     if span:  # the gap rows between the experts' main_grads are untouched
@@ -199,16 +222,16 @@ def test_unsupported_inputs_raise_gluon_unsupported():
     x, dy, ws, _, p = _case(counts, k, n, "E4M3")
     layout, xq, _, wq = _quantized(x, dy, ws, counts, p, device_counts=False)
     with pytest.raises(GluonUnsupported):
-        grouped_gemm_gluon(xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout,
+        gluon_fwd(xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout,
                            out_dtype=torch.bfloat16)  # fmt: skip
     counts, k, n = [3, 5], 512, 256
     x, dy, ws, _, p = _case(counts, k, n, "E4M3")
     layout, xq, dyq, wq = _quantized(x, dy, ws, counts, p, device_counts=False)
     with pytest.raises(GluonUnsupported):  # fp32 fwd output: the 128x256 tile spills
-        grouped_gemm_gluon(xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout,
+        gluon_fwd(xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout,
                            out_dtype=torch.float32)  # fmt: skip
     with pytest.raises(GluonUnsupported):  # plain fp32 wgrad output
-        grouped_wgrad_gluon(dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data,
+        gluon_wgrad(dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data,
                             xq.columnwise_scale_inv, layout, out_dtype=torch.float32)  # fmt: skip
 
 
@@ -220,9 +243,9 @@ def test_backend_runs_the_gluon_grouped_kernels():
     counts, k, n = [0, 129, 256, 40], 512, 768
     x, dy, ws, bias, p = _case(counts, k, n, "E4M3")
     layout, xq, dyq, wq = _quantized(x, dy, ws, counts, p, device_counts=True)
-    want = grouped_gemm_gluon(xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout,
+    want = gluon_fwd(xq.rowwise_data, xq.rowwise_scale_inv, wq.rowwise_data, wq.rowwise_scale_inv, layout,
                               out_dtype=torch.bfloat16, bias=bias)  # fmt: skip
-    want_dw = grouped_wgrad_gluon(dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data,
+    want_dw = gluon_wgrad(dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data,
                                   xq.columnwise_scale_inv, layout, out_dtype=torch.bfloat16)  # fmt: skip
     from primus_fp8_plugin import backend_availability
 

@@ -103,6 +103,7 @@ def test_gluon_gemm_fast_launch_matches_plain_launch(b_block_dim, out_dtype, acc
     """The Gluon GEMM (TensorDescriptor arguments, maxnreg) through FastLauncher: the same bits as
     ``kernel[grid]``, and a repeated call reuses its binary."""
     from primus_fp8_plugin.kernels.sm90 import gemm as gemm_gluon
+    from primus_fp8_plugin.kernels.sm90.heuristics import gemm_config
 
     if not gemm_gluon.runs_on(torch.device("cuda")):
         pytest.skip("the Gluon GEMM runs on sm_90 only")
@@ -118,7 +119,9 @@ def test_gluon_gemm_fast_launch_matches_plain_launch(b_block_dim, out_dtype, acc
 
     def run():
         acc = start.clone() if accumulate else None
-        return gemm_gluon.blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=b_block_dim, out_dtype=out_dtype, accumulate_into=acc)
+        cfg = gemm_config(b_block_dim, out_dtype, accumulate)
+        return gemm_gluon.blockwise_gemm_gluon(a, a_s, b, b_s, b_block_dim=b_block_dim, out_dtype=out_dtype, config=cfg,
+                                               accumulate_into=acc)  # fmt: skip
 
     fast1 = run()
     misses = gemm_gluon._launch.misses

@@ -8,9 +8,9 @@ tiled MMA of the 16x16x128 atom; block tile 64 x 64 x 128, so each K step is one
 come through a broadcast view partitioned like C (one vector load per K step), B's 128x128 scale
 is one scalar load per K step.
 
-Shapes are compiled statically (M, N multiples of 64, K of 128); other shapes use the Triton
-kernel, which also targets gfx950. The launch path has never run on an MI355X: compile-only
-(docs/AMD.md). Not a translation of Primus-Turbo's kernels (which need flydsl 0.2.4).
+Shapes are compiled statically (M, N multiples of 64, K of 128: ``unsupported_reason``); the heuristics
+send other shapes to the portable Triton kernel, which also targets gfx950. The launch path has never
+run on an MI355X: compile-only (docs/AMD.md). Not a translation of Primus-Turbo's kernels (which need flydsl 0.2.4).
 """
 
 from __future__ import annotations
@@ -111,8 +111,16 @@ def build_kernel(m: int, n: int, k: int, *, b_block_dim: int, a_scale_stride: in
     return launch
 
 
-def tile_aligned(m: int, n: int, k: int) -> bool:
-    return m > 0 and m % BM == 0 and n % BN == 0 and k % BK == 0
+def unsupported_reason(a, b) -> str | None:
+    """Why this kernel does not take ``a [M, K] @ b [N, K]^T``, or None: E4M3 operands, M and N multiples of
+    64 (M > 0), K of 128 (the shapes are compiled statically)."""
+    m, k = a.shape
+    n = b.shape[0]
+    if not (a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn):
+        return f"E4M3 operands only, got {a.dtype} and {b.dtype}"
+    if not (m > 0 and m % BM == 0 and n % BN == 0 and k % BK == 0):
+        return f"M % {BM}, N % {BN}, K % {BK} must be 0 (M > 0); got {m}, {n}, {k}"
+    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -121,17 +129,15 @@ def _launcher(m, n, k, b_block_dim, a_stride, b_stride, out_bf16):
 
 
 def blockwise_gemm(a, a_scale_inv, b, b_scale_inv, *, b_block_dim, out_dtype, bias=None, accumulate_into=None):
-    """Same contract as the Triton ``blockwise_gemm``; tile-aligned E4M3 shapes run the FlyDSL kernel."""
-    from ..triton.gemm import blockwise_gemm as triton_gemm
-
-    m, k = a.shape
-    n = b.shape[0]
-    e4m3 = a.dtype == torch.float8_e4m3fn and b.dtype == torch.float8_e4m3fn
-    if not (tile_aligned(m, n, k) and e4m3):
-        return triton_gemm(a, a_scale_inv, b, b_scale_inv, b_block_dim=b_block_dim, out_dtype=out_dtype,
-                           bias=bias, accumulate_into=accumulate_into)  # fmt: skip
+    """The portable ``blockwise_gemm``'s contract (kernels/triton/gemm.py) for the shapes this kernel takes
+    (``unsupported_reason``; ValueError otherwise)."""
     import flydsl.compiler as flyc
 
+    why = unsupported_reason(a, b)
+    if why is not None:
+        raise ValueError(f"the FlyDSL blockwise GEMM does not take this call: {why}")
+    m, k = a.shape
+    n = b.shape[0]
     direct = bias is None and accumulate_into is None and out_dtype in (torch.bfloat16, torch.float32)
     c = torch.empty(m, n, dtype=out_dtype if direct else torch.float32, device=a.device)
     launch = _launcher(m, n, k, b_block_dim, a_scale_inv.stride(0), b_scale_inv.stride(0), c.dtype == torch.bfloat16)

@@ -40,7 +40,8 @@ past M of the last M-tile read zeros and their stores are dropped by the buffer 
 (N, K, tile); wgrad: M (the weight's N) static, one binary per weight shape.
 
 Compile-only here (docs/AMD.md): never run on an MI355X; its index arithmetic is emulated on the CPU
-(tests/backends/flydsl_emulation.py). Not a translation of Primus-Turbo's kernels.
+(tests/backends/flydsl_emulation.py). The tiles that run: ``heuristics.py``. Not a translation of
+Primus-Turbo's kernels.
 """
 
 from __future__ import annotations
@@ -97,12 +98,6 @@ class TileConfig:
             raise ValueError("a wave's columns must stay inside one 128-column scale block per strip")
         if (self.bm * BK) % (16 * self.threads) or (self.bn * BK) % (16 * self.threads):
             raise ValueError(f"the {self.bm}x{BK} A tile must split into 16-byte chunks over {self.threads} threads")
-
-
-# fprop/dgrad: 4 waves along M (x 1 or 2 along N), each owning 32 rows x 128 columns of 16-wide strips
-FWD_128x128 = TileConfig(128, 128, 4, "preshuffle16", waves_m=4, b_stages=1, unroll=4, burst=True)
-FWD_128x256 = TileConfig(128, 256, 8, "preshuffle16", waves_m=4, b_stages=1, unroll=4, burst=True)
-WGRAD_256x128 = TileConfig(256, 128, 8, "k_major", waves_m=4, burst=True)
 
 
 def strip_scale_block(cfg: TileConfig, rn: int) -> int:
@@ -408,11 +403,12 @@ def dynamic_args(cfg: TileConfig, a, b, c, sa, sb):
 
 
 def dgrad_operands(w):
-    """dgrad's B for a preshuffled weight ``w`` [N, K]: ``(cfg, W^T data, W^T scales, n_valid)``. Where the
+    """dgrad's B for a preshuffled weight ``w`` [N, K]: ``(W^T data, W^T scales, n_valid, padded)``. Where the
     quantizer left W^T's storage padded to 256-multiple rows (K % 256 == 128: ``preshuffle.padded_rows``)
-    the padded views and the 128x256 tile, with ``n_valid = K``; otherwise the tensors as they are. The
-    padded rows only feed output columns that are never stored, so their content does not matter (a
-    view into a larger storage, such as one expert of a stacked weight, is served correctly too)."""
+    the padded views (``padded``: a 256-wide tile then covers them), with ``n_valid = K``; otherwise the
+    tensors as they are. The padded rows only feed output columns that are never stored, so their content
+    does not matter (a view into a larger storage, such as one expert of a stacked weight, is served
+    correctly too)."""
     from ...preshuffle import dgrad_padded_rows, padded_rows
 
     k = w.shape[1]
@@ -421,13 +417,8 @@ def dgrad_operands(w):
         data = padded_rows(w.columnwise_data, kp)
         scales = padded_rows(w.columnwise_scale_inv, kp // SCALE_BLOCK)
         if data is not None and scales is not None:
-            return FWD_128x256, data, scales, k
-    return fwd_config(k), w.columnwise_data, w.columnwise_scale_inv, k
-
-
-def fwd_config(n_out: int) -> TileConfig:
-    """fprop/dgrad tile for an output of ``n_out`` columns: 128x256 (8 waves) where it divides, else 128x128."""
-    return FWD_128x256 if n_out % FWD_128x256.bn == 0 else FWD_128x128
+            return data, scales, k, True
+    return w.columnwise_data, w.columnwise_scale_inv, k, False
 
 
 def weight_fits(n: int, k: int) -> bool:
@@ -436,11 +427,11 @@ def weight_fits(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
 
 
-def wgrad_fits(n: int, k: int, tokens: int) -> bool:
-    """Whether wgrad dW [N, K] over ``tokens`` runs the 256x128 LDS kernel: K (the output columns) a
-    multiple of 128; any N >= 1 (a ragged last M tile is masked) and any token count >= 1 (padded with
-    zeros to a multiple of 128 when it is not one: ``pad_contraction``)."""
-    return n > 0 and tokens > 0 and k > 0 and k % WGRAD_256x128.bn == 0
+def wgrad_fits(cfg: TileConfig, n: int, k: int, tokens: int) -> bool:
+    """Whether wgrad dW [N, K] over ``tokens`` runs the K-major tile ``cfg``: K (the output columns) a
+    multiple of its width; any N >= 1 (a ragged last M tile is masked) and any token count >= 1 (padded
+    with zeros to a multiple of 128 when it is not one: ``pad_contraction``)."""
+    return n > 0 and tokens > 0 and k > 0 and k % cfg.bn == 0
 
 
 def pad_contraction(t, mult: int = BK):

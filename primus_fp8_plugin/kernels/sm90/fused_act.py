@@ -1,5 +1,5 @@
 """The fused quantization of ``fused_act.py`` for Hopper (sm_90), in Gluon: the act quantizer of
-``quantize_act_gluon.py`` (one program per 128x128 tile, 8 warps, one block barrier, the columnwise
+``quantize_act.py`` (one program per 128x128 tile, 8 warps, one block barrier, the columnwise
 copy transposed through shared memory in the input dtype) with the fused op's producer in front of it.
 
 The producer computes the norm's or SwiGLU's output in the loaded tile's registers (layout ``L``),
@@ -8,13 +8,22 @@ same ``swiglu_value``, compiled without FMA contraction), and the quantizer then
 the act quantizer treats its input: the same bits as ``fused_act.quantize_fused`` and as
 ``quantize_1x128_dual_gluon`` of the unfused output.
 
-The wrapper takes M, K and the source row stride multiples of 16 and a 16-byte aligned source (the
-Gluon act quantizer's rules) and raises ``GluonUnsupported`` otherwise, before launching, so that
-``fused_act.quantize_fused`` runs the Triton kernel instead."""
+The kernel takes M, K and the source row stride multiples of 16 and a 16-byte aligned source (the
+Gluon act quantizer's rules: ``unsupported_reason``); the heuristics send other calls to the portable
+kernel (kernels/triton/fused_act.py), and the wrapper raises ``GluonUnsupported`` for them before
+launching anything.
+
+Launch variants (``FusedQuantConfig``; the heuristics name them): the whole 128x128 tile produced at once,
+or in two 128x64 column halves. Resources on sm_90 (``python -m tools.aot_triton --gluon fused_act``), bf16:
+the fused SwiGLU quantizer issues about 4,500 instructions per thread per 128x128 tile (about 70 per
+element: the spec's exp polynomial and IEEE divisions, no FMA), so at 8192x14336 it is bound by instruction
+issue near 280 us rather than by its 712 MB of traffic (about 180 us at copy bandwidth); with ``parts=1``
+it needs 187 registers (one 8-warp program per SM), with ``parts=2`` 128 (two)."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -23,19 +32,36 @@ from triton.experimental.gluon import language as gl
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
 from ..triton.fused_math import FP_OPTIONS, OP_SWIGLU, swiglu_value
-from ..triton.heuristics import gluon_config
 from ..triton.launch import FastLauncher, aligned
 from ..triton.quantize_act import MAX_DIM, MAX_GRID_Y, dual_outputs
 from ..triton.scales import amax_nan, max_nan, scale_and_inverse
-from .quantize_act import NUM_WARPS, _layouts
+from .quantize_act import NUM_WARPS, layouts
 from .quantize_tiles import store_tile
 from .target import GluonUnsupported, runs_on
+
+
+@dataclass(frozen=True)
+class FusedQuantConfig:
+    """``parts`` = 1 produces the 128x128 tile at once, 2 in two 128x64 column halves (fewer live registers
+    while the producer runs: SwiGLU's needs ~190 at once, one program per SM). ``swiglu_maxnreg`` /
+    ``norm_maxnreg``: the register cap passed to the compiler for 2-byte inputs writing both FP8 copies
+    (the training case; checked spill-free ahead of time by ``tools.aot_triton --gluon fused_act``); None,
+    and every other case: the compiler's choice. Every config computes the same bits."""
+
+    parts: int
+    swiglu_maxnreg: int | None = None
+    norm_maxnreg: int | None = None
+
+    def maxnreg(self, swiglu: bool, element_size: int, rowwise: bool, columnwise: bool) -> int | None:
+        if element_size != 2 or not (rowwise and columnwise):
+            return None
+        return self.swiglu_maxnreg if swiglu else self.norm_maxnreg
 
 
 @gluon.jit
 def _load(ptr, r0, c0, R, C, stride, NC: gl.constexpr, L: gl.constexpr):
     """Tile ``[r0:r0+128, c0:c0+NC]`` of a row-major ``[R, C]`` tensor (row stride ``stride``) in
-    layout ``L``, zeros outside (``quantize_gluon_tiles.load_tile`` for NC = 128)."""
+    layout ``L``, zeros outside (``quantize_tiles.load_tile`` for NC = 128)."""
     rr = gl.arange(0, 128, layout=gl.SliceLayout(1, L))
     rc = gl.arange(0, NC, layout=gl.SliceLayout(0, L))
     mask = gl.expand_dims(r0 + rr < R, 1) & gl.expand_dims(c0 + rc < C, 0)
@@ -46,7 +72,7 @@ def _load(ptr, r0, c0, R, C, stride, NC: gl.constexpr, L: gl.constexpr):
 @gluon.jit
 def _store(vals, ptr, r0, c0, R, C, NC: gl.constexpr, L: gl.constexpr):
     """Store ``vals`` ([128, NC], layout ``L``) as ``[r0:r0+128, c0:c0+NC]`` of the contiguous ``[R, C]``
-    tensor at ``ptr``, masked at the edges (``quantize_gluon_tiles.store_tile`` for NC = 128)."""
+    tensor at ``ptr``, masked at the edges (``quantize_tiles.store_tile`` for NC = 128)."""
     rr = gl.arange(0, 128, layout=gl.SliceLayout(1, L))
     rc = gl.arange(0, NC, layout=gl.SliceLayout(0, L))
     mask = gl.expand_dims(r0 + rr < R, 1) & gl.expand_dims(c0 + rc < C, 0)
@@ -84,7 +110,7 @@ def _produce_tile(src_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, m0, k0, M, K
 
 
 @gluon.jit
-def _quantize_fused_gluon_kernel(
+def quantize_fused_gluon_kernel(
     src_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
     M, K, M_PAD, K_PAD, stride_sm, up_offset, fp8_max, amax_eps, in_max,
     OP: gl.constexpr, HAS_BETA: gl.constexpr, ROWWISE: gl.constexpr, COLWISE: gl.constexpr, POW2: gl.constexpr,
@@ -143,7 +169,7 @@ def _quantize_fused_gluon_kernel(
         gl.store(col_s_ptr + pid_m * K_PAD + cols, gl.where(cols < K, cs_inv, 1.0), mask=cols < K_PAD)
 
 
-_launch = FastLauncher(_quantize_fused_gluon_kernel)
+_launch = FastLauncher(quantize_fused_gluon_kernel)
 
 
 @functools.cache
@@ -176,10 +202,11 @@ def unsupported_reason(src: torch.Tensor, k: int, params: QuantParams) -> str | 
     return None
 
 
-def quantize_fused_gluon(src, op, params, *, k, up_offset=0, mean=None, rstd=None, gamma=None, beta=None, rowwise,
-                         columnwise) -> BlockwiseFp8Tensor:  # fmt: skip
-    """``fused_act.quantize_fused`` (same contract and bits) on Hopper; raises ``GluonUnsupported``
-    before launching anything where ``unsupported_reason`` says so."""
+def quantize_fused_gluon(src, op, params, *, k, config: FusedQuantConfig, up_offset=0, mean=None, rstd=None, gamma=None,
+                         beta=None, rowwise, columnwise) -> BlockwiseFp8Tensor:  # fmt: skip
+    """The portable ``quantize_fused`` (kernels/triton/fused_act.py; same contract and bits) on Hopper, in the
+    launch variant ``config`` (``heuristics.fused_quant_config``); raises ``GluonUnsupported`` before
+    launching anything where ``unsupported_reason`` says so."""
     why = unsupported_reason(src, k, params)
     if why is not None:
         raise GluonUnsupported(why)
@@ -187,14 +214,14 @@ def quantize_fused_gluon(src, op, params, *, k, up_offset=0, mean=None, rstd=Non
     rowwise, columnwise = bool(rowwise), bool(columnwise)
     row_q, row_s, col_q, col_s, parts = dual_outputs(src.new_empty(()).expand(m, k), params, rowwise, columnwise)
     if m > 0 and k > 0 and (rowwise or columnwise):
-        lay, lay_n, lt_raw, t_raw = _layouts(src.element_size())
+        lay, lay_n, lt_raw, t_raw = layouts(src.element_size())
         q_any = row_q if row_q is not None else col_q
         s_any = row_s if row_s is not None else col_s
         stats = rstd if rstd is not None else s_any  # pointers the kernel does not read for this OP
         pow2 = bool(params.pow2_scales)
         # what can vary between calls; unsupported_reason fixes the rest (M, K, the stride and so F
         # multiples of 16 below MAX_DIM, pad4(M) == M, a 16-byte aligned source; float scalars)
-        cfg = gluon_config()
+        cfg = config
         lay2, lay_n2 = half_layouts()
         cap = cfg.maxnreg(op == OP_SWIGLU, src.element_size(), rowwise, columnwise)
         options = {} if cap is None else {"maxnreg": cap}

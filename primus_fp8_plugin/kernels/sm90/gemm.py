@@ -1,8 +1,8 @@
 """Blockwise-scaled FP8 GEMM for NVIDIA Hopper (sm_90) in Gluon: ``C [M, N] = A [M, K] @ B [N, K]^T``.
 
-Same math, scale layouts and wrapper contract as :func:`.gemm.blockwise_gemm`: each 128-wide K block's
-tensor-core product is scaled by ``a_scale_inv[kb, m] * b_scale(n, kb)`` and added to an fp32
-accumulator (TE ``Float8BlockScaling`` / DeepSeek-V3 promotion). A is 1x128-scaled; B is 128x128-scaled
+Same math, scale layouts and wrapper contract as the portable ``blockwise_gemm`` (kernels/triton/gemm.py):
+each 128-wide K block's tensor-core product is scaled by ``a_scale_inv[kb, m] * b_scale(n, kb)`` and added
+to an fp32 accumulator (TE ``Float8BlockScaling`` / DeepSeek-V3 promotion). A is 1x128-scaled; B is 128x128-scaled
 (fprop, dgrad: ``b_block_dim=2``) or 1x128-scaled (wgrad: ``b_block_dim=1``).
 
 Design: persistent and warp specialised. One CTA per SM walks the output tiles in an L2-grouped order
@@ -16,7 +16,7 @@ kernel has 12 warps under ``maxnreg=168`` (168 x 384 threads fit the 64K-registe
 warpgroup: + bias (fp32), + ``accumulate_into`` (fp32), one rounding to the output dtype, registers ->
 swizzled shared memory -> TMA store, whose completion overlaps the next tile's K loop.
 
-Tiles (``GluonGemmConfig``; ``select_config`` picks one per call; BLOCK_K is always 128):
+Tiles (``GluonGemmConfig``; ``heuristics.gemm_config`` picks one per call; BLOCK_K is always 128):
 
   tile     config           picked for                         one consumer warpgroup, per K block
   128x256  CONFIG_128x256   128x128-scaled B (fwd, dgrad),     64 rows; four m64n64k32 chains (B rows 0-63,
@@ -50,14 +50,15 @@ Scale layouts: TE's [KB, pad4(M)] (1x128) and [NB, pad4(KB)] (128x128) tensors h
 rows, as TMA needs, and are read in place; other layouts are copied first (``tma_ready_scale``);
 TMA zero-fills entries past the tensor.
 
-Limits, checked by the wrapper before anything is allocated or launched: NVIDIA sm_90; A and B
-row-major (K contiguous) and 16-byte aligned, K % 16 == 0 (TMA row strides), N % 8 == 0 (the output's
-TMA store); operands float8_e4m3fn or float8_e5m2; the output and ``accumulate_into`` row-contiguous,
-``accumulate_into`` with 16-byte aligned rows. Valid inputs outside these raise ``GluonUnsupported``
-(the triton backend then runs the portable kernel); wrong inputs raise ValueError / TypeError. A
-config asked for explicitly that does not take the call raises NotImplementedError (``supports`` says
-why): 128x256 with a plain fp32 output, or with 1x128 B, ``accumulate_into`` and a bias (both spill
-registers); 256x128 with 128x128 B, a bias or a plain fp32 output.
+Limits (``unsupported_reason``: what the kernel takes; the heuristics send every other call to the
+portable kernel, kernels/triton/gemm.py): NVIDIA sm_90; A and B row-major (K contiguous) and 16-byte
+aligned, K % 16 == 0 (TMA row strides), N % 8 == 0 (the output's TMA store); operands float8_e4m3fn
+or float8_e5m2; ``accumulate_into`` with 16-byte aligned rows. Configs (``supports``: which configs
+take which calls): 128x256 not with a plain fp32 output, nor with 1x128 B, ``accumulate_into`` and a
+bias (both spill registers); 256x128 only with 1x128 B, no bias and no plain fp32 output. The wrapper
+checks all of it before anything is allocated or launched: wrong inputs raise ValueError / TypeError
+(the contract shared with the portable kernel), inputs outside the limits ``GluonUnsupported``, a
+config that does not take the call NotImplementedError.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ from .gemm_library import (
     shared_layout,
     stages_that_fit,
     store_piece,
+    store_pieces,
     tma_desc,
     tma_ready_scale,
 )
@@ -102,7 +104,8 @@ from .target import GluonUnsupported, num_sms, runs_on
 @dataclass(frozen=True)
 class GluonGemmConfig:
     """Launch configuration: the output tile (``block_m`` x ``block_n``: 128x64, 128x128, 128x256, or
-    256x128 for 1x128-scaled B), the pipeline depth, the L2 grouping and the setmaxnreg split."""
+    256x128 for 1x128-scaled B), the pipeline depth, the L2 grouping and the setmaxnreg split (the
+    defaults: the 128x128 tile; the configs the heuristics pick: ``heuristics.py``)."""
 
     block_m: int = 128  # 128: each consumer warpgroup owns 64 rows; 256: 128 rows (block_n=128 only)
     block_n: int = 128
@@ -116,22 +119,6 @@ class GluonGemmConfig:
         """Whether the producer TMA-loads each K block's scales into the smem stage with the tiles
         (128x256 and 256x128 tiles); 128x128 and 128x64 tiles read them from global memory."""
         return self.block_n == 256 or self.block_m == 256
-
-
-CONFIG_128x128 = GluonGemmConfig()
-CONFIG_128x256 = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
-CONFIG_256x128 = GluonGemmConfig(block_m=256, block_n=128, consumer_regs=240, producer_regs=24)
-
-
-def select_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool = False) -> GluonGemmConfig:
-    """The tile of a call (the module docstring's table): 256x128 for 1x128-scaled B without a bias,
-    else 128x256 where it takes the output (bf16/fp16, or ``accumulate_into`` except with 1x128 B and
-    a bias), else 128x128."""
-    if supports(CONFIG_256x128, b_block_dim, out_dtype, accumulate, has_bias) is None:
-        return CONFIG_256x128
-    if supports(CONFIG_128x256, b_block_dim, out_dtype, accumulate, has_bias) is None:
-        return CONFIG_128x256
-    return CONFIG_128x128
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,17 +371,8 @@ def _consumer_128x256(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_
         mbarrier.arrive(empty.index(s_prev))
 
         # ---- epilogue: four [64, 64] pieces (those that start inside N)
-        store_piece(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm, WG,
-                     HAS_BIAS, ACCUMULATE)  # fmt: skip
-        if off_n0 + Q < N:
-            store_piece(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
-                         stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
-        if off_n0 + 2 * Q < N:
-            store_piece(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
-                         stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
-        if off_n0 + 3 * Q < N:
-            store_piece(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
-                         stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+        store_pieces(acc0, acc1, acc2, acc3, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                     stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
     tma.store_wait(pendings=0)
 
 
@@ -454,22 +432,22 @@ def _consumer_256x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N,
         offs_m0 = off_m + gl.arange(0, H, layout=row_layout)
         offs_m1 = offs_m0 + H
         store_piece(acc0, 0, off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm, WG,
-                     False, ACCUMULATE)  # fmt: skip
+                    False, ACCUMULATE)  # fmt: skip
         if off_n + Q < N:
             store_piece(acc1, 1, off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
-                         stride_cm, WG, False, ACCUMULATE)  # fmt: skip
+                        stride_cm, WG, False, ACCUMULATE)  # fmt: skip
         # acc2 as piece 0 (buffer 0, waiting for every earlier store): piece 1 may have been skipped at
         # the N edge, so the store two pieces back is not the last one in buffer 0
         store_piece(acc2, 0, off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N, stride_cm,
-                     WG, False, ACCUMULATE)  # fmt: skip
+                    WG, False, ACCUMULATE)  # fmt: skip
         if off_n + Q < N:
             store_piece(acc3, 3, off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_ptr, c_ptr, N,
-                         stride_cm, WG, False, ACCUMULATE)  # fmt: skip
+                        stride_cm, WG, False, ACCUMULATE)  # fmt: skip
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _blockwise_gemm_gluon_kernel(
+def blockwise_gemm_gluon_kernel(
     a_desc, b_desc, c_desc, a_s_ptr, b_s_ptr, bias_ptr, c_ptr,
     M, N, K, stride_as, stride_bs, stride_cm, as_desc, bs_desc,
     B_2D: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr,
@@ -545,77 +523,66 @@ def _blockwise_gemm_gluon_kernel(
 # --------------------------------------------------------------------------------------------------
 
 # The compiled kernel per specialisation, launched without JITFunction.run's per-call Python (launch.py)
-_launch = FastLauncher(_blockwise_gemm_gluon_kernel)
+_launch = FastLauncher(blockwise_gemm_gluon_kernel)
 
 
-def _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into):
-    # wrong inputs: ValueError / TypeError (the contract shared with the portable kernel) ...
-    check_operands(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
-    # ... valid inputs TMA cannot take: GluonUnsupported (the caller may run the portable kernel)
-    if not (a.is_contiguous() and b.is_contiguous()):
-        raise GluonUnsupported("a and b must be contiguous (row-major, K-contiguous)")
+def unsupported_reason(a: torch.Tensor, b: torch.Tensor, accumulate_into: torch.Tensor | None = None) -> str | None:
+    """Why this kernel does not take ``a [M, K] @ b [N, K]^T`` (into ``accumulate_into``), or None: the
+    limits of the module docstring, for operands that pass ``check_operands``."""
+    if not runs_on(a.device):
+        return f"the Gluon blockwise GEMM runs on NVIDIA Hopper (sm_90) GPUs only, got {a.device}"
+    if a.dim() != 2 or b.dim() != 2 or not (a.is_contiguous() and b.is_contiguous()):
+        return "a and b must be contiguous 2-D tensors (row-major, K-contiguous)"
     k = a.shape[1]
     n = b.shape[0]
     if k % 16 != 0:
-        raise GluonUnsupported(f"K={k} must be a multiple of 16 (TMA needs 16-byte row strides)")
+        return f"K={k} must be a multiple of 16 (TMA needs 16-byte row strides)"
     if n % 8 != 0:
-        raise GluonUnsupported(f"N={n} must be a multiple of 8 (TMA store of the output)")
-    for t in (a, b):
-        if t.data_ptr() % 16 != 0:
-            raise GluonUnsupported("a and b must be 16-byte aligned")
+        return f"N={n} must be a multiple of 8 (TMA store of the output)"
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        return "a and b must be 16-byte aligned"
     c = accumulate_into
     if c is not None and ((c.stride(0) * 4) % 16 or c.data_ptr() % 16):
-        raise GluonUnsupported("accumulate_into must be 16-byte aligned, with 16-byte aligned rows")
-
-
-def _check_config(
-    cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False,
-    has_bias: bool = False,
-) -> None:  # fmt: skip
-    if cfg.block_n not in (64, 128, 256):
-        raise NotImplementedError(f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)")
-    if cfg.block_m not in (128, 256):
-        raise NotImplementedError(f"block_m={cfg.block_m}: 128 or 256 (two consumer warpgroups of 64 or 128 rows)")
-    if cfg.block_m == 256 and (cfg.block_n != 128 or b_block_dim != 1 or has_bias):
-        raise NotImplementedError("256x128 tiles are implemented for 1x128-scaled B (wgrad) with block_n=128 "
-                                  "and no bias")  # fmt: skip
-    if cfg.block_m == 256 and out_dtype == torch.float32 and not accumulate:
-        raise NotImplementedError("256x128 tiles with a float32 output (without accumulate_into) are not "
-                                  "implemented; use bf16/fp16 or accumulate_into")  # fmt: skip
-    if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
-        raise NotImplementedError("block_n=256 with a float32 output (without accumulate_into) spills registers "
-                                  "(ptxas, either B scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
-    if cfg.block_n == 256 and b_block_dim == 1 and accumulate and has_bias:
-        raise NotImplementedError("block_n=256 with 1x128 B scales, accumulate_into and a bias spills registers "
-                                  "(16 bytes, in the epilogue); use block_n=128")  # fmt: skip
-    if b_block_dim == 2 and cfg.block_n < 128 and 128 % cfg.block_n != 0:
-        raise ValueError("128x128-scaled B needs block_n dividing 128 (one B scale per tile and K block)")
-    if cfg.consumer_regs * 256 + cfg.producer_regs * 128 > 65536 or cfg.consumer_regs % 8 or cfg.producer_regs % 8:
-        raise ValueError(f"setmaxnreg budget: 2 x 128 x {cfg.consumer_regs} + 128 x {cfg.producer_regs} > 64K "
-                         "registers, or not multiples of 8")  # fmt: skip
+        return "accumulate_into must be 16-byte aligned, with 16-byte aligned rows"
+    return None
 
 
 def supports(
     cfg: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype | None = None, accumulate: bool = False,
     has_bias: bool = False,
 ) -> str | None:  # fmt: skip
-    """None when the wrapper runs ``cfg`` for this B scale layout (and output), else the reason it raises."""
-    try:
-        _check_config(cfg, b_block_dim, out_dtype, accumulate, has_bias)
-    except (NotImplementedError, ValueError) as e:
-        return str(e)
+    """None when the kernel runs ``cfg`` for this B scale layout (and output), else why not."""
+    if cfg.block_n not in (64, 128, 256):
+        return f"block_n={cfg.block_n}: 64, 128 or 256 (Triton tensors are powers of two)"
+    if cfg.block_m not in (128, 256):
+        return f"block_m={cfg.block_m}: 128 or 256 (two consumer warpgroups of 64 or 128 rows)"
+    if cfg.block_m == 256 and (cfg.block_n != 128 or b_block_dim != 1 or has_bias):
+        return "256x128 tiles are implemented for 1x128-scaled B (wgrad) with block_n=128 and no bias"
+    if cfg.block_m == 256 and out_dtype == torch.float32 and not accumulate:
+        return ("256x128 tiles with a float32 output (without accumulate_into) are not implemented; use bf16/fp16 "
+                "or accumulate_into")  # fmt: skip
+    if cfg.block_n == 256 and out_dtype == torch.float32 and not accumulate:
+        return ("block_n=256 with a float32 output (without accumulate_into) spills registers (ptxas, either B "
+                "scale layout); use bf16/fp16 or accumulate_into")  # fmt: skip
+    if cfg.block_n == 256 and b_block_dim == 1 and accumulate and has_bias:
+        return ("block_n=256 with 1x128 B scales, accumulate_into and a bias spills registers (16 bytes, in the "
+                "epilogue); use block_n=128")  # fmt: skip
+    if b_block_dim == 2 and cfg.block_n < 128 and 128 % cfg.block_n != 0:
+        return "128x128-scaled B needs block_n dividing 128 (one B scale per tile and K block)"
+    if cfg.consumer_regs * 256 + cfg.producer_regs * 128 > 65536 or cfg.consumer_regs % 8 or cfg.producer_regs % 8:
+        return (f"setmaxnreg budget: 2 x 128 x {cfg.consumer_regs} + 128 x {cfg.producer_regs} > 64K registers, "
+                "or not multiples of 8")  # fmt: skip
     return None
 
 
 @functools.lru_cache(maxsize=64)
-def _launch_plan(
-    config: GluonGemmConfig | None, b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool
-) -> tuple[GluonGemmConfig, int]:
-    """(config, pipeline stages) of a call: ``config`` or ``select_config``'s pick, checked. Cached, as
-    the wrapper's host time counts (a refused config raises every time: exceptions are not cached)."""
-    cfg = config or select_config(b_block_dim, out_dtype, accumulate, has_bias)
-    _check_config(cfg, b_block_dim, out_dtype, accumulate, has_bias)
-    return cfg, stages_that_fit(cfg.block_m, cfg.block_n, out_dtype, cfg.num_stages, b_block_dim)
+def _stages(config: GluonGemmConfig, b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool) -> int:
+    """The pipeline stages of a call with ``config``, after ``supports`` (cached: the wrapper's host time
+    counts; a refused config raises every time, exceptions are not cached)."""
+    why = supports(config, b_block_dim, out_dtype, accumulate, has_bias)
+    if why is not None:
+        raise NotImplementedError(f"{config} does not take this call: {why}")
+    return stages_that_fit(config.block_m, config.block_n, out_dtype, config.num_stages, b_block_dim)
 
 
 def blockwise_gemm_gluon(
@@ -626,18 +593,22 @@ def blockwise_gemm_gluon(
     *,
     b_block_dim: int,
     out_dtype: torch.dtype,
+    config: GluonGemmConfig,
     bias: torch.Tensor | None = None,
     accumulate_into: torch.Tensor | None = None,
-    config: GluonGemmConfig | None = None,
 ) -> torch.Tensor:
-    """``a [M, K] @ b [N, K]^T`` with blockwise scale promotion; same contract as ``gemm.blockwise_gemm``.
+    """``a [M, K] @ b [N, K]^T`` with blockwise scale promotion; same contract as the portable
+    ``blockwise_gemm`` (kernels/triton/gemm.py), on the tile ``config`` (``heuristics.gemm_config``).
 
     Returns ``accumulate_into`` (updated in place: ``C += A @ B^T``) when given, else a new
-    ``[M, N]`` tensor of ``out_dtype``.
+    ``[M, N]`` tensor of ``out_dtype``. Raises before allocating or launching anything: ValueError /
+    TypeError for wrong inputs, ``GluonUnsupported`` for inputs outside the kernel's limits
+    (``unsupported_reason``), NotImplementedError for a config that does not take the call.
     """
-    _check_inputs(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
-    if not runs_on(a.device):
-        raise GluonUnsupported(f"the Gluon blockwise GEMM runs on NVIDIA Hopper (sm_90) GPUs only, got {a.device}")
+    check_operands(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
+    why = unsupported_reason(a, b, accumulate_into)
+    if why is not None:
+        raise GluonUnsupported(why)
     m, k = a.shape
     n = b.shape[0]
     if accumulate_into is not None:
@@ -648,7 +619,8 @@ def blockwise_gemm_gluon(
             return c.zero_()
     if m == 0 or n == 0 or k == 0:
         return c
-    cfg, stages = _launch_plan(config, b_block_dim, c.dtype, accumulate_into is not None, bias is not None)
+    cfg = config
+    stages = _stages(cfg, b_block_dim, c.dtype, accumulate_into is not None, bias is not None)
     bm, bn = cfg.block_m, cfg.block_n
     cn = c_block_n(bm, bn)
     a_desc = tma_desc(a, [m, k], [k, 1], [bm, BLOCK_K], shared_layout([bm, BLOCK_K], a.dtype))

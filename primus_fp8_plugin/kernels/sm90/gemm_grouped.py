@@ -1,5 +1,5 @@
 """Grouped blockwise FP8 GEMMs for NVIDIA Hopper (sm_90) in Gluon: the mixture-of-experts forms of
-``gemm_gluon.py``'s dense kernels, one persistent launch for all experts, no host synchronisation.
+``gemm.py``'s dense kernels, one persistent launch for all experts, no host synchronisation.
 
 Same contracts as ``gemm_grouped.grouped_gemm`` / ``grouped_wgrad`` (the portable Triton kernels),
 and the same results bit for bit as a loop of dense Gluon calls (``blockwise_gemm_gluon``), one per
@@ -8,7 +8,7 @@ chain order), only the tile schedule and the epilogue's bounds differ.
 
 ``grouped_gemm_gluon`` (fprop, dgrad): ``C [T, N]``, expert ``e``'s rows ``= A_e [c_e, K] @ B_e [N, K]^T``;
 A 1x128-scaled (scales ``[KB, >=T]``), B 128x128-scaled from stacked ``[E, N, K]`` buffers (scales
-``[E, NB, pad4(KB)]``). 128x256 tiles, the dense ``CONFIG_128x256`` mainloop: two consumer
+``[E, NB, pad4(KB)]``). 128x256 tiles, the dense 128x256 tile's mainloop: two consumer
 warpgroups of 64 rows, four m64n64k32 wgmma chains per K block through two fresh accumulators, a
 1-warp TMA producer filling a 4-deep smem ring (A, B and the [2, 16] B-scale box of each K block).
 The A scales are not staged through shared memory: a tile starts at any token (``offsets[e] + 128 i``)
@@ -19,7 +19,7 @@ that crosses the end by masked stores from registers.
 
 ``grouped_wgrad_gluon``: ``dW_e [M, N] = dY_e^T X_e`` over expert ``e``'s token columns of the padded
 columnwise copies (``[M, C]``, ``[N, C]``, scales ``[C/128, >=M]``, ``[C/128, >=N]``): 256x128 tiles, the
-dense ``CONFIG_256x128`` K block (``k_block_256x128``, scales by TMA: every box starts at a multiple
+dense 256x128 tile's K block (``k_block_256x128``, scales by TMA: every box starts at a multiple
 of 128) over ``ceil(c_e/128)`` K blocks (the zero padding of the last one stands for the dense
 kernel's masked loads). Output: ``acc += C`` into ``E`` fp32 ``main_grad`` tensors lying in one span
 of memory (Megatron's gradient buffer; reached through a pointer table, TMA-stored through one
@@ -27,21 +27,24 @@ descriptor over the span; ``GluonUnsupported`` otherwise) or into one ``[E, M, N
 expert leaves its ``main_grad`` untouched and writes zeros otherwise (what the dense call with K = 0
 returns).
 
-Tile schedule (device side, from the ``GroupLayout``): fwd/dgrad, expert ``e`` owns tiles
+Tile schedule (device side, from the ``GroupLayout``; ``schedule.py``): fwd/dgrad, expert ``e`` owns tiles
 ``padded[e]/128 * NT .. padded[e+1]/128 * NT`` (``NT = ceil(N/256)``), walked in the dense kernel's
-L2-grouped order within the expert (``tile_coords``); a tile finds its expert by a binary search of
-``padded_offsets`` (``ceil(log2 E)`` L1-resident loads). Total tiles ``padded[E]/128 * NT`` from the device;
-the grid is ``min(#SMs, capacity/128 * NT)`` and programs past the last tile stop. wgrad: ``E x MT x NT``
-tiles, expert-major. The kernels take no decisions: ``grouped_heuristics.py`` picks kernel and config.
+L2-grouped order within the expert; a tile finds its expert by a binary search of ``padded_offsets``
+(``ceil(log2 E)`` L1-resident loads). Total tiles ``padded[E]/128 * NT`` from the device; the grid is
+``min(#SMs, capacity/128 * NT)`` and programs past the last tile stop. wgrad: ``E x MT x NT`` tiles,
+expert-major. The kernels take no decisions: ``heuristics.py`` picks kernel and config.
 
-Limits (``GluonUnsupported`` otherwise, before anything is launched: the caller runs the portable
-kernel): sm_90; K % 16 == 0 and N % 8 == 0 (fwd/dgrad); M, N % 16 == 0 (wgrad); contiguous 16-byte
-aligned operands; fwd/dgrad output bf16/fp16 (the dense 128x256 tile's fp32 output spills).
+Limits (``fwd_unsupported_reason``, ``wgrad_unsupported_reason``; the heuristics send every other call to
+the portable kernels, which give the same bits): sm_90; K % 16 == 0 and N % 8 == 0 (fwd/dgrad); M, N % 16
+== 0 (wgrad); contiguous 16-byte aligned operands; fwd/dgrad output bf16/fp16 (the dense 128x256 tile's
+fp32 output spills); wgrad accumulation only into outputs that lie in one span of memory. The wrappers
+raise ``GluonUnsupported`` for such input before anything is allocated or launched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from triton.experimental import gluon
@@ -65,12 +68,26 @@ from .gemm_library import (
     shared_layout,
     stages_that_fit,
     store_piece,
+    store_pieces,
     store_rows,
     tma_desc,
     tma_ready_scale,
 )
 from .schedule import fwd_tile, log2_experts, wgrad_tile
 from .target import GluonUnsupported, num_sms, runs_on
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    """Launch configuration of a Gluon grouped GEMM (the ones the heuristics pick: ``heuristics.py``)."""
+
+    block_m: int
+    block_n: int
+    num_stages: int = 0  # 0: as many as fit (at most 6)
+    group_m: int = 8
+    consumer_regs: int = 240
+    producer_regs: int = 24
+    ctas: int | None = None  # persistent CTAs (None: one per SM)
 
 # --------------------------------------------------------------------------------------------------
 # Device-side tile schedule
@@ -203,17 +220,8 @@ def _fwd_consumer(a_bufs, b_bufs, bs_bufs, ready, empty, c_desc, c_bufs, a_s_ptr
         bias_e = bias_ptr + e * stride_biase
         live = end - off_m
         if live >= HALF_M:
-            store_piece(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N, stride_cm, WG,
-                         HAS_BIAS, False)  # fmt: skip
-            if off_n0 + Q < N:
-                store_piece(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
-                             stride_cm, WG, HAS_BIAS, False)  # fmt: skip
-            if off_n0 + 2 * Q < N:
-                store_piece(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
-                             stride_cm, WG, HAS_BIAS, False)  # fmt: skip
-            if off_n0 + 3 * Q < N:
-                store_piece(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
-                             stride_cm, WG, HAS_BIAS, False)  # fmt: skip
+            store_pieces(acc0, acc1, acc2, acc3, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_e, c_ptr, N,
+                         stride_cm, WG, HAS_BIAS, False)  # fmt: skip
         elif live > 0:
             store_rows(acc0, off_n0, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS, False)
             store_rows(acc1, off_n0 + Q, offs_m, m_mask, cols, bias_e, c_ptr, N, stride_cm, HAS_BIAS, False)
@@ -223,7 +231,7 @@ def _fwd_consumer(a_bufs, b_bufs, bs_bufs, ready, empty, c_desc, c_bufs, a_s_ptr
 
 
 @gluon.jit
-def _grouped_fwd_gluon_kernel(
+def grouped_fwd_gluon_kernel(
     a_desc, b_desc, c_desc, bs_desc, a_s_ptr, bias_ptr, c_ptr, offsets_ptr, padded_ptr,
     E, N, K, stride_as, stride_cm, stride_biase,
     HAS_BIAS: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, LOG_E: gl.constexpr,
@@ -316,16 +324,16 @@ def _wgrad_epilogue(acc0, acc1, acc2, acc3, c_desc, c_bufs, c_e, row0, off_m, of
     if STORE_TMA:  # (pieces from row M on would reach the next output: skipped; M % 64 == 0)
         if off_m < M:
             store_piece(acc0, 0, row0 + off_m, off_n, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_e, c_e, N, N, WG,
-                         False, ACCUMULATE)  # fmt: skip
+                        False, ACCUMULATE)  # fmt: skip
             if off_n + Q < N:
                 store_piece(acc1, 1, row0 + off_m, off_n + Q, offs_m0, offs_m0 < M, cols, c_desc, c_bufs, c_e, c_e, N,
-                             N, WG, False, ACCUMULATE)  # fmt: skip
+                            N, WG, False, ACCUMULATE)  # fmt: skip
         if off_m + H < M:  # (piece 0 again: piece 1 may have been skipped, see the dense epilogue)
             store_piece(acc2, 0, row0 + off_m + H, off_n, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_e, c_e, N, N,
-                         WG, False, ACCUMULATE)  # fmt: skip
+                        WG, False, ACCUMULATE)  # fmt: skip
             if off_n + Q < N:
                 store_piece(acc3, 3, row0 + off_m + H, off_n + Q, offs_m1, offs_m1 < M, cols, c_desc, c_bufs, c_e,
-                             c_e, N, N, WG, False, ACCUMULATE)  # fmt: skip
+                            c_e, N, N, WG, False, ACCUMULATE)  # fmt: skip
     else:
         store_rows(acc0, off_n, offs_m0, offs_m0 < M, cols, c_e, c_e, N, N, False, ACCUMULATE)
         store_rows(acc1, off_n + Q, offs_m0, offs_m0 < M, cols, c_e, c_e, N, N, False, ACCUMULATE)
@@ -391,7 +399,7 @@ def _wgrad_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, c_bu
 
 
 @gluon.jit
-def _grouped_wgrad_gluon_kernel(
+def grouped_wgrad_gluon_kernel(
     a_desc, b_desc, as_desc, bs_desc, c_desc, c_table_ptr, c0_ptr, offsets_ptr, padded_ptr, E, M, N, stride_ce,
     span_base, row_bytes, C_TABLE: gl.constexpr, ACCUMULATE: gl.constexpr, STORE_TMA: gl.constexpr,
     NUM_STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -432,8 +440,8 @@ def _grouped_wgrad_gluon_kernel(
 # Host side
 # --------------------------------------------------------------------------------------------------
 
-_launch_fwd = FastLauncher(_grouped_fwd_gluon_kernel)
-_launch_wgrad = FastLauncher(_grouped_wgrad_gluon_kernel)
+_launch_fwd = FastLauncher(grouped_fwd_gluon_kernel)
+_launch_wgrad = FastLauncher(grouped_wgrad_gluon_kernel)
 
 
 def output_span(outs: Sequence[torch.Tensor], m: int, n: int) -> tuple[torch.Tensor, int, int] | None:
@@ -452,14 +460,60 @@ def output_span(outs: Sequence[torch.Tensor], m: int, n: int) -> tuple[torch.Ten
     return outs[addrs.index(base)], rows, row_bytes
 
 
-def _check_gluon_operands(*ts: torch.Tensor) -> None:
-    for t in ts:
+def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    for t in (a, b):
         if t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not t.is_contiguous():
             raise TypeError(f"FP8 (e4m3fn/e5m2) contiguous operands required, got {t.dtype}")
-    if not runs_on(ts[0].device):
-        raise GluonUnsupported(f"the Gluon grouped GEMMs run on NVIDIA Hopper (sm_90) GPUs only, got {ts[0].device}")
-    if any(t.data_ptr() % 16 for t in ts):
-        raise GluonUnsupported("the operands must be 16-byte aligned")
+
+
+def _device_reason(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    if not runs_on(a.device):
+        return f"the Gluon grouped GEMMs run on NVIDIA Hopper (sm_90) GPUs only, got {a.device}"
+    if a.data_ptr() % 16 or b.data_ptr() % 16:
+        return "the operands must be 16-byte aligned"
+    return None
+
+
+def fwd_unsupported_reason(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> str | None:
+    """Why ``grouped_gemm_gluon`` does not take ``a [T, K]`` x ``b [E, N, K]`` into ``out_dtype`` (plus
+    ``bias``), or None: sm_90, 16-byte aligned operands, K % 16 == 0 and N % 8 == 0 (TMA), a bf16/fp16 output
+    (the 128x256 tile's fp32 output spills), a bias ``[E, N]`` of the output dtype with contiguous rows."""
+    why = _device_reason(a, b)
+    if why is not None:
+        return why
+    e, n, k = b.shape
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        return f"the Gluon grouped GEMM's 128x256 tile writes bf16/fp16, not {out_dtype}"
+    if k % 16 or n % 8:
+        return f"K={k} must be a multiple of 16 and N={n} of 8 (TMA)"
+    if bias is not None and (bias.shape != (e, n) or bias.dtype != out_dtype or bias.stride(1) != 1):
+        return f"bias must be [E, N] of {out_dtype} with contiguous rows"
+    return None
+
+
+def wgrad_unsupported_reason(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, accumulate_into: Sequence[torch.Tensor] | None = None
+) -> str | None:
+    """Why ``grouped_wgrad_gluon`` does not take ``a [M, C]`` x ``b [N, C]`` into ``accumulate_into`` or new
+    ``out_dtype`` tensors, or None: sm_90, 16-byte aligned operands, M and N multiples of 16 (TMA boxes of the
+    scales), a bf16/fp16 output or fp32 ``accumulate_into`` lying in one span of memory (``output_span``: the
+    register-store epilogue gave wrong tiles on the H200 when accumulating, module docstring)."""
+    why = _device_reason(a, b)
+    if why is not None:
+        return why
+    m, n = a.shape[0], b.shape[0]
+    if m % 16 or n % 16:
+        return f"M={m} and N={n} must be multiples of 16 (TMA boxes of the scales)"
+    if accumulate_into is None and out_dtype not in (torch.bfloat16, torch.float16):
+        return (f"the Gluon grouped wgrad writes bf16/fp16 or accumulates into fp32, not {out_dtype} (a plain fp32 "
+                "output spills registers, as the dense 256x128 tile's)")  # fmt: skip
+    if accumulate_into is not None and m and n and output_span(list(accumulate_into), m, n) is None:
+        return ("accumulating into main_grads that do not lie in one span of memory (whole rows apart, m % 64 == 0) "
+                "is not supported: that epilogue (stores from registers) gave wrong tiles on the H200; use the "
+                "portable kernel (kernels/triton/gemm_grouped.py)")  # fmt: skip
+    return None
 
 
 def grouped_gemm_gluon(
@@ -470,29 +524,24 @@ def grouped_gemm_gluon(
     layout: GroupLayout,
     *,
     out_dtype: torch.dtype,
+    config: GroupedConfig,
     bias: torch.Tensor | None = None,
-    config=None,
 ) -> torch.Tensor:
-    """``gemm_grouped.grouped_gemm``'s contract on the Gluon 128x256 kernel: ``C [T, N]``, expert ``e``'s rows of
-    ``a [T, K]`` (1x128 scales ``[ceil(K/128), >=T]``) times ``b[e]^T`` (``b [E, N, K]``, 128x128 scales ``[E,
-    ceil(N/128), >=ceil(K/128)]``) plus ``bias[e]`` (``[E, N]``, the output dtype). ``config``: a
-    ``grouped_heuristics.GroupedConfig`` (default: its pick). Raises ``GluonUnsupported`` where the kernel does
-    not apply (module docstring)."""
-    from .heuristics import fwd_config
-
-    _check_gluon_operands(a, b)
+    """The portable ``grouped_gemm``'s contract (kernels/triton/gemm_grouped.py) on the Gluon 128x256 kernel:
+    ``C [T, N]``, expert ``e``'s rows of ``a [T, K]`` (1x128 scales ``[ceil(K/128), >=T]``) times ``b[e]^T``
+    (``b [E, N, K]``, 128x128 scales ``[E, ceil(N/128), >=ceil(K/128)]``) plus ``bias[e]`` (``[E, N]``, the
+    output dtype), with ``config`` (``heuristics.grouped_fwd_config``). Raises ``GluonUnsupported`` for input
+    ``fwd_unsupported_reason`` refuses, before anything is allocated or launched."""
+    _check_operands(a, b)
     t, k = a.shape
     e, n, kb_ = b.shape
     if kb_ != k or e != layout.num_groups or t != layout.num_tokens:
         raise ValueError(f"a is {tuple(a.shape)} and b {tuple(b.shape)} for a layout of {layout.num_groups} experts, "
                          f"{layout.num_tokens} tokens")  # fmt: skip
-    if out_dtype not in (torch.bfloat16, torch.float16):
-        raise GluonUnsupported(f"the Gluon grouped GEMM's 128x256 tile writes bf16/fp16, not {out_dtype}")
-    if k % 16 or n % 8:
-        raise GluonUnsupported(f"K={k} must be a multiple of 16 and N={n} of 8 (TMA)")
-    if bias is not None and (bias.shape != (e, n) or bias.dtype != out_dtype or bias.stride(1) != 1):
-        raise GluonUnsupported(f"bias must be [E, N] of {out_dtype} with contiguous rows")
-    cfg = config or fwd_config(n, k, e, layout.capacity)
+    why = fwd_unsupported_reason(a, b, out_dtype, bias)
+    if why is not None:
+        raise GluonUnsupported(why)
+    cfg = config
     c = torch.empty(t, n, dtype=out_dtype, device=a.device)
     if k == 0:
         return c.zero_()
@@ -528,45 +577,40 @@ def grouped_wgrad_gluon(
     layout: GroupLayout,
     *,
     out_dtype: torch.dtype,
+    config: GroupedConfig,
     accumulate_into: Sequence[torch.Tensor] | None = None,
-    config=None,
 ) -> list[torch.Tensor]:
-    """``gemm_grouped.grouped_wgrad``'s contract on the Gluon 256x128 kernel: ``C_e [M, N] = a_e @ b_e^T`` over
-    each expert's token columns of ``a [M, C]`` and ``b [N, C]`` (padded columnwise copies, 1x128 scales
-    ``[C/128, pad4(M)]`` and ``[C/128, pad4(N)]``), into ``accumulate_into`` (``E`` contiguous fp32 ``[M, N]``,
-    added to in place) or new tensors (views of one ``[E, M, N]`` of ``out_dtype``)."""
-    from .heuristics import wgrad_config
-
-    _check_gluon_operands(a, b)
+    """The portable ``grouped_wgrad``'s contract (kernels/triton/gemm_grouped.py) on the Gluon 256x128 kernel:
+    ``C_e [M, N] = a_e @ b_e^T`` over each expert's token columns of ``a [M, C]`` and ``b [N, C]`` (padded
+    columnwise copies, 1x128 scales ``[C/128, pad4(M)]`` and ``[C/128, pad4(N)]``), into ``accumulate_into``
+    (``E`` contiguous fp32 ``[M, N]``, added to in place) or new tensors (views of one ``[E, M, N]`` of
+    ``out_dtype``), with ``config`` (``heuristics.grouped_wgrad_config``). Raises ``GluonUnsupported`` for
+    input ``wgrad_unsupported_reason`` refuses, before anything is allocated or launched."""
+    _check_operands(a, b)
     m, cap = a.shape
     n = b.shape[0]
     e = layout.num_groups
     if b.shape[1] != cap or cap != layout.capacity:
         raise ValueError(f"a is {tuple(a.shape)}, b {tuple(b.shape)}; both need the layout's {layout.capacity} token columns")
-    if m % 16 or n % 16:
-        raise GluonUnsupported(f"M={m} and N={n} must be multiples of 16 (TMA boxes of the scales)")
-    if accumulate_into is None and out_dtype not in (torch.bfloat16, torch.float16):
-        raise GluonUnsupported(f"the Gluon grouped wgrad writes bf16/fp16 or accumulates into fp32, not {out_dtype} "
-                               "(a plain fp32 output spills registers, as the dense 256x128 tile's)")  # fmt: skip
     if accumulate_into is not None:
         outs = list(accumulate_into)
         if len(outs) != e or any(o.shape != (m, n) or o.dtype != torch.float32 or not o.is_contiguous() for o in outs):
             raise ValueError(f"accumulate_into must be {e} contiguous float32 [{m}, {n}] tensors")
+    if m == 0 or n == 0:  # nothing to compute: the outputs as they are
+        return outs if accumulate_into is not None else list(torch.empty(e, m, n, dtype=out_dtype, device=a.device))
+    why = wgrad_unsupported_reason(a, b, out_dtype, accumulate_into)
+    if why is not None:
+        raise GluonUnsupported(why)
+    if accumulate_into is not None:
         c0, table, stride_ce = outs[0], pointer_table(outs), 0
     else:
         stacked = torch.empty(e, m, n, dtype=out_dtype, device=a.device)
         outs = list(stacked.unbind(0))
         c0, table, stride_ce = stacked, stacked, m * n
-    if m == 0 or n == 0:
-        return outs
-    cfg = config or wgrad_config(m, n, e, cap, accumulate_into is not None)
+    cfg = config
     bm, bn = cfg.block_m, cfg.block_n
     span = output_span(outs, m, n)
     store_tma = span is not None
-    if accumulate_into is not None and not store_tma:
-        raise GluonUnsupported("accumulating into main_grads that do not lie in one span of memory (whole rows apart, "
-                               "m % 64 == 0) is not supported: that epilogue (stores from registers) gave wrong tiles "
-                               "on the H200; use the portable kernel (gemm_grouped.grouped_wgrad)")  # fmt: skip
     a_scale_inv = tma_ready_scale(a_scale_inv, m)
     b_scale_inv = tma_ready_scale(b_scale_inv, n)
     a_desc = tma_desc(a, [m, cap], [cap, 1], [bm, BLOCK_K], shared_layout([bm, BLOCK_K], a.dtype))

@@ -9,8 +9,9 @@ pipeline depth beside the output buffers (``stages_that_fit``).
 
 Device side: the promotion of a K block's product into the running accumulator (``promote``), the
 128x128 B scale word of a stage (``b2d_block_scale``), the 256x128 tile's K block (``k_block_256x128``,
-the dense and grouped wgrad mainloop) and the epilogue (``epilogue_add``: + bias, + accumulate_into; ``store_piece``: a [64, 64]
-piece's one rounding and TMA store; ``store_rows``: the same from registers, masked).
+the dense and grouped wgrad mainloop) and the epilogue: ``epilogue_add`` (+ bias, + accumulate_into),
+``store_piece`` (a [64, 64] piece's one rounding and TMA store), ``store_pieces`` (a warpgroup's four
+pieces of a 128x256 tile), ``store_rows`` (a piece from registers, masked).
 """
 
 from __future__ import annotations
@@ -218,3 +219,22 @@ def store_rows(acc, off_n, offs_m, m_mask, cols, bias_ptr, c_ptr, N, stride_cm, 
     acc = epilogue_add(acc, offs_m, m_mask, offs_n, n_mask, bias_ptr, c_ptr, stride_cm, HAS_BIAS, ACCUMULATE)
     ptrs = c_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_cm, 1) + gl.expand_dims(offs_n, 0)
     gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=gl.expand_dims(m_mask, 1) & gl.expand_dims(n_mask, 0))
+
+
+@gluon.jit
+def store_pieces(acc0, acc1, acc2, acc3, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                 stride_cm, WG: gl.constexpr, HAS_BIAS: gl.constexpr, ACCUMULATE: gl.constexpr):  # fmt: skip
+    """Epilogue of a warpgroup's 64 x 256 rows of a 128x256 tile: its four [64, 64] pieces that start inside
+    N (``store_piece``), at columns ``off_n0``, +64, +128, +192."""
+    Q: gl.constexpr = c_bufs.type.shape[2]
+    store_piece(acc0, 0, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm, WG,
+                HAS_BIAS, ACCUMULATE)  # fmt: skip
+    if off_n0 + Q < N:
+        store_piece(acc1, 1, off_m, off_n0 + Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N, stride_cm,
+                    WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+    if off_n0 + 2 * Q < N:
+        store_piece(acc2, 2, off_m, off_n0 + 2 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                    stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip
+    if off_n0 + 3 * Q < N:
+        store_piece(acc3, 3, off_m, off_n0 + 3 * Q, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
+                    stride_cm, WG, HAS_BIAS, ACCUMULATE)  # fmt: skip

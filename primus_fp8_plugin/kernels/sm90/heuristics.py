@@ -1,104 +1,167 @@
-"""Which kernel and tile config runs a grouped (MoE) GEMM: decided here from the shapes, so that the kernels
-(``gemm_grouped_gluon.py``, ``gemm_grouped.py``) take no decisions of their own.
+"""Which Hopper (sm_90) kernel runs a call, and with which config: the one place that decides.
 
-Kernels: ``gluon`` (Hopper, persistent, warp specialised: 128x256 fwd/dgrad tiles, 256x128 wgrad tiles) where
-it applies (an sm_90 GPU, TMA-compatible dims, a bf16/fp16 fwd/dgrad output), else ``triton`` (the portable
-kernels, 128x128 tiles, every device). Both give the same bits (per-128-K promotion as the dense kernels).
+Each Gluon kernel states once what it takes (its module's ``unsupported_reason``, or ``supports`` for the
+dense GEMM's tiles); the functions here consult it and answer None (or False) for every call it does not
+take, which then runs the portable Triton kernel (kernels/triton/): the same bits either way. Nothing
+here raises, and nothing else chooses: the backends (``backends/triton.py``, ``backends/hopper.py``) call
+these functions, then the kernel they name. A Gluon wrapper called with input it does not take raises
+``GluonUnsupported`` (a caller that skipped these functions).
 
-Gluon config, per GEMM:
-
-* fwd/dgrad: 128 token rows x 256 output columns, BLOCK_K 128, as many pipeline stages as fit (4), two
-  consumer warpgroups at 240 registers and a 1-warp producer at 24 (``gemm_gluon.CONFIG_128x256``'s split).
-  ``group_m`` (the L2 grouping within an expert): 8 row tiles sweep the N tiles together, fewer where the
-  expert's N tiles already fit in L2 with all its row tiles (small N: B is re-read from L2 anyway).
-* wgrad: 256 x 128 output tiles (``CONFIG_256x128``'s mainloop), 4 stages (no output buffers), group_m 8.
-* ``ctas``: the persistent grid, one CTA per SM (None: the device's SM count).
+Measurements behind the choices: docs/PERFORMANCE.md (H200).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
-from .target import runs_on
+from ...recipe import QuantParams
+from . import fused_act, gemm, gemm_grouped, quantize_act, quantize_grouped, quantize_weight
+from .fused_act import FusedQuantConfig
+from .gemm import GluonGemmConfig
+from .gemm_grouped import GroupedConfig
+
+# --------------------------------------------------------------------------------------------------
+# Quantizers: the Gluon kernels wherever they take the input (both dims multiples of 16, ...), else the
+# portable ones
+# --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GroupedConfig:
-    """Launch configuration of a Gluon grouped GEMM."""
-
-    block_m: int
-    block_n: int
-    num_stages: int = 0  # 0: as many as fit (at most 6)
-    group_m: int = 8
-    consumer_regs: int = 240
-    producer_regs: int = 24
-    ctas: int | None = None  # persistent CTAs (None: one per SM)
+def act_quant(x: torch.Tensor, params: QuantParams) -> bool:
+    """Whether ``quantize_act.quantize_1x128_dual_gluon`` quantizes ``x``."""
+    return quantize_act.unsupported_reason(x, params) is None
 
 
-# fwd/dgrad: 224 / 56 registers, not the dense tile's 240 / 24: the producer's device-side tile schedule
-# (the expert search) spills below 56 (AOT check: tools/aot_triton.py --gluon grouped)
-FWD_128x256 = GroupedConfig(block_m=128, block_n=256, consumer_regs=224, producer_regs=56)
-WGRAD_256x128 = GroupedConfig(block_m=256, block_n=128)
-# wgrad accumulated into main_grad: 232 / 40 registers. At 240 / 24 the kernel's results were wrong now and then
-# on the H200 (a few experts per call came out with whole-tile errors, differing from run to run; never with one
-# CTA); at 232 / 40 and 224 / 56 none in 20 calls on the qwen-like-128 routing (tools/grouped_wgrad_repeat.py).
-# Root cause not found (see GLUON_MAIN_GRAD).
-WGRAD_MAIN_GRAD_256x128 = GroupedConfig(block_m=256, block_n=128, consumer_regs=232, producer_regs=40)
-WGRAD_128x256 = GroupedConfig(block_m=128, block_n=256)
+def weight_quant(w: torch.Tensor, params: QuantParams) -> bool:
+    """Whether ``quantize_weight.quantize_128x128_gluon`` quantizes ``w``."""
+    return quantize_weight.unsupported_reason(w, params) is None
 
 
-def fwd_config(n: int, k: int, num_groups: int, capacity: int) -> GroupedConfig:
-    """The fwd/dgrad config for ``N`` output columns, ``K`` (the contraction), ``E`` experts and ``capacity``
-    padded token rows."""
-    del k, num_groups, capacity  # one tile config fits every MoE shape measured (docs/PERFORMANCE.md)
-    n_tiles = -(-n // FWD_128x256.block_n)
-    return FWD_128x256 if n_tiles > 4 else GroupedConfig(block_m=128, block_n=256, group_m=4, consumer_regs=224, producer_regs=56)
+# Launch variants of the fused quantizer (``fused_act.FusedQuantConfig``): the tile in two column halves with
+# SwiGLU's register cap at 128 (two programs per SM) is the measured best (benchmarks/bench_fused.py --variants)
+FUSED_QUANT = {
+    "base": FusedQuantConfig(parts=1),
+    "halves": FusedQuantConfig(parts=2, swiglu_maxnreg=128),
+}
+FUSED_QUANT_DEFAULT = "halves"
 
 
-def wgrad_config(m: int, n: int, num_groups: int, capacity: int, accumulate: bool = False) -> GroupedConfig:
-    """The wgrad config for ``[M, N]`` outputs per expert (``accumulate``: into main_grad)."""
-    del m, n, num_groups, capacity
-    return WGRAD_MAIN_GRAD_256x128 if accumulate else WGRAD_256x128
+def fused_quant_config(variant: str = FUSED_QUANT_DEFAULT) -> FusedQuantConfig:
+    """The fused quantizer's launch variant ``variant`` (a name in ``FUSED_QUANT``)."""
+    return FUSED_QUANT[variant]
 
 
-# wgrad accumulated into main_grad through the Gluon kernel: off in the backend (the portable kernel accumulates).
-# At 240 / 24 registers the Gluon kernel gave wrong tiles in 0-3 of 128 experts per call (TMA-stored epilogue) and
-# 9-19 (stores from registers), changing from run to run, never with one CTA (H200, 2026-12-02). At 232 / 40
-# (WGRAD_MAIN_GRAD_256x128) the TMA-stored epilogue was clean in every call tried (10 diagnosis calls, 8 per case
-# of tests/gpu/test_gpu_grouped_gluon.py); stores from registers still failed, so the wrapper refuses them. The
-# cause is not understood, so it stays off until it is.
-GLUON_MAIN_GRAD = False
+def fused_quant(src: torch.Tensor, k: int, params: QuantParams, variant: str = FUSED_QUANT_DEFAULT) -> FusedQuantConfig | None:
+    """The config ``fused_act.quantize_fused_gluon`` quantizes the fused op's output ``[M, k]`` of ``src``
+    with, or None where the portable kernel does (M, K or the row stride not multiples of 16, ...)."""
+    return FUSED_QUANT[variant] if fused_act.unsupported_reason(src, k, params) is None else None
 
 
-def use_gluon(device: torch.device, op: str, out_dtype: torch.dtype, dims: tuple[int, ...], accumulate: bool = False) -> bool:
-    """Whether the Gluon kernel runs ``op`` ('fwd', 'dgrad', 'wgrad') on ``device``: an sm_90 GPU, and dims
-    TMA takes (fwd/dgrad ``(N, K)``: K % 16 == 0, N % 8 == 0, output bf16/fp16; wgrad ``(M, N)``: both % 16,
-    into ``accumulate_into`` or a bf16/fp16 output).
-    The wrappers check the same and raise ``GluonUnsupported`` otherwise."""
-    if not runs_on(device):
-        return False
-    if op in ("fwd", "dgrad"):
-        n, k = dims
-        return k % 16 == 0 and n % 8 == 0 and out_dtype in (torch.bfloat16, torch.float16)
-    m, n = dims
-    if accumulate:
-        return GLUON_MAIN_GRAD and m % 16 == 0 and n % 16 == 0
-    return m % 16 == 0 and n % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16)
+# --------------------------------------------------------------------------------------------------
+# Dense GEMM (gemm.py): the tile per call (gemm.py's docstring has the table)
+# --------------------------------------------------------------------------------------------------
+
+CONFIG_128x128 = GluonGemmConfig(block_m=128, block_n=128, consumer_regs=232, producer_regs=40)
+CONFIG_128x256 = GluonGemmConfig(block_n=256, consumer_regs=240, producer_regs=24)
+CONFIG_256x128 = GluonGemmConfig(block_m=256, block_n=128, consumer_regs=240, producer_regs=24)
+
+
+def gemm_config(b_block_dim: int, out_dtype: torch.dtype, accumulate: bool, has_bias: bool = False) -> GluonGemmConfig:
+    """The tile of a call: 256x128 for 1x128-scaled B without a bias, else 128x256 where it takes the
+    output (bf16/fp16, or ``accumulate_into`` except with 1x128 B and a bias), else 128x128."""
+    for cfg in (CONFIG_256x128, CONFIG_128x256):
+        if gemm.supports(cfg, b_block_dim, out_dtype, accumulate, has_bias) is None:
+            return cfg
+    return CONFIG_128x128
+
+
+def dense_gemm(
+    a: torch.Tensor, b: torch.Tensor, *, b_block_dim: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
+    accumulate_into: torch.Tensor | None,
+) -> GluonGemmConfig | None:  # fmt: skip
+    """The config ``gemm.blockwise_gemm_gluon`` runs ``a [M, K] @ b [N, K]^T`` with, or None where the
+    portable GEMM does (off Hopper, K % 16 or N % 8 not 0, unaligned operands: ``gemm.unsupported_reason``)."""
+    if gemm.unsupported_reason(a, b, accumulate_into) is not None:
+        return None
+    out = accumulate_into.dtype if accumulate_into is not None else out_dtype
+    return gemm_config(b_block_dim, out, accumulate_into is not None, bias is not None)
+
+
+def wgrad_by_cublas(accumulate: bool) -> bool:
+    """Whether the ``hopper`` backend gives a wgrad to cuBLAS rather than the Gluon kernel: into a bf16/fp16
+    ``weight.grad`` cuBLAS's blockwise GEMM is the faster one sustained on the H200; into an fp32
+    ``main_grad`` (Megatron's gradient-accumulation fusion) the Gluon kernel, which adds in its epilogue
+    where cuBLAS writes an fp32 product that a second pass adds (docs/PERFORMANCE.md)."""
+    return not accumulate
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped (MoE) GEMMs (gemm_grouped.py) and the grouped weight quantization
+# --------------------------------------------------------------------------------------------------
+
+# fwd/dgrad: 128 token rows x 256 output columns, BLOCK_K 128, as many pipeline stages as fit (4), two consumer
+# warpgroups at 224 registers and a 1-warp producer at 56, not the dense tile's 240 / 24: the producer's
+# device-side tile schedule (the expert search) spills below 56 (AOT check: tools/aot_triton.py --gluon grouped).
+# group_m (the L2 grouping within an expert): 8 row tiles sweep the N tiles together, 4 where the expert's N
+# tiles already fit in L2 with all its row tiles (small N: B is re-read from L2 anyway). One tile config fits
+# every MoE shape measured (docs/PERFORMANCE.md).
+GROUPED_FWD_128x256 = GroupedConfig(block_m=128, block_n=256, consumer_regs=224, producer_regs=56)
+GROUPED_FWD_128x256_G4 = GroupedConfig(block_m=128, block_n=256, group_m=4, consumer_regs=224, producer_regs=56)
+# wgrad: the dense CONFIG_256x128's mainloop, 4 stages (no output buffers), group_m 8
+GROUPED_WGRAD_256x128 = GroupedConfig(block_m=256, block_n=128)
+# wgrad accumulated into main_grad, for direct calls only (grouped_wgrad below never picks the Gluon kernel for
+# it): 232 / 40 registers, where 240 / 24 gave wrong tiles now and then.
+GROUPED_WGRAD_MAIN_GRAD_256x128 = GroupedConfig(block_m=256, block_n=128, consumer_regs=232, producer_regs=40)
+
+
+def grouped_fwd_config(n: int) -> GroupedConfig:
+    """The fwd/dgrad config for ``N`` output columns."""
+    return GROUPED_FWD_128x256 if -(-n // GROUPED_FWD_128x256.block_n) > 4 else GROUPED_FWD_128x256_G4
+
+
+def grouped_wgrad_config(accumulate: bool = False) -> GroupedConfig:
+    """The wgrad config (``accumulate``: into main_grad)."""
+    return GROUPED_WGRAD_MAIN_GRAD_256x128 if accumulate else GROUPED_WGRAD_256x128
+
+
+def grouped_gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> GroupedConfig | None:
+    """The config ``gemm_grouped.grouped_gemm_gluon`` runs fwd/dgrad with (``a [T, K]``, ``b [E, N, K]``), or
+    None where the portable grouped GEMM does (``gemm_grouped.fwd_unsupported_reason``)."""
+    if gemm_grouped.fwd_unsupported_reason(a, b, out_dtype, bias) is not None:
+        return None
+    return grouped_fwd_config(b.shape[1])
+
+
+def grouped_wgrad(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, accumulate_into: Sequence[torch.Tensor] | None
+) -> GroupedConfig | None:
+    """The config ``gemm_grouped.grouped_wgrad_gluon`` runs wgrad with (``a [M, C]``, ``b [N, C]``), or None
+    where the portable grouped wgrad does: every accumulation into main_grad, and what
+    ``gemm_grouped.wgrad_unsupported_reason`` refuses."""
+    # Accumulation into main_grad: the portable kernel. The Gluon kernel gave whole-tile errors in a few of 128
+    # experts per call on the H200 at 240/24 registers (0-3 with the TMA-stored epilogue, 9-19 with stores from
+    # registers, changing from run to run, never with one CTA; tools/grouped_wgrad_repeat.py); clean at 232/40
+    # in every call tried, with no cause found. Issue 39 investigates it (compute-sanitizer).
+    if accumulate_into is not None:
+        return None
+    if gemm_grouped.wgrad_unsupported_reason(a, b, out_dtype) is not None:
+        return None
+    return grouped_wgrad_config()
 
 
 # Weight quantization (W and W^T of E experts): per expert through the dense Gluon kernel (one read of each
 # 128x128 block, one launch per expert) where the experts are few, else the batched portable kernel in one
-# launch (it reads each block three times). H200, benchmarks/bench_grouped.py, 2026-12-03, the quantization's
-# share of a fresh step (fresh minus cached): 8 x [28672, 4096] 2.43 ms batched against 0.86 ms per expert
-# (the SequentialMLP contender, the same 3.8 GB moved: ~4.4 TB/s) and 0.92 ms for TE; 128 x [1536, 2048]
-# 0.73 ms batched against 1.87 ms per expert (host-bound: 128 launches).
+# launch (it reads each block three times). H200, benchmarks/bench_grouped.py, the quantization's share of a
+# fresh step (fresh minus cached): 8 x [28672, 4096] 2.43 ms batched against 0.86 ms per expert (the
+# SequentialMLP contender, the same 3.8 GB moved: ~4.4 TB/s) and 0.92 ms for TE; 128 x [1536, 2048] 0.73 ms
+# batched against 1.87 ms per expert (host-bound: 128 launches).
 WEIGHT_PER_EXPERT_MAX_GROUPS = 32
 
 
-def weight_quant_per_expert(device: torch.device, num_groups: int) -> bool:
-    """Whether ``num_groups`` expert weights on ``device`` are quantized one dense Gluon launch per expert
-    (an sm_90 GPU, at most ``WEIGHT_PER_EXPERT_MAX_GROUPS`` experts); where the Gluon kernel refuses a
-    weight, ``quantize_grouped_gluon`` raises ``GluonUnsupported`` before launching and the batched one runs."""
-    return runs_on(device) and 0 < num_groups <= WEIGHT_PER_EXPERT_MAX_GROUPS
+def weight_quant_per_expert(weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams) -> bool:
+    """Whether ``E`` expert weights are quantized one dense Gluon launch per expert
+    (``quantize_grouped.quantize_128x128_per_expert_gluon``): at most ``WEIGHT_PER_EXPERT_MAX_GROUPS``
+    experts that the dense Gluon kernel all takes; else the batched portable kernel."""
+    num_groups = weights.shape[0] if isinstance(weights, torch.Tensor) else len(weights)
+    return 0 < num_groups <= WEIGHT_PER_EXPERT_MAX_GROUPS and quantize_grouped.unsupported_reason(weights, params) is None

@@ -1,6 +1,6 @@
 """Dual 1x128 quantization of activations for Hopper (sm_90), written in Gluon with the thread tiles
-it shares with the Gluon weight quantizer (``quantize_gluon_tiles.py``): same contract and bits as
-:func:`.quantize_act.quantize_1x128_dual`.
+it shares with the Gluon weight quantizer (``quantize_tiles.py``): same contract and bits as
+:func:`..triton.quantize_act.quantize_1x128_dual`.
 
 One program per 128x128 tile of X [M, K], 8 warps, **one block barrier**. The tile is loaded once
 into registers (layout ``L``: 4 rows x 2 x 8 columns per thread, 8 lanes along K, 4 along M, warps
@@ -18,11 +18,11 @@ along M):
 
 The one barrier is the design's point: reducing the columns across warps in the ``L`` registers
 and sending the scales and the FP8 tile back through shared memory would take eight, and the
-kernel is bound by how often its warps wait for each other (``quantize_gluon_tiles.py``).
+kernel is bound by how often its warps wait for each other (``quantize_tiles.py``).
 
-Masked loads and stores handle partial tiles; the wrapper takes M % 16 == 0 and K % 16 == 0 (16-byte
-rows of both FP8 copies) and raises ``GluonUnsupported`` otherwise, so that the caller uses the
-Triton kernel."""
+Masked loads and stores handle partial tiles; the kernel takes M % 16 == 0 and K % 16 == 0 (16-byte
+rows of both FP8 copies: ``unsupported_reason``); the heuristics give other inputs to the Triton
+kernel, and the wrapper raises ``GluonUnsupported`` for them."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ NUM_WARPS = 8
 
 
 @gluon.jit
-def _quantize_1x128_dual_gluon_kernel(
+def quantize_1x128_dual_gluon_kernel(
     x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, M_PAD, K_PAD, fp8_max, amax_eps, in_max,
     ROWWISE: gl.constexpr, COLWISE: gl.constexpr, POW2: gl.constexpr,
     L: gl.constexpr, LN: gl.constexpr, LT_RAW: gl.constexpr, T_RAW: gl.constexpr,
@@ -86,17 +86,17 @@ def unsupported_reason(x: torch.Tensor, params: QuantParams) -> str | None:
     return why
 
 
-_launch = FastLauncher(_quantize_1x128_dual_gluon_kernel)
+_launch = FastLauncher(quantize_1x128_dual_gluon_kernel)
 
 
-def _layouts(element_size: int) -> tuple:
+def layouts(element_size: int) -> tuple:
     """(L, LN, LT_RAW, T_RAW) for an input of ``element_size`` bytes (each part cached)."""
     lay, lay_n, _, _ = transpose_tile_layouts()
     return (lay, lay_n, *raw_transpose_layouts(element_size))
 
 
 def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool) -> BlockwiseFp8Tensor:
-    """Same contract and bits as :func:`.quantize_act.quantize_1x128_dual`. Raises
+    """Same contract and bits as :func:`..triton.quantize_act.quantize_1x128_dual`. Raises
     ``GluonUnsupported`` before launching anything where ``unsupported_reason`` says so."""
     why = unsupported_reason(x, params)
     if why is not None:
@@ -105,7 +105,7 @@ def quantize_1x128_dual_gluon(x: torch.Tensor, params: QuantParams, *, rowwise: 
     rowwise, columnwise = bool(rowwise), bool(columnwise)  # constexprs: 1 and True would compile apart
     row_q, row_s, col_q, col_s, parts = dual_outputs(x, params, rowwise, columnwise)
     if m > 0 and k > 0 and (rowwise or columnwise):
-        lay, lay_n, lt_raw, t_raw = _layouts(x.element_size())
+        lay, lay_n, lt_raw, t_raw = layouts(x.element_size())
         q_any = row_q if row_q is not None else col_q
         s_any = row_s if row_s is not None else col_s
         pow2 = bool(params.pow2_scales)

@@ -1,5 +1,5 @@
-"""The 128x128-tile machinery the two Hopper Gluon quantizers (``quantize_act_gluon.py``,
-``quantize_weight_gluon.py``) share: their register and shared-memory layouts, the tile load and
+"""The 128x128-tile machinery the two Hopper Gluon quantizers (``quantize_act.py``,
+``quantize_weight.py``) share: their register and shared-memory layouts, the tile load and
 store, the weight kernel's FP8 transpose through shared memory, and the input rules.
 
 Both kernels are bound by how often their 8 warps wait for each other, more than by instructions:

@@ -1,11 +1,11 @@
 """128x128 weight quantization for Hopper (sm_90), written in Gluon: one read of W [N, K] writes W
-(fprop) and W^T (dgrad) with their scales, bit for bit what :func:`.quantize_weight.quantize_128x128`
+(fprop) and W^T (dgrad) with their scales, bit for bit what :func:`..triton.quantize_weight.quantize_128x128`
 writes.
 
 Why Gluon: the transposed copy. Plain Triton picks the register layouts itself; its weight kernel
 reads the block three times (the amax pass from HBM, one pass per copy from L2) and transposes fp32
 values through shared memory. Here the layouts
-are explicit (``quantize_gluon_tiles.py``, shared with the act quantizer), so each thread owns 4 rows
+are explicit (``quantize_tiles.py``, shared with the act quantizer), so each thread owns 4 rows
 x (2 x 8) columns of the block: its 4 FP8 values of one column of W are 4 consecutive bytes of a row
 of W^T, one 32-bit word. Per program (one 128x128 block, 8 warps, 2-D grid, two block barriers):
 
@@ -20,9 +20,10 @@ of W^T, one 32-bit word. Per program (one 128x128 block, 8 warps, 2-D grid, two 
   in 32-bit words (swizzled: conflict-free), read back and stored with 16-byte stores;
 * scale_inv of both copies, including TE's padding entries (so the wrapper launches nothing else).
 
-Edges: masked loads (zeros never raise the amax) and masked stores, so any N and K; the wrapper
-takes K % 16 == 0 and N % 16 == 0 (the recipe's weight shapes; 16-byte vectors) and leaves other
-shapes to the Triton kernel (``GluonUnsupported``)."""
+Edges: masked loads (zeros never raise the amax) and masked stores, so any N and K; the kernel
+takes K % 16 == 0 and N % 16 == 0 (the recipe's weight shapes; 16-byte vectors: ``unsupported_reason``);
+the heuristics leave other shapes to the Triton kernel, and the wrapper raises ``GluonUnsupported``
+for them."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ NUM_WARPS = 8
 
 
 @gluon.jit
-def _quantize_128x128_gluon_kernel(
+def quantize_128x128_gluon_kernel(
     w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max,
     POW2: gl.constexpr, ROW_FIRST: gl.constexpr, L: gl.constexpr, LN: gl.constexpr, LT: gl.constexpr,
     T_SMEM: gl.constexpr,
@@ -101,11 +102,11 @@ def unsupported_reason(w: torch.Tensor, params: QuantParams) -> str | None:
     return why
 
 
-_launch = FastLauncher(_quantize_128x128_gluon_kernel)
+_launch = FastLauncher(quantize_128x128_gluon_kernel)
 
 
 def quantize_128x128_gluon(w: torch.Tensor, params: QuantParams, out: BlockwiseFp8Tensor | None = None) -> BlockwiseFp8Tensor:
-    """Same contract and bits as :func:`.quantize_weight.quantize_128x128`: ``w [N, K]`` (bf16, fp16
+    """Same contract and bits as :func:`..triton.quantize_weight.quantize_128x128`: ``w [N, K]`` (bf16, fp16
     or fp32, contiguous) -> W [N, K] and W^T [K, N] in ``params.fp8_dtype`` with 128x128-block
     scale_inv ``[ceil(N/128), pad4(ceil(K/128))]`` and its transpose layout (TE's), into ``out``'s
     four buffers (contiguous, on ``w``'s device: e.g. one expert of a ``GroupedFp8Weight``) when given,

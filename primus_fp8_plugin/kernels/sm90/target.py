@@ -1,6 +1,6 @@
-"""What the Gluon kernels for NVIDIA Hopper (sm_90) share: the target's shared-memory limit, the one
-torch -> Gluon dtype map, the exception for valid inputs they do not take, and the device queries
-their wrappers make on every call (cached)."""
+"""The NVIDIA Hopper (sm_90) target, as its Gluon kernels see it: the shared-memory limit, the one
+torch -> Gluon dtype map, the error for input a kernel does not take, and the device queries the
+wrappers make on every call (cached)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ TORCH_TO_GL = {
 
 
 class GluonUnsupported(NotImplementedError):
-    """Valid input that a Hopper Gluon kernel does not take (not an sm_90 GPU, a shape or layout
-    outside its TMA or tile rules): the caller runs the portable Triton kernel instead. Each Gluon
-    wrapper raises it before allocating or launching anything. Wrong inputs raise ValueError /
-    TypeError instead."""
+    """A Gluon wrapper called with valid input its kernel does not take (not an sm_90 GPU, a shape or
+    layout outside its TMA or tile rules: its module's ``unsupported_reason``), before anything is
+    allocated or launched. The heuristics (``heuristics.py``) never send such input, so this is a
+    caller's mistake, not a choice. Wrong inputs raise ValueError / TypeError instead."""
 
 
 @functools.lru_cache(maxsize=8)

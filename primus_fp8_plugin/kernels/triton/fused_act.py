@@ -7,16 +7,17 @@ Two producers, chosen by the constexpr ``OP``:
 * ``OP_SWIGLU``: ``silu(a) * b`` from fc1's output ``h [M, 2F] = [a | b]``.
 
 Each value is rounded to the input dtype exactly as the unfused op rounds its output
-(``reference_fused.py``), and then, in ``_quantize_fused_kernel``, quantized exactly as the activation
-quantizer quantizes a tensor: the kernel is ``quantize_act._quantize_1x128_dual_kernel`` with this
+(``reference_fused.py``), and then, in ``quantize_fused_kernel``, quantized exactly as the activation
+quantizer quantizes a tensor: the kernel is ``quantize_act.quantize_1x128_dual_kernel`` with this
 producer in place of its load, and calls the same device functions for the rowwise copy (1x128
 tiles), the columnwise copy (128x1 tiles, over the 128 rows of the program's tile) and the scales in
 TE's layouts. So a program owns one 128x128 tile of the output; the norm's statistics for its 128
 rows come from memory. The high-precision output is never written in the fused path.
 
-``_apply_kernel`` writes the output in the input dtype instead (the unfused path of the triton
-backend: the same producer, so the same bits before quantization). On Hopper ``quantize_fused`` runs
-``fused_act_gluon.py``'s kernel where M, K and the row stride are multiples of 16.
+``apply_kernel`` writes the output in the input dtype instead (the unfused path of the triton
+backend: the same producer, so the same bits before quantization). On Hopper the triton backend runs
+``kernels/sm90/fused_act.py``'s kernel instead where M, K and the row stride are multiples of 16
+(``kernels/sm90/heuristics.py``).
 """
 
 from __future__ import annotations
@@ -27,18 +28,11 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4
-from ..sm90.fused_act import quantize_fused_gluon
-from ..sm90.target import GluonUnsupported, runs_on
-from .fused_math import FP_OPTIONS, OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU, swiglu_value
+from .fused_math import FP_OPTIONS, swiglu_value
+from .heuristics import FUSED_APPLY, QuantizeConfig, TileConfig, fused_quant_config
 from .launch import FastLauncher
-from .quantize_act import MAX_DIM, MAX_GRID_Y, NUM_STAGES, _column_scales, _columnwise_copy, _rowwise_copy, dual_outputs
+from .quantize_act import MAX_DIM, MAX_GRID_Y, column_scales, columnwise_copy, dual_outputs, rowwise_copy
 from .scales import amax_nan, max_nan, scale_and_inverse
-
-# Launch configs (SUB_M rows per pass, warps): checked spill-free ahead of time (aot_fused.py)
-FULL_TILE = {OP_LAYERNORM: (128, 8), OP_RMSNORM: (128, 8), OP_SWIGLU: (64, 8)}  # M, K multiples of 16
-RAGGED_TILE = {OP_LAYERNORM: (16, 4), OP_RMSNORM: (16, 4), OP_SWIGLU: (16, 4)}
-APPLY_BLOCK_M = 32
-APPLY_WARPS = 4
 
 
 @triton.jit
@@ -90,7 +84,7 @@ def _produce(src_tile, r, c, stride, rows_ok, cols_ok, full, mean_p, rstd_p, gam
 
 
 @triton.jit
-def _quantize_fused_kernel(
+def quantize_fused_kernel(
     src_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr,
     M, K, M_PAD, K_PAD, stride_sm, up_offset, fp8_max, amax_eps, in_max,
     OP: tl.constexpr, HAS_BETA: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr,
@@ -115,12 +109,12 @@ def _quantize_fused_kernel(
         y = _produce(src_tile, blk, blk, stride_sm, rows_ok, cols_ok, full, mean_p, rstd_p, gamma_p, beta_p,
                      up_offset, OP, HAS_BETA)  # fmt: skip
         if ROWWISE:
-            _rowwise_copy(y, blk, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
+            rowwise_copy(y, blk, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
                           in_max, POW2)  # fmt: skip
         if COLWISE:
             scale, s_inv = scale_and_inverse(amax_nan(y, 0), fp8_max, amax_eps, in_max, POW2)
-            _columnwise_copy(y, scale, blk, blk, cq_tile, M, mask, full)
-            _column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
+            columnwise_copy(y, scale, blk, blk, cq_tile, M, mask, full)
+            column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
     else:
         # chunks of SUB_M rows: rowwise copy and a running column amax, then the columnwise copy in a
         # second pass that produces each chunk again
@@ -132,7 +126,7 @@ def _quantize_fused_kernel(
                          up_offset, OP, HAS_BETA)  # fmt: skip
             if ROWWISE:
                 mask = rows_ok[:, None] & cols_ok[None, :]
-                _rowwise_copy(y, r, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
+                rowwise_copy(y, r, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
                               in_max, POW2)  # fmt: skip
             if COLWISE:
                 col_amax2d = max_nan(col_amax2d, tl.abs(y))
@@ -143,12 +137,12 @@ def _quantize_fused_kernel(
                 rows_ok = m0 + r < M
                 y = _produce(src_tile, r, blk, stride_sm, rows_ok, cols_ok, full, mean_p, rstd_p, gamma_p, beta_p,
                              up_offset, OP, HAS_BETA)  # fmt: skip
-                _columnwise_copy(y, scale, r, blk, cq_tile, M, rows_ok[:, None] & cols_ok[None, :], full)
-            _column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
+                columnwise_copy(y, scale, r, blk, cq_tile, M, rows_ok[:, None] & cols_ok[None, :], full)
+            column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
 
 
 @triton.jit
-def _apply_kernel(src_ptr, y_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, M, K, stride_sm, up_offset,
+def apply_kernel(src_ptr, y_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, M, K, stride_sm, up_offset,
                   OP: tl.constexpr, HAS_BETA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     m0 = tl.program_id(0) * BLOCK_M
     k0 = tl.program_id(1) * BLOCK_K
@@ -164,14 +158,8 @@ def _apply_kernel(src_ptr, y_ptr, mean_ptr, rstd_ptr, gamma_ptr, beta_ptr, M, K,
     tl.store(y_tile + r[:, None] * K + c[None, :], y.to(y_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-_launch_quantize = FastLauncher(_quantize_fused_kernel)
-_launch_apply = FastLauncher(_apply_kernel)
-
-
-def launch_config(op: int, m: int, k: int, stride: int) -> tuple[int, int]:
-    """(SUB_M, num_warps) of the fused quantization: the whole tile at once where M, K and the row
-    stride are multiples of 16 (Triton then specialises them as such), 16-row chunks otherwise."""
-    return FULL_TILE[op] if m % 16 == 0 and k % 16 == 0 and stride % 16 == 0 else RAGGED_TILE[op]
+_launch_quantize = FastLauncher(quantize_fused_kernel)
+_launch_apply = FastLauncher(apply_kernel)
 
 
 def _check_dims(m: int, k: int) -> None:
@@ -184,32 +172,20 @@ def _check_dims(m: int, k: int) -> None:
 
 
 def quantize_fused(src: torch.Tensor, op: int, params: QuantParams, *, k: int, up_offset: int = 0, mean=None, rstd=None,
-                   gamma=None, beta=None, rowwise: bool, columnwise: bool) -> BlockwiseFp8Tensor:  # fmt: skip
+                   gamma=None, beta=None, rowwise: bool, columnwise: bool,
+                   config: QuantizeConfig | None = None) -> BlockwiseFp8Tensor:  # fmt: skip
     """Rowwise and/or columnwise 1x128 quantization of the fused op's output ``[M, k]`` made from
     ``src`` (rows of ``src.stride(0)`` elements, last dim contiguous); the same bits as
     ``quantize_1x128_dual`` of that output. Norms: ``mean`` (LayerNorm), ``rstd`` fp32 [M], ``gamma``
-    [k], ``beta`` [k] or None. SwiGLU: ``up_offset`` = F, the offset of ``b`` in each row. On Hopper the
-    Gluon kernel where its rules hold (``fused_act_gluon.py``), else the Triton kernel."""
-    if runs_on(src.device):  # the Gluon kernel where it applies (fused_act_gluon.py), the same bits
-        try:
-            return quantize_fused_gluon(src, op, params, k=k, up_offset=up_offset, mean=mean, rstd=rstd, gamma=gamma,
-                                        beta=beta, rowwise=rowwise, columnwise=columnwise)  # fmt: skip
-        except GluonUnsupported:
-            pass
-    return quantize_fused_triton(src, op, params, k=k, up_offset=up_offset, mean=mean, rstd=rstd, gamma=gamma, beta=beta,
-                                 rowwise=rowwise, columnwise=columnwise)  # fmt: skip
-
-
-def quantize_fused_triton(src: torch.Tensor, op: int, params: QuantParams, *, k: int, up_offset: int = 0, mean=None,
-                          rstd=None, gamma=None, beta=None, rowwise: bool, columnwise: bool) -> BlockwiseFp8Tensor:  # fmt: skip
-    """``quantize_fused`` by the Triton kernel (any target, the CPU interpreter included)."""
+    [k], ``beta`` [k] or None. SwiGLU: ``up_offset`` = F, the offset of ``b`` in each row. ``config``: the
+    launch (default: ``heuristics.fused_quant_config``)."""
     m = src.shape[0]
     _check_dims(m, k)
     stride = src.stride(0)
     # dual_outputs reads only the shape and device of its first argument: an [m, k] view of no memory
     row_q, row_s, col_q, col_s, parts = dual_outputs(src.new_empty(()).expand(m, k), params, rowwise, columnwise)
     if m > 0:
-        sub_m, warps = launch_config(op, m, k, stride)
+        cfg = config or fused_quant_config(op, m, k, stride)
         q_any = row_q if row_q is not None else col_q
         s_any = row_s if row_s is not None else col_s
         stats = rstd if rstd is not None else s_any  # pointers the kernel does not read for this OP
@@ -219,8 +195,8 @@ def quantize_fused_triton(src: torch.Tensor, op: int, params: QuantParams, *, k:
             mean if mean is not None else stats, stats, gamma if gamma is not None else src,
             beta if beta is not None else src, m, k, pad4(m), pad4(k), stride, up_offset,
             params.fp8_max, float(params.amax_epsilon), torch.finfo(src.dtype).max,
-            op, beta is not None, bool(rowwise), bool(columnwise), bool(params.pow2_scales), BLOCK, sub_m,
-            num_warps=warps, num_stages=NUM_STAGES, **FP_OPTIONS,
+            op, beta is not None, bool(rowwise), bool(columnwise), bool(params.pow2_scales), BLOCK, cfg.sub_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **FP_OPTIONS,
         )  # fmt: skip
     elif columnwise:
         col_s.fill_(1.0)
@@ -228,7 +204,7 @@ def quantize_fused_triton(src: torch.Tensor, op: int, params: QuantParams, *, k:
 
 
 def apply_fused(src: torch.Tensor, op: int, *, k: int, up_offset: int = 0, mean=None, rstd=None, gamma=None,
-                beta=None) -> torch.Tensor:  # fmt: skip
+                beta=None, config: TileConfig = FUSED_APPLY) -> torch.Tensor:  # fmt: skip
     """The fused op's output ``[M, k]`` in ``src``'s dtype (arguments as for ``quantize_fused``)."""
     m = src.shape[0]
     _check_dims(m, k)
@@ -236,8 +212,8 @@ def apply_fused(src: torch.Tensor, op: int, *, k: int, up_offset: int = 0, mean=
     if m > 0:
         stats = rstd if rstd is not None else y
         _launch_apply(
-            (ceil_div(m, APPLY_BLOCK_M), ceil_div(k, BLOCK)), src, y, mean if mean is not None else stats, stats,
+            (ceil_div(m, config.block_m), ceil_div(k, config.block_n)), src, y, mean if mean is not None else stats, stats,
             gamma if gamma is not None else src, beta if beta is not None else src, m, k, src.stride(0), up_offset,
-            op, beta is not None, APPLY_BLOCK_M, BLOCK, num_warps=APPLY_WARPS, **FP_OPTIONS,
+            op, beta is not None, config.block_m, config.block_n, num_warps=config.num_warps, **FP_OPTIONS,
         )  # fmt: skip
     return y

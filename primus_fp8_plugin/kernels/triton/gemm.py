@@ -8,36 +8,18 @@ the two scales and added to an fp32 accumulator (DeepSeek-V3's promotion).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ...recipe import BLOCK
 from ...tensor import ceil_div
+from .heuristics import GemmConfig, gemm_config
 from .launch import FastLauncher
 
 
-@dataclass(frozen=True)
-class GemmConfig:
-    """Launch configuration of the blockwise GEMM kernel (BLOCK_K is always 128: one scale per step)."""
-
-    block_m: int = 128
-    block_n: int = 128
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-
-
-def default_config() -> GemmConfig:
-    """The one launch configuration: what the AOT check (tools/aot_triton.py) compiles for sm_90 and
-    gfx950, and every call runs unless it passes ``config``."""
-    return GemmConfig()
-
-
 @triton.jit
-def _blockwise_gemm_kernel(
+def blockwise_gemm_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
@@ -106,7 +88,7 @@ def _blockwise_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-_launch = FastLauncher(_blockwise_gemm_kernel)
+_launch = FastLauncher(blockwise_gemm_kernel)
 
 
 def check_operands(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into) -> None:
@@ -159,7 +141,8 @@ def blockwise_gemm(
     accumulate_into: torch.Tensor | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """``a [M, K] @ b [N, K]^T``; scale tensors in TE's layouts (see module docstring)."""
+    """``a [M, K] @ b [N, K]^T``; scale tensors in TE's layouts (see module docstring). ``config``: the launch
+    (default: ``heuristics.gemm_config``)."""
     check_operands(a, a_scale_inv, b, b_scale_inv, b_block_dim, out_dtype, bias, accumulate_into)
     assert a.is_contiguous() and b.is_contiguous()
     m, k = a.shape
@@ -172,7 +155,7 @@ def blockwise_gemm(
             return c.zero_()
     if m == 0 or n == 0:
         return c
-    cfg = config or default_config()
+    cfg = config or gemm_config()
     grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n),)
     _launch(
         grid, a, b, c, a_scale_inv, b_scale_inv, bias if bias is not None else c,

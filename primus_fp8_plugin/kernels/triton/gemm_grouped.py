@@ -32,14 +32,14 @@ import triton.language as tl
 from ...grouped_tensor import GroupLayout
 from ...recipe import BLOCK
 from ...tensor import ceil_div
-from .gemm import GemmConfig, default_config
+from .heuristics import GemmConfig, gemm_config
 from .launch import FastLauncher
 from .pointer_table import pointer_table
 from .quantize_grouped import block_e, find_group
 
 
 @triton.jit
-def _grouped_gemm_kernel(
+def grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_s_ptr, b_s_ptr, bias_ptr, offsets_ptr, padded_ptr, E, N, K, stride_am, stride_be,
     stride_bn, stride_cm, stride_as, stride_bse, stride_bs, stride_biase,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -88,7 +88,7 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _grouped_wgrad_kernel(
+def grouped_wgrad_kernel(
     a_ptr, b_ptr, c_table_ptr, c0_ptr, a_s_ptr, b_s_ptr, offsets_ptr, padded_ptr, M, N, CAP, stride_as, stride_bs,
     stride_ce, C_TABLE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -138,13 +138,8 @@ def _grouped_wgrad_kernel(
     tl.store(c_ptrs, acc.to(c0_ptr.dtype.element_ty), mask=c_mask)
 
 
-_launch_gemm = FastLauncher(_grouped_gemm_kernel)
-_launch_wgrad = FastLauncher(_grouped_wgrad_kernel)
-
-
-def grouped_config() -> GemmConfig:
-    """The dense kernel's default tile config (128x128 tiles: the grouped kernels need BLOCK_M == 128)."""
-    return default_config()
+_launch_gemm = FastLauncher(grouped_gemm_kernel)
+_launch_wgrad = FastLauncher(grouped_wgrad_kernel)
 
 
 def _check_fp8(*ts: torch.Tensor) -> None:
@@ -172,7 +167,7 @@ def grouped_gemm(
     if kb_ != k or e != layout.num_groups or t != layout.num_tokens:
         raise ValueError(f"a is {tuple(a.shape)} and b {tuple(b.shape)} for a layout of {layout.num_groups} experts, "
                          f"{layout.num_tokens} tokens")  # fmt: skip
-    cfg = config or grouped_config()
+    cfg = config or gemm_config()
     if cfg.block_m != BLOCK:
         raise ValueError(f"the grouped GEMM's row tiles are {BLOCK} tokens (block_m={cfg.block_m} given)")
     c = torch.empty(t, n, dtype=out_dtype, device=a.device)
@@ -213,7 +208,7 @@ def grouped_wgrad(
         raise ValueError(f"a is {tuple(a.shape)}, b {tuple(b.shape)}; both need the layout's {layout.capacity} token columns")
     if e > 65535:
         raise ValueError(f"{e} experts: the grouped wgrad runs them on a CUDA grid axis of at most 65535 programs")
-    cfg = config or grouped_config()
+    cfg = config or gemm_config()
     if accumulate_into is not None:
         outs = list(accumulate_into)
         c0, table, stride_ce = outs[0], pointer_table(outs), 0

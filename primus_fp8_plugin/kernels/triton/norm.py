@@ -3,20 +3,21 @@ to FP8 directly) and backward, bit for bit ``reference_fused.py``.
 
 Forward, two kernels:
 
-1. ``_stats_kernel``: a program per few rows walks the row in 128-column chunks (several loaded per
-   loop step: ``fused_tuning.StatsConfig``), one lane per column of a chunk (LayerNorm: a Welford
+1. ``stats_kernel``: a program per few rows walks the row in 128-column chunks (several loaded per
+   loop step: ``heuristics.StatsConfig``), one lane per column of a chunk (LayerNorm: a Welford
    update per lane; RMSNorm: a running sum of squares), then merges the 128 lanes pairwise: mean
    (LayerNorm) and rstd, fp32 [M]. One read of x.
 2. ``fused_act``'s kernels, tile-parallel over 128x128 tiles: the output ``xhat * gamma (+ beta)``
    rounded to x's dtype, then either written (``norm_fwd``) or quantized to the rowwise 1x128 and
-   columnwise 128x1 FP8 copies with their scales (``quantize_norm_act``): a second read of x and the
-   FP8 bytes written, against a read, a write and a read of the bf16 output in the unfused path.
+   columnwise 128x1 FP8 copies with their scales (``fused_act.quantize_fused``, or on Hopper
+   ``kernels/sm90/fused_act.py``: the backend's ``quantize_norm_act``): a second read of x and the FP8
+   bytes written, against a read, a write and a read of the bf16 output in the unfused path.
 
-Backward, two kernels: ``_bwd_kernel`` (a program per ``NORM_BWD_ROWS`` rows: pass 1 over the row
+Backward, two kernels: ``bwd_kernel`` (a program per ``NORM_BWD_ROWS`` rows: pass 1 over the row
 for the two row sums, pass 2 for dx and the group's column sums of ``dy * xhat`` and ``dy``, in
 column steps wide enough that each thread holds all the group's rows of its columns, and walking
-the row backwards so that it starts on what pass 1 left in L2: ``fused_tuning.BwdConfig``), then
-``_column_sum_kernel`` merges the groups' partial sums in the spec's order (``lane_sum`` over the
+the row backwards so that it starts on what pass 1 left in L2: ``heuristics.BwdConfig``), then
+``column_sum_kernel`` merges the groups' partial sums in the spec's order (``lane_sum`` over the
 groups) into dgamma and dbeta.
 """
 
@@ -27,16 +28,14 @@ import triton
 import triton.language as tl
 
 from ...backends.reference_fused import NORM_BWD_ROWS, NORMALIZATIONS
-from .fused_act import OP_LAYERNORM, OP_RMSNORM, apply_fused, quantize_fused
-from .fused_math import FP_OPTIONS, LANES, tree_lanes, tree_rows, welford_merge_lanes
-from .heuristics import bwd_config, stats_config
+from .fused_act import apply_fused
+from .fused_math import FP_OPTIONS, LANES, OP_LAYERNORM, OP_RMSNORM, tree_lanes, tree_rows, welford_merge_lanes
+from .heuristics import BwdConfig, StatsConfig, norm_bwd_config, norm_stats_config
 from .launch import FastLauncher
-
-COLSUM_WARPS = 4  # the launch variants of the other kernels: fused_tuning.py
 
 
 @triton.jit
-def _stats_kernel(x_ptr, mean_ptr, rstd_ptr, M, H, stride_xm, eps, RMS: tl.constexpr, R: tl.constexpr,
+def stats_kernel(x_ptr, mean_ptr, rstd_ptr, M, H, stride_xm, eps, RMS: tl.constexpr, R: tl.constexpr,
                   U: tl.constexpr):  # fmt: skip
     """mean (LayerNorm) and rstd of R rows; each loop step loads U chunks of 128 columns, then takes
     them in column order (the spec's per-lane order, whatever U)."""
@@ -112,7 +111,7 @@ def _bwd_rows(dy_ptr, x_ptr, mean_ptr, rstd_ptr, c_ptr, gamma, dx_ptr, rows, col
 
 
 @triton.jit
-def _bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, gamma_ptr, dx_ptr, pg_ptr, pb_ptr, c_ptr, M, H, stride_dy, stride_x,
+def bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, gamma_ptr, dx_ptr, pg_ptr, pb_ptr, c_ptr, M, H, stride_dy, stride_x,
                 RMS: tl.constexpr, DGAMMA: tl.constexpr, DBETA: tl.constexpr, G: tl.constexpr,
                 U: tl.constexpr, W: tl.constexpr, SUB: tl.constexpr, REVERSE: tl.constexpr):  # fmt: skip
     """G rows (a column-sum group). Pass 1: U chunks of 128 columns per step, the row sums in the
@@ -186,7 +185,7 @@ def _bwd_kernel(dy_ptr, x_ptr, mean_ptr, rstd_ptr, gamma_ptr, dx_ptr, pg_ptr, pb
 
 
 @triton.jit
-def _column_sum_kernel(p_ptr, out_ptr, NG, H, N: tl.constexpr):
+def column_sum_kernel(p_ptr, out_ptr, NG, H, N: tl.constexpr):
     """out[j] = lane_sum over the NG groups of p[:, j]: 128 lanes over the groups, then a pairwise tree."""
     cols = tl.program_id(0) * N + tl.arange(0, N)
     lanes = tl.arange(0, LANES)
@@ -198,12 +197,13 @@ def _column_sum_kernel(p_ptr, out_ptr, NG, H, N: tl.constexpr):
     tl.store(out_ptr + cols, tree_rows(acc, LANES, N, 7).to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
-_launch_stats = FastLauncher(_stats_kernel)
-_launch_bwd = FastLauncher(_bwd_kernel)
-_launch_column_sum = FastLauncher(_column_sum_kernel)
+_launch_stats = FastLauncher(stats_kernel)
+_launch_bwd = FastLauncher(bwd_kernel)
+_launch_column_sum = FastLauncher(column_sum_kernel)
 
 
-def _op(normalization: str) -> int:
+def norm_op(normalization: str) -> int:
+    """The fused quantizer's producer (``fused_math.OP_*``) of ``normalization``."""
     if normalization == "LayerNorm":
         return OP_LAYERNORM
     if normalization == "RMSNorm":
@@ -211,47 +211,45 @@ def _op(normalization: str) -> int:
     raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
 
 
-def norm_stats(x: torch.Tensor, eps: float, normalization: str) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(mean or None, rstd), fp32 [M], of ``x [M, H]`` (last dim contiguous)."""
-    rms = _op(normalization) == OP_RMSNORM
+def contiguous(*ts):
+    """The norm's parameters (gamma, beta: [H] or None) as the kernels read them: contiguous."""
+    return [None if t is None else t.contiguous() for t in ts]
+
+
+def norm_stats(
+    x: torch.Tensor, eps: float, normalization: str, config: StatsConfig | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(mean or None, rstd), fp32 [M], of ``x [M, H]`` (last dim contiguous). ``config``: the launch variant
+    (default: ``heuristics.norm_stats_config()``)."""
+    rms = norm_op(normalization) == OP_RMSNORM
     m, h = x.shape
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0:
-        cfg = stats_config()
+        cfg = config or norm_stats_config()
         _launch_stats((triton.cdiv(m, cfg.rows),), x, rstd if rms else mean, rstd, m, h, x.stride(0), float(eps),
                       rms, cfg.rows, cfg.unroll, num_warps=cfg.warps, **FP_OPTIONS)  # fmt: skip
     return mean, rstd
 
 
-def _contiguous(*ts):
-    return [None if t is None else t.contiguous() for t in ts]
-
-
-def norm_fwd(x, gamma, beta, eps, normalization):
-    gamma, beta = _contiguous(gamma, beta)
-    mean, rstd = norm_stats(x, eps, normalization)
-    y = apply_fused(x, _op(normalization), k=x.shape[1], mean=mean, rstd=rstd, gamma=gamma, beta=beta)
+def norm_fwd(x, gamma, beta, eps, normalization, stats_config: StatsConfig | None = None):
+    """``Backend.norm_fwd``: the statistics, then the output in x's dtype."""
+    gamma, beta = contiguous(gamma, beta)
+    mean, rstd = norm_stats(x, eps, normalization, stats_config)
+    y = apply_fused(x, norm_op(normalization), k=x.shape[1], mean=mean, rstd=rstd, gamma=gamma, beta=beta)
     return y, mean, rstd
 
 
-def quantize_norm_act(x, gamma, beta, eps, normalization, params, *, rowwise, columnwise):
-    gamma, beta = _contiguous(gamma, beta)
-    mean, rstd = norm_stats(x, eps, normalization)
-    xq = quantize_fused(x, _op(normalization), params, k=x.shape[1], mean=mean, rstd=rstd, gamma=gamma, beta=beta,
-                        rowwise=rowwise, columnwise=columnwise)  # fmt: skip
-    return xq, mean, rstd
-
-
-def norm_bwd(dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta):
-    (gamma,) = _contiguous(gamma)
+def norm_bwd(dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta, config: BwdConfig | None = None):
+    """``Backend.norm_bwd``. ``config``: the launch variant (default: ``heuristics.norm_bwd_config()``)."""
+    (gamma,) = contiguous(gamma)
     m, h = x.shape
     rms = mean is None
     dx = torch.empty(m, h, dtype=x.dtype, device=x.device)
     groups = triton.cdiv(m, NORM_BWD_ROWS)
     pg = torch.empty(groups, h, dtype=torch.float32, device=x.device) if need_dgamma else None
     pb = torch.empty(groups, h, dtype=torch.float32, device=x.device) if need_dbeta else None
-    cfg = bwd_config()
+    cfg = config or norm_bwd_config()
     if m > 0:
         c = torch.empty(2, m, dtype=torch.float32, device=x.device)  # pass 1's row sums c2, c1
         width = max(LANES, min(cfg.width, triton.next_power_of_2(h)))
@@ -269,6 +267,6 @@ def norm_bwd(dy, x, gamma, mean, rstd, *, need_dgamma, need_dbeta):
             total.zero_()
         else:
             _launch_column_sum((triton.cdiv(h, cfg.colsum_cols),), p, total, groups, h, cfg.colsum_cols,
-                               num_warps=COLSUM_WARPS, **FP_OPTIONS)  # fmt: skip
+                               num_warps=cfg.colsum_warps, **FP_OPTIONS)  # fmt: skip
         out.append(total)
     return dx, out[0], out[1]

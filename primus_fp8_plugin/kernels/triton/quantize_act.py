@@ -10,7 +10,8 @@ SM, docs/PERFORMANCE.md) and makes both copies from registers:
   transposed as FP8 bytes through shared memory, with its scale_inv entries ``[mb, k]`` of
   ``[ceil(M/128), pad4(K)]``.
 
-With ``SUB_M < BLOCK`` (fewer registers; ``benchmarks/bench_quant.py --variants`` sweeps it) the program
+With ``SUB_M < BLOCK`` (fewer registers; ``heuristics.act_quant_config``; ``benchmarks/bench_quant.py --variants``
+sweeps it) the program
 walks the tile in chunks of SUB_M rows in a rolled loop: rowwise copy and a running column amax per
 chunk, then a second pass over the chunks (from L2) for the columnwise copy.
 
@@ -27,18 +28,12 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_shape
+from .heuristics import QuantizeConfig, act_quant_config
 from .launch import FastLauncher
 from .scales import amax_nan, max_nan, scale_and_inverse
 
-SUB_M = BLOCK  # rows per pass: the whole tile, with NUM_WARPS the fastest on the H200 (docs/PERFORMANCE.md)
-NUM_WARPS = 4
-# Where M or K is not a multiple of 16, Triton cannot vectorise the stores and the one-pass kernel
-# spills (616-3648 bytes, ahead of time for sm_90): 16-row chunks with 4 warps compile spill-free.
-RAGGED_SUB_M = 16
-RAGGED_NUM_WARPS = 4
 MAX_DIM = 2**31 // BLOCK  # in-tile offsets (row * K, col * M within a 128-tile) are int32
 MAX_GRID_Y = 65535 * BLOCK  # K blocks run on grid axis 1, which CUDA caps at 65535 programs
-NUM_STAGES = 3  # passed explicitly so that the AOT check (tools/aot_triton.py) compiles the binary that runs
 
 
 @triton.jit
@@ -52,7 +47,7 @@ def _load_rows(x_tile, r, c, stride_xm, mask, full):
 
 
 @triton.jit
-def _rowwise_copy(x, r, c, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps, in_max,
+def rowwise_copy(x, r, c, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps, in_max,
                   POW2: tl.constexpr):  # fmt: skip
     """Quantize and store rows ``r`` of the rowwise copy (an amax per row) and their scale_inv entries."""
     scale, s_inv = scale_and_inverse(amax_nan(x, 1), fp8_max, amax_eps, in_max, POW2)
@@ -67,7 +62,7 @@ def _rowwise_copy(x, r, c, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, ful
 
 
 @triton.jit
-def _columnwise_copy(x, scale, r, c, cq_tile, M, mask, full):
+def columnwise_copy(x, scale, r, c, cq_tile, M, mask, full):
     """Quantize rows ``r`` of the tile with the column scales and store them transposed (FP8 bytes)."""
     q = tl.trans((scale[None, :] * x).to(cq_tile.dtype.element_ty))
     if full:
@@ -77,14 +72,14 @@ def _columnwise_copy(x, scale, r, c, cq_tile, M, mask, full):
 
 
 @triton.jit
-def _column_scales(s_inv, c, col_s_ptr, pid_m, k0, K, K_PAD):
+def column_scales(s_inv, c, col_s_ptr, pid_m, k0, K, K_PAD):
     cols = k0 + c
     s_inv = tl.where(cols < K, s_inv, 1.0)  # padding entries of the TE layout
     tl.store(col_s_ptr + pid_m * K_PAD + cols, s_inv, mask=cols < K_PAD)
 
 
 @triton.jit
-def _quantize_1x128_dual_kernel(
+def quantize_1x128_dual_kernel(
     x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, M_PAD, K_PAD, stride_xm, fp8_max, amax_eps, in_max,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
 ):  # fmt: skip
@@ -106,12 +101,12 @@ def _quantize_1x128_dual_kernel(
         mask = (m0 + blk < M)[:, None] & (k0 + blk < K)[None, :]
         x = _load_rows(x_tile, blk, blk, stride_xm, mask, full)
         if ROWWISE:
-            _rowwise_copy(x, blk, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
+            rowwise_copy(x, blk, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
                           in_max, POW2)  # fmt: skip
         if COLWISE:
             scale, s_inv = scale_and_inverse(amax_nan(x, 0), fp8_max, amax_eps, in_max, POW2)
-            _columnwise_copy(x, scale, blk, blk, cq_tile, M, mask, full)
-            _column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
+            columnwise_copy(x, scale, blk, blk, cq_tile, M, mask, full)
+            column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
     else:
         # Chunks of SUB_M rows: rowwise copy and a running column amax, then the columnwise copy in a
         # second pass over the chunks (from L2)
@@ -121,7 +116,7 @@ def _quantize_1x128_dual_kernel(
             mask = (m0 + r < M)[:, None] & (k0 + blk < K)[None, :]
             x = _load_rows(x_tile, r, blk, stride_xm, mask, full)
             if ROWWISE:
-                _rowwise_copy(x, r, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
+                rowwise_copy(x, r, blk, rq_tile, row_s_ptr, pid_k, m0, M, K, M_PAD, mask, full, fp8_max, amax_eps,
                               in_max, POW2)  # fmt: skip
             if COLWISE:
                 col_amax2d = max_nan(col_amax2d, tl.abs(x))
@@ -130,11 +125,11 @@ def _quantize_1x128_dual_kernel(
             for c in tl.range(0, BLOCK // SUB_M):
                 r = c * SUB_M + sub
                 mask = (m0 + r < M)[:, None] & (k0 + blk < K)[None, :]
-                _columnwise_copy(_load_rows(x_tile, r, blk, stride_xm, mask, full), scale, r, blk, cq_tile, M, mask, full)
-            _column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
+                columnwise_copy(_load_rows(x_tile, r, blk, stride_xm, mask, full), scale, r, blk, cq_tile, M, mask, full)
+            column_scales(s_inv, blk, col_s_ptr, pid_m, k0, K, K_PAD)
 
 
-_launch = FastLauncher(_quantize_1x128_dual_kernel)
+_launch = FastLauncher(quantize_1x128_dual_kernel)
 
 
 def dual_outputs(x: torch.Tensor, params: QuantParams, rowwise: bool, columnwise: bool):
@@ -156,28 +151,14 @@ def dual_outputs(x: torch.Tensor, params: QuantParams, rowwise: bool, columnwise
     return row_q, row_s, col_q, col_s, parts
 
 
-def launch_config(m: int, k: int) -> tuple[int, int]:
-    """(SUB_M, num_warps) for ``x [m, k]``: one pass over each tile where M and K are multiples of 16
-    (Triton then specialises the int arguments as such), 16-row chunks otherwise."""
-    return (SUB_M, NUM_WARPS) if m % 16 == 0 and k % 16 == 0 else (RAGGED_SUB_M, RAGGED_NUM_WARPS)
-
-
 def quantize_1x128_dual(
-    x: torch.Tensor,
-    params: QuantParams,
-    *,
-    rowwise: bool,
-    columnwise: bool,
-    sub_m: int | None = None,
-    num_warps: int | None = None,
+    x: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool, config: QuantizeConfig | None = None
 ) -> BlockwiseFp8Tensor:
     """Rowwise and/or columnwise 1x128 quantization of a contiguous 2-D ``x [M, K]`` in one pass over
-    HBM. ``sub_m`` / ``num_warps``: the launch config (default: ``launch_config``)."""
+    HBM. ``config``: the launch (default: ``heuristics.act_quant_config``)."""
     assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1
     m, k = x.shape
-    default_sub_m, default_warps = launch_config(m, k)
-    sub_m = sub_m or default_sub_m
-    num_warps = num_warps or default_warps
+    cfg = config or act_quant_config(m, k)
     if max(m, k) >= MAX_DIM:
         raise ValueError(f"x is [{m}, {k}]: this kernel's in-tile offsets are 32-bit, so M and K must stay below "
                          f"{MAX_DIM}; quantize it in row blocks")  # fmt: skip
@@ -195,8 +176,8 @@ def quantize_1x128_dual(
             grid, x, row_q if rowwise else q_any, row_s if rowwise else s_any, col_q if columnwise else q_any,
             col_s if columnwise else s_any, m, k, pad4(m), pad4(k), x.stride(0),
             params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
-            rowwise, columnwise, params.pow2_scales, BLOCK, sub_m,  # ROWWISE, COLWISE, POW2, BLOCK, SUB_M
-            num_warps=num_warps, num_stages=NUM_STAGES,
+            rowwise, columnwise, params.pow2_scales, BLOCK, cfg.sub_m,  # ROWWISE, COLWISE, POW2, BLOCK, SUB_M
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     elif columnwise:
         col_s.fill_(1.0)

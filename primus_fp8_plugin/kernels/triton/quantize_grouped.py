@@ -31,12 +31,11 @@ import triton.language as tl
 from ...grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight, GroupLayout
 from ...recipe import BLOCK, QuantParams
 from ...tensor import ceil_div, pad4, scale_inv_shape
+from .heuristics import QuantizeConfig, act_quant_config, weight_quant_config
 from .launch import FastLauncher
 from .pointer_table import pointer_table
-from .quantize_act import MAX_DIM, MAX_GRID_Y, NUM_STAGES, launch_config
-from .quantize_weight import NUM_WARPS as WEIGHT_NUM_WARPS
-from .quantize_weight import SUB_M as WEIGHT_SUB_M
-from .quantize_weight import _quantize_128x128_kernel
+from .quantize_act import MAX_DIM, MAX_GRID_Y
+from .quantize_weight import quantize_128x128_kernel
 from .scales import amax_nan, max_nan, scale_and_inverse
 
 INT32_MAX = tl.constexpr(2**31 - 1)
@@ -94,7 +93,7 @@ def _column_scales(s_inv, cols, cs_tile, K, K_PAD):
 
 
 @triton.jit
-def _quantize_grouped_1x128_kernel(
+def quantize_grouped_1x128_kernel(
     x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, offsets_ptr, padded_ptr, E, T, K, T_PAD, CAP, K_PAD,
     stride_xm, fp8_max, amax_eps, in_max,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
@@ -151,19 +150,20 @@ def _quantize_grouped_1x128_kernel(
                 _column_scales(s_inv, k0 + blk, cs_tile, K, K_PAD)
 
 
-_launch_act = FastLauncher(_quantize_grouped_1x128_kernel)
+_launch_act = FastLauncher(quantize_grouped_1x128_kernel)
 
 
 def quantize_grouped_1x128(
     x: torch.Tensor, layout: GroupLayout, params: QuantParams, *, rowwise: bool, columnwise: bool,
-    sub_m: int | None = None, num_warps: int | None = None,
+    config: QuantizeConfig | None = None,
 ) -> GroupedFp8Tensor:  # fmt: skip
-    """Rowwise and/or padded columnwise 1x128 quantization of the permuted tokens ``x [T, K]`` (contiguous)."""
+    """Rowwise and/or padded columnwise 1x128 quantization of the permuted tokens ``x [T, K]`` (contiguous).
+    ``config``: the launch (default: ``heuristics.act_quant_config`` for 16 rows: only K decides the
+    alignment, as token rows start anywhere)."""
     assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1
     t, k = x.shape
     e, cap = layout.num_groups, layout.capacity
-    default_sub_m, default_warps = launch_config(16, k)  # token rows start anywhere: only K decides alignment
-    sub_m, num_warps = sub_m or default_sub_m, num_warps or default_warps
+    cfg = config or act_quant_config(16, k)
     if max(t, k, cap) >= MAX_DIM:
         raise ValueError(f"x is [{t}, {k}] (padded tokens {cap}): in-tile offsets are 32-bit, so T, K and the padded "
                          f"token count must stay below {MAX_DIM}; quantize the tokens in parts")  # fmt: skip
@@ -186,14 +186,14 @@ def quantize_grouped_1x128(
             parts.get("columnwise_data", q_any), parts.get("columnwise_scale_inv", s_any), layout.offsets,
             layout.padded_offsets, e, t, k, pad4(t), cap, pad4(k), x.stride(0),
             params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
-            rowwise, columnwise, params.pow2_scales, BLOCK, sub_m, block_e(e),
-            num_warps=num_warps, num_stages=NUM_STAGES,
+            rowwise, columnwise, params.pow2_scales, BLOCK, cfg.sub_m, block_e(e),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return GroupedFp8Tensor(layout, (t, k), f8, x.dtype, **parts)
 
 
 @triton.jit
-def _quantize_128x128_batched_kernel(
+def quantize_128x128_batched_kernel(
     w_table_ptr, w0_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_we, stride_s, stride_st, stride_se,
     stride_ste, fp8_max, amax_eps, in_max, W_TABLE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
     SUB_M: tl.constexpr,
@@ -204,13 +204,13 @@ def _quantize_128x128_batched_kernel(
     else:
         w_ptr = w0_ptr + e.to(tl.int64) * stride_we
     qe = e.to(tl.int64) * N * K
-    _quantize_128x128_kernel(
+    quantize_128x128_kernel(
         w_ptr, q_ptr + qe, qt_ptr + qe, s_ptr + e * stride_se, st_ptr + e * stride_ste, N, K, stride_wn, stride_s,
         stride_st, fp8_max, amax_eps, in_max, POW2, BLOCK, SUB_M,
     )  # fmt: skip
 
 
-_launch_weight = FastLauncher(_quantize_128x128_batched_kernel)
+_launch_weight = FastLauncher(quantize_128x128_batched_kernel)
 
 
 def grouped_weight_out(
@@ -226,10 +226,13 @@ def grouped_weight_out(
 
 
 def quantize_128x128_batched(
-    weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, out: GroupedFp8Weight | None = None
-) -> GroupedFp8Weight:
+    weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, out: GroupedFp8Weight | None = None, *,
+    config: QuantizeConfig | None = None,
+) -> GroupedFp8Weight:  # fmt: skip
     """Both copies of ``E`` weights (contiguous ``[N, K]`` tensors, or one contiguous ``[E, N, K]``) quantized
-    with 128x128 blocks in one launch, into ``out`` (allocated when None)."""
+    with 128x128 blocks in one launch, into ``out`` (allocated when None). ``config``: the launch (default:
+    ``heuristics.weight_quant_config``)."""
+    cfg = config or weight_quant_config()
     stacked = isinstance(weights, torch.Tensor)
     first = weights[0]
     e = weights.shape[0] if stacked else len(weights)
@@ -247,8 +250,8 @@ def quantize_128x128_batched(
         (ceil_div(n, BLOCK), ceil_div(k, BLOCK), e), table, first, out.rowwise_data, out.columnwise_data, s, st,
         n, k, first.stride(0), n * k, s.stride(1), st.stride(1), s.stride(0), st.stride(0),
         params.fp8_max, params.amax_epsilon, torch.finfo(first.dtype).max,
-        not stacked, params.pow2_scales, BLOCK, WEIGHT_SUB_M,  # W_TABLE, POW2, BLOCK, SUB_M
-        num_warps=WEIGHT_NUM_WARPS, num_stages=NUM_STAGES,
+        not stacked, params.pow2_scales, BLOCK, cfg.sub_m,  # W_TABLE, POW2, BLOCK, SUB_M
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out.orig_dtype = first.dtype
     return out

@@ -16,18 +16,16 @@ import triton.language as tl
 
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
+from .heuristics import QuantizeConfig, weight_quant_config
 from .launch import FastLauncher
 from .quantize_act import MAX_GRID_Y  # K blocks run on grid axis 1, as in the act kernel
 from .scales import max_nan, scale_and_inverse
 
-SUB_M = 128  # the whole block per pass, with NUM_WARPS: fastest of a sweep on the H200 (docs/PERFORMANCE.md)
-NUM_WARPS = 8
 MAX_DIM = 2**31 // BLOCK  # in-block offsets (row * K, col * N within a 128-block) are int32
-NUM_STAGES = 3  # passed explicitly so that the AOT check (tools/aot_triton.py) compiles the binary that runs
 
 
 @triton.jit
-def _quantize_128x128_kernel(
+def quantize_128x128_kernel(
     w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max,
     POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
 ):  # fmt: skip
@@ -83,14 +81,14 @@ def _quantize_128x128_kernel(
     tl.store(st_ptr + pid_k * stride_st + pid_n, s_inv)
 
 
-_launch = FastLauncher(_quantize_128x128_kernel)
+_launch = FastLauncher(quantize_128x128_kernel)
 
 
-def quantize_128x128(
-    w: torch.Tensor, params: QuantParams, *, sub_m: int = SUB_M, num_warps: int = NUM_WARPS
-) -> BlockwiseFp8Tensor:
-    """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, in one pass."""
+def quantize_128x128(w: torch.Tensor, params: QuantParams, *, config: QuantizeConfig | None = None) -> BlockwiseFp8Tensor:
+    """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, in one pass. ``config``: the
+    launch (default: ``heuristics.weight_quant_config``)."""
     assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
+    cfg = config or weight_quant_config()
     n, k = w.shape
     if max(n, k) >= MAX_DIM:
         raise ValueError(f"weight is [{n}, {k}]: this kernel's in-block offsets are 32-bit, so N and K must stay "
@@ -108,8 +106,8 @@ def quantize_128x128(
     _launch(
         grid, w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
         params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
-        params.pow2_scales, BLOCK, sub_m,  # POW2, BLOCK, SUB_M
-        num_warps=num_warps, num_stages=NUM_STAGES,
+        params.pow2_scales, BLOCK, cfg.sub_m,  # POW2, BLOCK, SUB_M
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st

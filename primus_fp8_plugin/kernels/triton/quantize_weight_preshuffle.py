@@ -24,17 +24,15 @@ import triton.language as tl
 from ...preshuffle import PRESHUFFLE16, check_preshuffle_shape, dgrad_padded_rows
 from ...recipe import BLOCK, QuantParams
 from ...tensor import BlockwiseFp8Tensor, ceil_div, scale_inv_shape
+from .heuristics import QuantizeConfig, weight_quant_config
 from .launch import FastLauncher
 from .quantize_act import MAX_GRID_Y
 from .quantize_weight import MAX_DIM
 from .scales import max_nan, scale_and_inverse
 
-NUM_WARPS = 8
-NUM_STAGES = 3  # passed explicitly so that the AOT check (tools/aot_triton.py) compiles the binary that runs
-
 
 @triton.jit
-def _quantize_128x128_preshuffle_kernel(
+def quantize_128x128_preshuffle_kernel(
     w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_s, stride_st, fp8_max, amax_eps, in_max,
     POW2: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -71,10 +69,12 @@ def _quantize_128x128_preshuffle_kernel(
     tl.store(st_ptr + pid_k * stride_st + pid_n, s_inv)
 
 
-_launch = FastLauncher(_quantize_128x128_preshuffle_kernel)
+_launch = FastLauncher(quantize_128x128_preshuffle_kernel)
 
 
-def quantize_128x128_preshuffled(w: torch.Tensor, params: QuantParams, *, num_warps: int = NUM_WARPS) -> BlockwiseFp8Tensor:
+def quantize_128x128_preshuffled(
+    w: torch.Tensor, params: QuantParams, *, config: QuantizeConfig | None = None
+) -> BlockwiseFp8Tensor:
     """Both copies of a contiguous ``w [N, K]`` quantized with 128x128 blocks, preshuffled, in one pass.
 
     Returns a ``BlockwiseFp8Tensor`` with ``layout="preshuffle16"``: ``rowwise_data`` [N, K] and
@@ -82,6 +82,9 @@ def quantize_128x128_preshuffled(w: torch.Tensor, params: QuantParams, *, num_wa
     W^T's data and scales sit at the start of storages padded to K + 128 rows (zero bytes; scale rows
     of 1.0): ``preshuffle.padded_rows(t, K + 128)`` sees them padded."""
     assert w.dim() == 2 and w.is_contiguous() and params.block_dim == 2
+    cfg = config or weight_quant_config()
+    if cfg.sub_m != BLOCK:
+        raise ValueError(f"the preshuffle quantizer takes each 128x128 block in one pass (sub_m=128), got {cfg}")
     n, k = w.shape
     check_preshuffle_shape(n, k, "weight W")
     check_preshuffle_shape(k, n, "weight W^T")
@@ -111,7 +114,7 @@ def quantize_128x128_preshuffled(w: torch.Tensor, params: QuantParams, *, num_wa
         grid, w, q, qt, s, st, n, k, w.stride(0), s.stride(0), st.stride(0),
         params.fp8_max, params.amax_epsilon, torch.finfo(w.dtype).max,
         params.pow2_scales, BLOCK,  # POW2, BLOCK
-        num_warps=num_warps, num_stages=NUM_STAGES,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return BlockwiseFp8Tensor(
         (n, k), 2, f8, w.dtype, rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st,

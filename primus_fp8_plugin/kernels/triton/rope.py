@@ -16,14 +16,12 @@ import triton
 import triton.language as tl
 
 from .fused_math import FP_OPTIONS
+from .heuristics import ROPE, RopeConfig
 from .launch import FastLauncher
-
-TILE_ELEMENTS = 4096  # heads per block: about this many elements per program iteration
-NUM_WARPS = 4
 
 
 @triton.jit
-def _rope_kernel(t_ptr, cos_ptr, sin_ptr, out_ptr, B, NH, D, ROT, stride_ts, stride_tb, stride_th, stride_cs,
+def rope_kernel(t_ptr, cos_ptr, sin_ptr, out_ptr, B, NH, D, ROT, stride_ts, stride_tb, stride_th, stride_cs,
                  stride_cb, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
                  BLOCK_D: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
@@ -68,12 +66,15 @@ def _rope_kernel(t_ptr, cos_ptr, sin_ptr, out_ptr, B, NH, D, ROT, stride_ts, str
         tl.store(o_base + hh[:, None] * D + d[None, :], y, mask=ok)
 
 
-_launch = FastLauncher(_rope_kernel)
+_launch = FastLauncher(rope_kernel)
 
 
-def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, backward: bool) -> torch.Tensor:
+def rope(
+    t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, backward: bool, config: RopeConfig = ROPE
+) -> torch.Tensor:
     """``reference_fused.rope`` (same contract): ``t [s, b, h, d]`` with a contiguous last dim,
-    ``cos``/``sin`` ``[s, 1 or b, 1, rot]`` in t's dtype -> a new contiguous tensor."""
+    ``cos``/``sin`` ``[s, 1 or b, 1, rot]`` in t's dtype -> a new contiguous tensor. ``config``: heads are
+    taken in blocks of about ``config.tile_elements`` elements."""
     s, b, nh, d = t.shape
     rot = cos.shape[-1]
     fb = cos.shape[1]
@@ -85,8 +86,8 @@ def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: 
     if out.numel() == 0:
         return out
     block_d = triton.next_power_of_2(d)
-    block_h = max(1, min(triton.next_power_of_2(nh), TILE_ELEMENTS // block_d))
+    block_h = max(1, min(triton.next_power_of_2(nh), config.tile_elements // block_d))
     _launch((s * b,), t, cos, sin, out, b, nh, d, rot, t.stride(0), t.stride(1), t.stride(2), fb * rot,
             rot if fb == b and b > 1 else 0, bool(interleaved), bool(backward), block_h, block_d,
-            num_warps=NUM_WARPS, **FP_OPTIONS)  # fmt: skip
+            num_warps=config.num_warps, **FP_OPTIONS)  # fmt: skip
     return out

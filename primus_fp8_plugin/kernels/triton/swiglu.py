@@ -1,5 +1,6 @@
 """SwiGLU of fc1's output ``h [M, 2F] = [a | b]`` (Megatron's gated layout: the gate ``a`` first):
-``silu(a) * b`` written in h's dtype or quantized to FP8 directly (``fused_act.py``), and its
+``silu(a) * b`` written in h's dtype or quantized to FP8 directly (``fused_act.py``; the backend's
+``quantize_swiglu_act``), and its
 backward, recomputed from ``h``; bit for bit ``reference_fused.swiglu_fwd`` / ``swiglu_bwd``.
 
 The backward kernel reads ``a``, ``b`` and the output gradient once and writes ``[da | db]``:
@@ -12,17 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_act import OP_SWIGLU, apply_fused, quantize_fused
-from .fused_math import FP_OPTIONS, exp_fp32
+from .fused_act import apply_fused
+from .fused_math import FP_OPTIONS, OP_SWIGLU, exp_fp32
+from .heuristics import SWIGLU_BWD, TileConfig
 from .launch import FastLauncher
-
-BWD_BLOCK_M = 32
-BWD_BLOCK_F = 128
-BWD_WARPS = 4
 
 
 @triton.jit
-def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, M, F, stride_dy, stride_h, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+def swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, M, F, stride_dy, stride_h, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     f0 = tl.program_id(1) * BLOCK_F
     r = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -44,31 +42,27 @@ def _swiglu_bwd_kernel(dy_ptr, h_ptr, dh_ptr, M, F, stride_dy, stride_h, BLOCK_M
     tl.store(dh_rows + F, db.to(ty), mask=ok)
 
 
-_launch_bwd = FastLauncher(_swiglu_bwd_kernel)
+_launch_bwd = FastLauncher(swiglu_bwd_kernel)
 
 
-def _half(h: torch.Tensor) -> int:
+def swiglu_width(h: torch.Tensor) -> int:
+    """F of ``h [M, 2F]`` (raises for an odd last dim)."""
     if h.shape[1] % 2:
         raise ValueError(f"SwiGLU needs an even last dim [M, 2F], got {tuple(h.shape)}")
     return h.shape[1] // 2
 
 
 def swiglu_fwd(h: torch.Tensor) -> torch.Tensor:
-    f = _half(h)
+    f = swiglu_width(h)
     return apply_fused(h, OP_SWIGLU, k=f, up_offset=f)
 
 
-def quantize_swiglu_act(h, params, *, rowwise, columnwise):
-    f = _half(h)
-    return quantize_fused(h, OP_SWIGLU, params, k=f, up_offset=f, rowwise=rowwise, columnwise=columnwise)
-
-
-def swiglu_bwd(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def swiglu_bwd(dy: torch.Tensor, h: torch.Tensor, config: TileConfig = SWIGLU_BWD) -> torch.Tensor:
     m = h.shape[0]
-    f = _half(h)
+    f = swiglu_width(h)
     dh = torch.empty(m, 2 * f, dtype=h.dtype, device=h.device)
     if m > 0 and f > 0:
-        grid = (triton.cdiv(m, BWD_BLOCK_M), triton.cdiv(f, BWD_BLOCK_F))
-        _launch_bwd(grid, dy, h, dh, m, f, dy.stride(0), h.stride(0), BWD_BLOCK_M, BWD_BLOCK_F,
-                    num_warps=BWD_WARPS, **FP_OPTIONS)  # fmt: skip
+        grid = (triton.cdiv(m, config.block_m), triton.cdiv(f, config.block_n))
+        _launch_bwd(grid, dy, h, dh, m, f, dy.stride(0), h.stride(0), config.block_m, config.block_n,
+                    num_warps=config.num_warps, **FP_OPTIONS)  # fmt: skip
     return dh
