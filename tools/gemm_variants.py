@@ -18,5 +18,5 @@ VARIANTS: dict[str, GluonGemmConfig] = {
     "128x128_g16": GluonGemmConfig(group_m=16),
     "128x64": GluonGemmConfig(block_n=64),
     "128x256": CONFIG_128x256,  # what gemm_config picks for 128x128-scaled B (fwd, dgrad)
-    "256x128": CONFIG_256x128,  # 1x128-scaled B only; what select_config picks for wgrad
+    "256x128": CONFIG_256x128,  # 1x128-scaled B only; what gemm_config picks for wgrad
 }
