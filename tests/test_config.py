@@ -43,6 +43,9 @@ GiB = 2**30
         (["checkpoint.save_interval=-5"], "checkpoint.save_interval: must be >= 0"),
         (["model.num_experts=4", "model.moe_router_topk=5"], "model.moe_router_topk: must be in [1, model.num_experts=4]"),
         (["data=indexed"], "data.path: data.source=indexed needs"),
+        (["train.steps=10", "train.warmup_steps=10"], "train.warmup_steps: 10 must be in [0, train.steps=10); or leave it null"),
+        (["train.global_batch_size=12"], "train.global_batch_size: 12 is not a multiple of train.micro_batch_size x "
+         "data-parallel size = 8 x 1; set it to a multiple of 8 (or null: 8), or train.micro_batch_size to a divisor of 12"),
     ],
 )
 def test_values_the_run_cannot_use_are_refused_naming_the_field(overrides, message):
@@ -73,23 +76,11 @@ def test_tensor_parallel_divisibility(overrides, world_size, message):
         ["data.split='100,0,0'", "train.eval_interval=0"],
         ["data.split='99'", "train.eval_interval=0", "train.weight_decay=0"],
         ["data.split='0.9, 0.1'"],
+        ["train.steps=1"],  # the default warmup composes with any number of steps
     ],
 )
 def test_values_that_work_pass(overrides):
     validate(compose(*overrides))
-
-
-@pytest.mark.parametrize(
-    "group, world_size",
-    [(f"{p.parent.name}={p.stem}", 2 if p.stem in ("tp2_sp",) else 1) for p in sorted(CONFIG_DIR.glob("*/*.yaml"))],
-)
-def test_every_config_file_passes_the_key_check(group, world_size):
-    """The configs' own keys are the schema's (the unknown-key check refuses none of them)."""
-    overrides = [group, "data.path=/x"] if group == "data=indexed" else [group]
-    try:
-        validate(compose(*overrides), world_size)
-    except ConfigError as err:  # only a missing Transformer Engine may stop a config of the tree
-        assert "needs Transformer Engine" in str(err), err
 
 
 def test_a_value_of_the_wrong_type_names_the_key_and_the_type():
@@ -177,3 +168,46 @@ def test_memory_lower_bound_parts():
     dp4 = memory_lower_bound(compose("parallel=dp"), 4, 512)["weights and optimizer state"]
     dp1 = memory_lower_bound(compose(), 1, 512)["weights and optimizer state"]
     assert dp4 == pytest.approx(dp1 * (6 + 3) / 18, rel=1e-6)
+
+
+def test_derived_values_compose_with_any_steps_and_world_size():
+    """Null train.warmup_steps is train.steps // 10 (20 for the default 200 steps, 200 for the
+    convergence preset's 2000); null train.global_batch_size is micro_batch_size x data-parallel size."""
+    from primus_fp8_plugin.config.schema import Config, ParallelConfig, TrainConfig, resolve
+
+    default, convergence = compose(), compose("train=convergence")
+    assert default.train.warmup_steps is None and default.train.global_batch_size is None
+    assert resolve(default).train.warmup_steps == 20 and resolve(convergence).train.warmup_steps == 200
+    assert resolve(default) is not default and default.train.warmup_steps is None  # a copy; the input stays
+    assert resolve(convergence, 2).train.global_batch_size == 32  # an explicit value stays
+    for steps, warmup in [(1, 0), (9, 0), (10, 1), (20, 2)]:
+        assert resolve(Config(train=TrainConfig(steps=steps))).train.warmup_steps == warmup
+        validate(Config(train=TrainConfig(steps=steps)))
+    assert resolve(Config(train=TrainConfig(warmup_steps=5))).train.warmup_steps == 5
+    for world, tp, gbs in [(1, 1, 8), (2, 1, 16), (8, 1, 64), (8, 2, 32)]:
+        cfg = Config(parallel=ParallelConfig(tp=tp, use_distributed_optimizer=True))
+        assert resolve(cfg, world).train.global_batch_size == gbs
+        validate(cfg, world)
+    cfg = Config(train=TrainConfig(global_batch_size=8, warmup_steps=1))
+    assert resolve(cfg, 2) is cfg  # nothing to derive: the same object
+
+
+@pytest.mark.parametrize("option", sorted(f"{p.parent.name}={p.stem}" for p in CONFIG_DIR.glob("*/*.yaml")))
+def test_every_preset_is_valid_with_the_default_batches(option):
+    """Each option of each config group, with every other group at its default, validates on 1, 2, 4
+    and 8 processes (data parallel where nothing else splits the model); so the configs' own keys are
+    the schema's too. Exceptions: parallel=tp2_sp needs 2 processes; train=convergence fixes its
+    global batch (32 sequences in micro-batches of 16: the experiment's definition), so beyond 2
+    data-parallel ranks it says what to change. Only a missing Transformer Engine may stop an fp8 option."""
+    cfg = compose(option, "data.path=/x") if option == "data=indexed" else compose(option)
+    for world_size in (1, 2, 4, 8):
+        if option == "parallel=tp2_sp" and world_size == 1:
+            continue
+        if option == "train=convergence" and world_size > 2:
+            with pytest.raises(ConfigError, match="set it to a multiple of .* or train.micro_batch_size to a divisor of"):
+                validate(cfg, world_size)
+            continue
+        try:
+            validate(cfg, world_size)
+        except ConfigError as err:
+            assert option.startswith("fp8=te") and "needs Transformer Engine" in str(err), err

@@ -87,10 +87,10 @@ class DataConfig:
 class TrainConfig:
     steps: int = 300
     micro_batch_size: int = 8
-    global_batch_size: int = 8
+    global_batch_size: int | None = None  # null: micro_batch_size x data-parallel size (Megatron's default)
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 20
+    warmup_steps: int | None = None  # null: train.steps // 10
     lr_decay_style: str = "cosine"
     weight_decay: float = 0.1
     clip_grad: float = 1.0
@@ -170,12 +170,46 @@ def _did_you_mean(name: str, choices, prefix: str = "") -> str:
     return f"; did you mean {prefix}{close[0]}?" if close else ""
 
 
+def data_parallel_size(cfg: Any, world_size: int) -> int:
+    return max(world_size // (cfg.parallel.tp * cfg.parallel.pp), 1)
+
+
+def resolve(cfg: Any, world_size: int = 1) -> Any:
+    """``cfg`` with the values left null to be derived filled in: ``train.global_batch_size`` =
+    ``train.micro_batch_size`` x the data-parallel size (Megatron's default), ``train.warmup_steps`` =
+    ``train.steps // 10``. Returns ``cfg`` itself when none is null, else a copy (read-only where
+    ``cfg`` is an OmegaConf config)."""
+    t = cfg.train
+    fill = {}
+    if t.global_batch_size is None:
+        fill["global_batch_size"] = t.micro_batch_size * data_parallel_size(cfg, world_size)
+    if t.warmup_steps is None:
+        fill["warmup_steps"] = t.steps // 10
+    if not fill:
+        return cfg
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **fill))
+    import copy
+
+    from omegaconf import OmegaConf
+
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    for key, value in fill.items():
+        out.train[key] = value
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
-    """Check keys and values (types were checked by the schema). Raises ConfigError naming the field.
+    """Check keys and values (types were checked by the schema), the derived ones (``resolve``)
+    included. Raises ConfigError naming the field.
 
     Pure: reads nothing but ``cfg``. What depends on the machine (writable directories, the data
     files, memory) is checked by ``config.resources`` once the device is known."""
     _check_keys(cfg)
+    _require(cfg.train.steps > 0, "train.steps", "must be > 0")
+    cfg = resolve(cfg, world_size)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _require(cfg.fp8.mode in FP8_MODES, "fp8.mode", f"{cfg.fp8.mode!r} is not one of {FP8_MODES}")
     _require(cfg.fp8.fp8_format in ("E4M3", "HYBRID"), "fp8.fp8_format", f"{cfg.fp8.fp8_format!r}: use E4M3 or HYBRID")
@@ -215,15 +249,21 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     bad = [i for i in cfg.fp8.bf16_layers if not -m.num_layers <= i < m.num_layers]
     _require(not bad, "fp8.bf16_layers", f"{bad} out of range for model.num_layers={m.num_layers} "
              f"(use 0..{m.num_layers - 1}, or -1..-{m.num_layers} counting from the last layer)")  # fmt: skip
-    dp = world_size // (p.tp * p.pp)
-    _require(t.steps > 0, "train.steps", "must be > 0")
+    dp = data_parallel_size(cfg, world_size)
     _require(t.micro_batch_size > 0, "train.micro_batch_size", "must be > 0")
     _require(t.global_batch_size > 0, "train.global_batch_size", "must be > 0")
-    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
-             f"must be a multiple of micro_batch_size x data-parallel size = {t.micro_batch_size * dp}")  # fmt: skip
+    step = t.micro_batch_size * dp
+    if t.global_batch_size % step:
+        per_rank = t.global_batch_size // dp
+        divisors = f", or train.micro_batch_size to a divisor of {per_rank}" if t.global_batch_size % dp == 0 else ""
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} is not a multiple of train.micro_batch_size x data-parallel "
+            f"size = {t.micro_batch_size} x {dp}; set it to a multiple of {step} (or null: {step}){divisors}"
+        )
     _require(t.lr >= 0, "train.lr", "must be >= 0")
     _require(0 <= t.min_lr <= t.lr, "train.min_lr", "must be in [0, train.lr]")
-    _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps", f"must be in [0, train.steps={t.steps})")
+    _require(0 <= t.warmup_steps < t.steps, "train.warmup_steps",
+             f"{t.warmup_steps} must be in [0, train.steps={t.steps}); or leave it null (train.steps // 10)")  # fmt: skip
     _require(t.lr_decay_style in LR_DECAY_STYLES, "train.lr_decay_style", f"{t.lr_decay_style!r} is not one of {LR_DECAY_STYLES}")
     _require(t.weight_decay >= 0, "train.weight_decay", f"must be >= 0 (got {t.weight_decay})")
     _require(t.clip_grad >= 0, "train.clip_grad", "must be >= 0 (0: no clipping)")

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config import validate
 from ..config.resources import check_resources
-from ..config.schema import ConfigError
+from ..config.schema import ConfigError, resolve
 from ..weight_cache import mark_weights_changed
 from . import data as data_mod
 from .checkpoint import load_checkpoint, resume_point, save_checkpoint
@@ -184,6 +184,7 @@ def run(cfg) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device, stack = init_runtime(cfg)
+    cfg = resolve(cfg, dist.get_world_size())  # the derived values (global batch, warmup) filled in
     with stack:
         resume_from = resume_point(cfg)  # a bad checkpoint stops the run here, before data and model are built
         rank = dist.get_rank()
