@@ -43,6 +43,13 @@ GiB = 2**30
         (["checkpoint.save_interval=-5"], "checkpoint.save_interval: must be >= 0"),
         (["model.num_experts=4", "model.moe_router_topk=5"], "model.moe_router_topk: must be in [1, model.num_experts=4]"),
         (["data=indexed"], "data.path: data.source=indexed needs"),
+        # NaN and inf pass the schema's float type (lr=inf trained into NaN losses)
+        (["train.lr=inf"], "train.lr: must be a finite number (got inf)"),
+        (["train.lr=nan"], "train.lr: must be a finite number (got nan)"),
+        (["train.min_lr=-inf"], "train.min_lr: must be a finite number (got -inf)"),
+        (["train.clip_grad=inf"], "train.clip_grad: must be a finite number"),
+        (["train.weight_decay=nan"], "train.weight_decay: must be a finite number"),
+        (["model.init_method_std=inf"], "model.init_method_std: must be a finite number"),
         (["train.steps=10", "train.warmup_steps=10"], "train.warmup_steps: 10 must be in [0, train.steps=10); or leave it null"),
         (["train.global_batch_size=12"], "train.global_batch_size: 12 is not a multiple of train.micro_batch_size x "
          "data-parallel size = 8 x 1; set it to a multiple of 8 (or null: 8), or train.micro_batch_size to a divisor of 12"),

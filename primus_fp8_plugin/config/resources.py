@@ -1,5 +1,5 @@
 """Start-up checks of a run against the machine it starts on: the directories it will write, the data
-files it will read, and whether one training step can fit in memory at all.
+files it will read, the backend it names, and whether one training step can fit in memory at all.
 
 ``config.validate`` checks values without touching anything; these run once the device is known,
 before any data is built or weight allocated, and raise ``ConfigError`` naming the field.
@@ -149,8 +149,26 @@ def check_memory(cfg: Any, world_size: int, vocab_size: int, available: int, whe
     )
 
 
+def check_backend(cfg: Any, device) -> None:
+    """A backend named explicitly (not ``auto``) can run on ``device`` (the registry's availability:
+    a Triton backend on a CPU cannot, for one); ConfigError naming backend.name and the backends that can."""
+    name = cfg.backend.name
+    if name == "auto":
+        return
+    from ..backends import available_backends, backend_availability
+
+    availability = backend_availability(name, device)
+    if not availability:
+        usable = [n for n, a in available_backends(device).items() if a]
+        raise ConfigError(
+            f"backend.name: {name!r} cannot run on {device} ({availability.reason}); use backend=auto or one of {usable}"
+        )
+
+
 def check_resources(cfg: Any, world_size: int, device, vocab_size: int) -> None:
-    """Every start-up check of this module: memory first (it writes nothing), then the paths."""
+    """Every start-up check of this module: the backend and memory first (they write nothing), then
+    the paths."""
+    check_backend(cfg, device)
     available, where = available_memory(device)
     check_memory(cfg, world_size, vocab_size, available, where)
     check_paths(cfg)

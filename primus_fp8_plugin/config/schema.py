@@ -8,6 +8,7 @@ fails in ``validate`` with a message naming the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,13 +202,27 @@ def resolve(cfg: Any, world_size: int = 1) -> Any:
     return out
 
 
+def _check_finite(cfg: Any) -> None:
+    """Every float of the configuration is a number (NaN and inf pass the schema's type check)."""
+    for section in dataclasses.fields(Config):
+        if section.default_factory is dataclasses.MISSING:
+            continue
+        for f in dataclasses.fields(section.default_factory):
+            if f.type not in ("float", float):  # (read no other field: some are interpolations resolved later)
+                continue
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section.name}.{f.name}: must be a finite number (got {value})")
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Check keys and values (types were checked by the schema), the derived ones (``resolve``)
     included. Raises ConfigError naming the field.
 
     Pure: reads nothing but ``cfg``. What depends on the machine (writable directories, the data
-    files, memory) is checked by ``config.resources`` once the device is known."""
+    files, the backend, memory) is checked by ``config.resources`` once the device is known."""
     _check_keys(cfg)
+    _check_finite(cfg)
     _require(cfg.train.steps > 0, "train.steps", "must be > 0")
     cfg = resolve(cfg, world_size)
     m, p, t = cfg.model, cfg.parallel, cfg.train

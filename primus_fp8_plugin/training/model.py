@@ -38,8 +38,10 @@ def transformer_config(cfg, on_cuda: bool):
     if cfg.train.cuda_graph:  # init_runtime refused it on the CPU
         kw.update(cuda_graph_impl="local", cuda_graph_warmup_steps=cfg.train.cuda_graph_warmup_steps)
     if m.num_experts:
+        # top-1 routing takes the softmax over all experts before choosing (Switch Transformer's router): after
+        # the choice the gate would be 1 for every token and the router would get no gradient (Megatron refuses it)
         kw.update(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_token_dispatcher_type="allgather",
-                  moe_grouped_gemm=m.moe_grouped_gemm)  # fmt: skip
+                  moe_grouped_gemm=m.moe_grouped_gemm, moe_router_pre_softmax=m.moe_router_topk == 1)  # fmt: skip
     if cfg.fp8.mode == "te_blockwise":  # te_bf16: the same TE spec without FP8
         kw.update(fp8="hybrid" if cfg.fp8.fp8_format == "HYBRID" else "e4m3", fp8_recipe="blockwise")
     return TransformerConfig(**kw)
