@@ -53,6 +53,18 @@ GiB = 2**30
         (["train.steps=10", "train.warmup_steps=10"], "train.warmup_steps: 10 must be in [0, train.steps=10); or leave it null"),
         (["train.global_batch_size=12"], "train.global_batch_size: 12 is not a multiple of train.micro_batch_size x "
          "data-parallel size = 8 x 1; set it to a multiple of 8 (or null: 8), or train.micro_batch_size to a divisor of 12"),
+        (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by: must be >= 1"),
+        # the tokenizer's fields
+        (["data=indexed", "data.path=/x", "data.tokenizer=null"], "data.vocab_size: data.tokenizer=null needs the vocabulary"),
+        (["data=indexed", "data.path=/x", "data.tokenizer=null", "data.vocab_size=0"], "data.vocab_size: 0: must be in [1, "),
+        (["data=indexed", "data.path=/x", "data.tokenizer=null", "data.vocab_size=100", "data.eod_id=100"],
+         "data.eod_id: 100 is not an id of the vocabulary (0..99)"),
+        (["data.vocab_size=32000"], "data.vocab_size: only data.tokenizer=null takes a vocabulary size (byte brings its own)"),
+        (["data.tokenizer=gpt2", "data.vocab_size=32000"], "data.vocab_size: only data.tokenizer=null takes"),
+        (["data.eod_id=3"], "data.eod_id: the byte tokenizer ends a document with 256"),
+        (["data.tokenizer=gpt2", "data.eod_id=-1"], "data.eod_id: -1: must be >= 0"),
+        (["data.tokenizer=null", "data.vocab_size=100"], "data.tokenizer: null tokenizes no text, and data.source=stdlib"),
+        (["data.tokenizer=' '"], "data.tokenizer: give byte, null or a Hugging Face tokenizer"),
     ],
 )
 def test_values_the_run_cannot_use_are_refused_naming_the_field(overrides, message):
@@ -83,6 +95,9 @@ def test_tensor_parallel_divisibility(overrides, world_size, message):
         ["data.split='100,0,0'", "train.eval_interval=0"],
         ["data.split='99'", "train.eval_interval=0", "train.weight_decay=0"],
         ["data.split='0.9, 0.1'"],
+        ["data=indexed", "data.path=/x", "data.tokenizer=null", "data.vocab_size=32000"],
+        ["data=indexed", "data.path=/x", "data.tokenizer='null'", "data.vocab_size=32000", "data.eod_id=0"],
+        ["data.tokenizer=gpt2", "data.eod_id=50256"],
         ["train.steps=1"],  # the default warmup composes with any number of steps
     ],
 )

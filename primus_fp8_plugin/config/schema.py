@@ -46,6 +46,10 @@ class ModelConfig:
     # with the plugin's grouped linears, or TE's in the te_* modes); false = SequentialMLP (a GEMM per expert)
     moe_grouped_gemm: bool = False
     init_method_std: float = 0.02
+    # the embedding's rows: the vocabulary rounded up to a multiple of this x parallel.tp, as Megatron-LM
+    # pads (--make-vocab-size-divisible-by); runs with different TP sizes build the same embedding (and
+    # start from the same weights) only where the rounding agrees
+    make_vocab_size_divisible_by: int = 128
 
 
 @dataclass
@@ -71,7 +75,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     # Initialise the full weights on the CPU, then shard: runs with different TP sizes start from the
-    # same weights (for TP-equivalence checks). Off on a GPU by default: each rank initialises its shard.
+    # same weights (for TP-equivalence checks; with the same padded vocabulary: model.make_vocab_size_divisible_by).
+    # Off on a GPU by default: each rank initialises its shard.
     cpu_initialization: bool = False
 
 
@@ -82,6 +87,11 @@ class DataConfig:
     cache_dir: str = "outputs/data"
     max_bytes: int = 16_000_000  # how much stdlib source to tokenize
     split: str = "98,2,0"
+    # byte (UTF-8 bytes, vocabulary 257) | null (Megatron's NullTokenizer: the ids are the data; needs
+    # vocab_size) | a Hugging Face tokenizer: a tokenizer.json, a directory holding one, or a hub name
+    tokenizer: str | None = "byte"  # null on the command line is YAML's null: the same as the string "null"
+    vocab_size: int | None = None  # data.tokenizer=null only: the vocabulary (ids 0..vocab_size-1)
+    eod_id: int | None = None  # the end-of-document id; null: the tokenizer's own (null: vocab_size - 1)
 
 
 @dataclass
@@ -220,7 +230,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     included. Raises ConfigError naming the field.
 
     Pure: reads nothing but ``cfg``. What depends on the machine (writable directories, the data
-    files, the backend, memory) is checked by ``config.resources`` once the device is known."""
+    files, the tokenizer, the backend, memory) is checked by ``config.resources`` once the device is
+    known."""
     _check_keys(cfg)
     _check_finite(cfg)
     _require(cfg.train.steps > 0, "train.steps", "must be > 0")
@@ -242,6 +253,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(not m.moe_grouped_gemm or bool(m.num_experts), "model.moe_grouped_gemm", "needs model.num_experts (an MoE model)")
     _require(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size", "must be divisible by model.num_attention_heads")
     _require(m.init_method_std > 0, "model.init_method_std", "must be > 0")
+    _require(m.make_vocab_size_divisible_by >= 1, "model.make_vocab_size_divisible_by", "must be >= 1")
     if m.num_query_groups is not None:
         _require(m.num_query_groups > 0, "model.num_query_groups", "must be > 0 (or null for multi-head attention)")
         _require(m.num_attention_heads % m.num_query_groups == 0, "model.num_query_groups",
@@ -292,6 +304,10 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(cfg.data.source in ("stdlib", "indexed"), "data.source", f"{cfg.data.source!r}: use stdlib or indexed")
     _require(cfg.data.source != "indexed" or bool(cfg.data.path), "data.path", "data.source=indexed needs a .bin/.idx prefix")
     _require(cfg.data.max_bytes > 0, "data.max_bytes", "must be > 0")
+    check_tokenizer_fields(cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.eod_id)
+    _require(not (cfg.data.source == "stdlib" and tokenizer_name(cfg.data.tokenizer) == "null"), "data.tokenizer",
+             "null tokenizes no text, and data.source=stdlib tokenizes Python's sources: use byte or a Hugging Face "
+             "tokenizer there, or data=indexed data.path=PREFIX for data made with another tokenizer")  # fmt: skip
     _check_split(cfg.data.split, t.eval_interval)
     if cfg.fp8.mode in TE_MODES:  # built from TE's layer spec: refuse what it would silently ignore
         why = "TE's spec brings its own fused attention"
@@ -301,6 +317,29 @@ def validate(cfg: Any, world_size: int = 1) -> None:
             import transformer_engine.pytorch  # noqa: F401
         except ImportError as err:
             raise ConfigError(f"fp8.mode: {cfg.fp8.mode} needs Transformer Engine ({err})") from None
+
+
+def tokenizer_name(tokenizer: str | None) -> str:
+    """``data.tokenizer`` as a name: YAML's null (``data.tokenizer=null``) is the null tokenizer."""
+    return "null" if tokenizer is None else str(tokenizer)
+
+
+def check_tokenizer_fields(tokenizer: str | None, vocab_size: int | None, eod_id: int | None) -> None:
+    """``data.tokenizer`` with ``data.vocab_size`` and ``data.eod_id``, without loading anything (a
+    Hugging Face tokenizer is loaded, and the ids checked against it, by ``training.tokenizer``)."""
+    name = tokenizer_name(tokenizer)
+    _require(bool(name.strip()), "data.tokenizer", "give byte, null or a Hugging Face tokenizer (a name or a path)")
+    if name == "null":
+        _require(vocab_size is not None, "data.vocab_size", "data.tokenizer=null needs the vocabulary size: data.vocab_size=N")
+        _require(0 < vocab_size < 2**31, "data.vocab_size", f"{vocab_size}: must be in [1, 2**31)")
+        _require(eod_id is None or 0 <= eod_id < vocab_size, "data.eod_id",
+                 f"{eod_id} is not an id of the vocabulary (0..{vocab_size - 1})")  # fmt: skip
+        return
+    _require(vocab_size is None, "data.vocab_size",
+             f"only data.tokenizer=null takes a vocabulary size ({name} brings its own); remove it")  # fmt: skip
+    if name == "byte":
+        _require(eod_id is None, "data.eod_id", "the byte tokenizer ends a document with 256; remove data.eod_id")
+    _require(eod_id is None or eod_id >= 0, "data.eod_id", f"{eod_id}: must be >= 0")
 
 
 def _check_split(split: str, eval_interval: int) -> None:

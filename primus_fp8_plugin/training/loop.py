@@ -23,6 +23,7 @@ from ..weight_cache import mark_weights_changed
 from . import data as data_mod
 from .checkpoint import load_checkpoint, resume_point, save_checkpoint
 from .model import build_model, padded_vocab, transformer_config
+from .tokenizer import run_tokenizer
 
 
 def _free_port() -> int:
@@ -54,8 +55,10 @@ def init_runtime(cfg) -> tuple[torch.device, contextlib.ExitStack]:
         install_cpu_standins()
         stack.enter_context(CudaAsCpu())  # Megatron's optimizer hard-codes CUDA buffers
         device = torch.device("cpu")
-    # before any data is built or weight allocated: memory for one step, writable directories, data files
-    check_resources(cfg, world, device, padded_vocab(data_mod.ByteTokenizer.vocab_size, cfg.parallel.tp))
+    # before any data is built or weight allocated: the tokenizer, the backend, memory for one step, writable
+    # directories, data files
+    vocab = padded_vocab(run_tokenizer(cfg).vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+    check_resources(cfg, world, device, vocab)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -157,20 +160,23 @@ def _batch_mean(reports: list[dict]) -> float:
 
 def build_run_datasets(cfg):
     """(train, valid) GPTDatasets of a run (collective: rank 0 writes the stdlib corpus once, everyone
-    reads it). Training global batch ``k`` is train samples ``[k*G, (k+1)*G)``; every evaluation
-    reads valid samples ``[0, train.eval_steps * G)`` (``G = train.global_batch_size``)."""
+    reads it; every id of the data must be one of the tokenizer's). Training global batch ``k`` is
+    train samples ``[k*G, (k+1)*G)``; every evaluation reads valid samples ``[0, train.eval_steps * G)``
+    (``G = train.global_batch_size``)."""
     t = cfg.train
+    tokenizer = run_tokenizer(cfg)
     if cfg.data.source == "stdlib":
         if dist.get_rank() == 0:
-            data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes)
+            data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, tokenizer=tokenizer)
         dist.barrier()
-        prefix = data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, log=lambda *_: None)
+        prefix = data_mod.build_stdlib_corpus(cfg.data.cache_dir, cfg.data.max_bytes, log=lambda *_: None, tokenizer=tokenizer)
     else:
         prefix = cfg.data.path
+    data_mod.check_token_ids(prefix, tokenizer, cfg.data.cache_dir)
     n_evals = t.steps // t.eval_interval + 1 if t.eval_interval else 0  # no validation samples without
     sizes = [t.steps * t.global_batch_size, n_evals * t.eval_steps * t.global_batch_size, 0]
     train_ds, valid_ds, _ = data_mod.build_datasets(
-        prefix, cfg.model.seq_length, t.seed, cfg.data.split, sizes, cfg.data.cache_dir
+        prefix, cfg.model.seq_length, t.seed, cfg.data.split, sizes, cfg.data.cache_dir, tokenizer
     )
     return train_ds, valid_ds
 
@@ -195,7 +201,7 @@ def run(cfg) -> dict:
         train_ds, valid_ds = build_run_datasets(cfg)
 
         tconfig = transformer_config(cfg, device.type == "cuda")
-        model = build_model(cfg, tconfig, data_mod.ByteTokenizer.vocab_size, device)
+        model = build_model(cfg, tconfig, run_tokenizer(cfg).vocab_size, device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer
         )

@@ -69,10 +69,11 @@ def layer_spec(cfg):
     )  # fmt: skip
 
 
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """Vocabulary padded as Megatron needs (a multiple of 128 per TP rank), to at least a multiple of
-    512 so that runs with TP = 1, 2 or 4 build the same embedding (same initial weights and loss)."""
-    step = max(512, 128 * tp)
+def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """The embedding's rows: ``vocab_size`` rounded up to a multiple of ``divisible_by x tp``, as
+    Megatron-LM pads (``--make-vocab-size-divisible-by``, default 128): each tensor-parallel rank holds
+    a multiple of ``divisible_by`` rows. The padding rows are no token of the data."""
+    step = divisible_by * tp
     return -(-vocab_size // step) * step
 
 
@@ -89,7 +90,7 @@ def build_model(cfg, tconfig, vocab_size: int, device: torch.device):
         gpt = GPTModel(
             config=tconfig,
             transformer_layer_spec=layer_spec(cfg),
-            vocab_size=padded_vocab(vocab_size, cfg.parallel.tp),
+            vocab_size=padded_vocab(vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp),
             max_sequence_length=cfg.model.seq_length,
             position_embedding_type=cfg.model.position_embedding_type,
         )
