@@ -1,11 +1,12 @@
 """Real data: the tokenizers a run names (byte, Megatron's null, a Hugging Face tokenizer from a local
 file), the indexed-dataset writer and the read-back of the largest token id, the start-up check of
-the data against the vocabulary, and a 32k-vocabulary dataset that trains with
-``data.tokenizer=null data.vocab_size=32000`` and stops with exit 2 without it."""
+the data against the vocabulary, scripts/prepare_data.py, and a 32k-vocabulary dataset that trains
+with ``data.tokenizer=null data.vocab_size=32000`` and stops with exit 2 without it."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -17,7 +18,7 @@ from primus_fp8_plugin.config import ConfigError  # noqa: E402
 from primus_fp8_plugin.training import data as data_mod  # noqa: E402
 from primus_fp8_plugin.training.tokenizer import ByteTokenizer, NullTokenizer, build_tokenizer  # noqa: E402
 
-from .test_train import losses, train  # noqa: E402
+from .test_train import ROOT, losses, train  # noqa: E402
 
 EOT = "<|endoftext|>"
 
@@ -174,6 +175,50 @@ def test_splits_megatron_would_loop_on_or_run_out_of_memory_over(tmp_path):
     with pytest.raises(ConfigError, match=r"^train.steps: Megatron's dataset index of the 100000000 train samples"):
         data_mod.check_splits(prefix, "98,2,0", [10**8, 10, 0], 128, available_bytes=2**30)  # needs >= 1.1 GiB
     data_mod.check_splits(prefix, "98,2,0", [10**6, 10, 0], 128, available_bytes=2**30)
+
+
+def test_prepare_data_script(tmp_path, local_tokenizer):
+    directory, tok = local_tokenizer
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("def f(x):\n    return x + 1\n")
+    lines = [{"text": "the quick brown fox"}, {"text": ""}, {"text": "jumps over\nthe lazy dog"}]
+    (tmp_path / "in" / "b.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    out = tmp_path / "out" / "corpus"
+    cmd = [sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--tokenizer", str(directory), "--out", str(out)]
+    proc = subprocess.run([*cmd, str(tmp_path / "in")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eot = tok.token_to_id(EOT)
+    texts = ["def f(x):\n    return x + 1\n", "the quick brown fox", "jumps over\nthe lazy dog"]
+    want = [[*tok.encode(t).ids, eot] for t in texts]  # files in sorted order, the empty document skipped
+    got = read_dataset(out)
+    assert [g.tolist() for g in got] == want
+    n = sum(map(len, want))
+    assert f"3 documents, {n} tokens" in proc.stdout and f"vocabulary {tok.get_vocab_size()}" in proc.stdout
+    assert f"largest id {max(map(max, want))} (uint16)" in proc.stdout
+    assert f"data=indexed data.path={out} data.tokenizer={directory}" in proc.stdout
+
+
+
+def test_prepare_data_refuses_bad_input_and_leaves_nothing(tmp_path, local_tokenizer, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    (tmp_path / "empty.txt").write_text("")
+    base = ["--no-progress", "--tokenizer", str(local_tokenizer[0]), "--out", str(tmp_path / "x")]
+    missing = str(tmp_path / "no.json")
+    for extra, message in [
+        ([str(tmp_path / "bad.jsonl")], "bad.jsonl:2: not a JSON object with a string 'text' field (--json-key)"),
+        ([str(tmp_path / "missing.txt")], "missing.txt: no such file or directory"),
+        ([str(tmp_path / "empty.txt")], "no documents in"),
+        (["--tokenizer", "null", str(tmp_path / "empty.txt")], "--tokenizer: null tokenizes no text"),
+        (["--tokenizer", missing, str(tmp_path / "empty.txt")], f"--tokenizer: {missing} not found"),
+    ]:
+        assert script.main([*base, *extra]) == 2
+        assert message in capsys.readouterr().err
+        assert not list(tmp_path.glob("x*"))
 
 
 def test_a_32k_vocabulary_dataset_trains_with_the_null_tokenizer_and_stops_without(tmp_path):
