@@ -221,6 +221,27 @@ def test_prepare_data_refuses_bad_input_and_leaves_nothing(tmp_path, local_token
         assert not list(tmp_path.glob("x*"))
 
 
+def test_own_text_recipe_prepares_the_data_and_trains_on_it(tmp_path, local_tokenizer):
+    import os
+
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.jsonl").write_text("\n".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 20}) for i in range(60)))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(TEXT=str(text), TOKENIZER=str(local_tokenizer[0]), DATA_PREFIX=str(tmp_path / "corpus"), PYTHON=sys.executable,
+               GPUS="1", CHECK_SPEC="0", OMP_WAIT_POLICY="PASSIVE")  # fmt: skip
+    run = tmp_path / "run"
+    tiny = ["model=tiny", "model.num_layers=1", "model.seq_length=64", "model.attention=local", "backend=reference",
+            "train.steps=3", "train.eval_interval=0", "logging.log_interval=1", "logging.progress=false",
+            f"logging.dir={run}", f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "recipes" / "pretrain_own_text.sh"), *tiny], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "60 documents" in proc.stdout and (tmp_path / "corpus.bin").stat().st_size > 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(losses(records)) == [1, 2, 3]
+
+
 def test_a_32k_vocabulary_dataset_trains_with_the_null_tokenizer_and_stops_without(tmp_path):
     """Ids up to 31999 (the null tokenizer's end of document); a skewed unigram distribution, so that
     a few steps lower the loss from about ln(32000) = 10.4."""
