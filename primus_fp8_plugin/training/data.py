@@ -71,6 +71,8 @@ class IndexedDatasetWriter:
 
     def close(self) -> None:
         self._builder.finalize(str(self._tmp) + ".idx")
+        # an older index goes first: never a new .bin with the old .idx, whatever stops between the renames
+        Path(str(self.prefix) + ".idx").unlink(missing_ok=True)
         os.replace(str(self._tmp) + ".bin", str(self.prefix) + ".bin")
         os.replace(str(self._tmp) + ".idx", str(self.prefix) + ".idx")
 
@@ -165,10 +167,11 @@ def check_token_ids(prefix: str, tokenizer, cache_dir: str | Path | None = None)
     if high >= vocab:
         fix = f"data.tokenizer=null data.vocab_size={high + 1} (or the vocabulary size of the tokenizer that made it)"
         if tokenizer.name.startswith("null"):
+            older = f" (Megatron's older NullTokenizer({vocab}) ended documents with {vocab})" if high == vocab else ""
             raise ConfigError(
                 f"data.vocab_size: {prefix}.bin holds token ids up to {high}, but data.tokenizer=null with "
                 f"data.vocab_size={vocab} allows 0..{vocab - 1}; set data.vocab_size to at least {high + 1} "
-                "(the vocabulary of the tokenizer that made the data)"
+                f"(the vocabulary of the tokenizer that made the data){older}"
             )
         raise ConfigError(
             f"data.tokenizer: {prefix}.bin holds token ids up to {high}, but data.tokenizer={tokenizer.name} has a "

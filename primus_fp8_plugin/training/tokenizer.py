@@ -3,9 +3,11 @@
 (``encode``: texts to arrays of token ids).
 
 - ``byte``: the UTF-8 bytes 0..255 are the tokens, 256 ends a document (vocabulary 257).
-- ``null``: Megatron-core's NullTokenizer: the ids are the data (it tokenizes no text);
-  ``data.vocab_size`` tokens, the end of a document is ``vocab_size - 1`` (or ``data.eod_id``), no
-  padding token.
+- ``null``: Megatron-core's NullTokenizer (as megatron-core 0.19 defines it): the ids are the data
+  (it tokenizes no text); ``data.vocab_size`` tokens, the end of a document is ``vocab_size - 1`` (or
+  ``data.eod_id``), no padding token. (Megatron's older NullTokenizer(N), megatron-core <= 0.16 and
+  Megatron-LM's legacy one, had N + 1 ids and ended documents with N: data made for it needs
+  ``data.vocab_size=N+1``.)
 - anything else: a Hugging Face tokenizer, through the ``tokenizers`` library (``pip install
   'primus-fp8-plugin[data]'``): a ``tokenizer.json`` file, a directory holding one (as
   ``save_pretrained`` writes it), or a hub name such as ``gpt2`` (downloaded once into the Hugging
