@@ -53,6 +53,7 @@ GiB = 2**30
         (["train.steps=10", "train.warmup_steps=10"], "train.warmup_steps: 10 must be in [0, train.steps=10); or leave it null"),
         (["train.global_batch_size=12"], "train.global_batch_size: 12 is not a multiple of train.micro_batch_size x "
          "data-parallel size = 8 x 1; set it to a multiple of 8 (or null: 8), or train.micro_batch_size to a divisor of 12"),
+        (["parallel.tp=0"], "parallel.tp: tp and pp must be >= 1"),
         (["model.make_vocab_size_divisible_by=0"], "model.make_vocab_size_divisible_by: must be >= 1"),
         # the tokenizer's fields
         (["data=indexed", "data.path=/x", "data.tokenizer=null"], "data.vocab_size: data.tokenizer=null needs the vocabulary"),

@@ -182,7 +182,9 @@ def _did_you_mean(name: str, choices, prefix: str = "") -> str:
 
 
 def data_parallel_size(cfg: Any, world_size: int) -> int:
-    return max(world_size // (cfg.parallel.tp * cfg.parallel.pp), 1)
+    """The data-parallel size, ``world_size // (tp x pp)``: at least 1, also for values of tp and pp
+    that ``validate`` refuses."""
+    return max(world_size // max(cfg.parallel.tp * cfg.parallel.pp, 1), 1)
 
 
 def resolve(cfg: Any, world_size: int = 1) -> Any:

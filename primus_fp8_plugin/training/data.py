@@ -249,7 +249,7 @@ def check_splits(prefix: str, split: str, sizes: list[int], seq_length: int, ava
             )
         if not want:
             continue
-        field = SPLIT_FIELDS[name]
+        field = SPLIT_FIELDS.get(name, "data.split")
         passes = math.ceil((want * seq_length + 1) / tokens)
         if passes > MAX_PASSES:
             raise ConfigError(
@@ -261,7 +261,7 @@ def check_splits(prefix: str, split: str, sizes: list[int], seq_length: int, ava
     total = sum(b for b, _ in need.values())
     if available_bytes is not None and total > available_bytes:
         name = max(need, key=lambda k: need[k][0])
-        field = SPLIT_FIELDS[name]
+        field = SPLIT_FIELDS.get(name, "data.split")
         also = " (or evaluate less often: train.eval_interval)" if name == "valid" else ""
         raise ConfigError(
             f"{field}: Megatron's dataset index of the {need[name][1]} {name} samples the run asks for needs at least "
