@@ -147,7 +147,7 @@ def test_check_builds_the_spec_the_trainer_builds(tmp_path):
     assert "check: nothing started" in proc.stdout
     moe = run(ROOT / "recipes" / "pretrain_moe_small.sh", "--check", "--gpus", "16", cwd=tmp_path)
     assert moe.returncode == 2
-    assert "train.global_batch_size: must be a multiple of micro_batch_size x data-parallel size = 64" in moe.stderr
+    assert "train.global_batch_size: 32 is not a multiple of train.micro_batch_size x data-parallel size = 4 x 16" in moe.stderr
     assert "stopped before starting any process" in moe.stderr
 
 
@@ -177,7 +177,7 @@ def test_check_launch_per_mode(check_launch):
     summary, notes = mod.check(compose("model.seq_length=2048", "backend=reference"), 1)
     assert "Fp8LayerNormColumnParallelLinear x4, Fp8RowParallelLinear x4" in summary
     assert len(notes) == 1 and "model.attention=sdpa runs PyTorch's fused kernels" in notes[0]
-    with pytest.raises(mod.LaunchCheckError, match="train.global_batch_size: must be a multiple"):
+    with pytest.raises(mod.LaunchCheckError, match="train.global_batch_size: 8 is not a multiple of train.micro_batch_size x data-parallel size = 8 x 2"):
         mod.check(compose("train.micro_batch_size=8", "train.global_batch_size=8"), 2)
     try:
         import transformer_engine.pytorch  # noqa: F401
