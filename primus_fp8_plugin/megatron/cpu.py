@@ -45,6 +45,8 @@ def install_cpu_standins() -> None:
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as tf_utils
 
+    from .compat import define_te_free_moe_router
+
     def causal_mask_on_cpu(sq: int) -> torch.Tensor:  # Megatron builds its default mask on "cuda"
         return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
@@ -53,6 +55,7 @@ def install_cpu_standins() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _CpuStream()  # DDP's gradient sync waits on it
     mp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    define_te_free_moe_router()  # megatron-core 0.16's MoE router without TE (compat.py)
     _installed = True
 
 

@@ -41,12 +41,12 @@ def _install_rope_router() -> None:
     if getattr(original, "_primus_fp8_router", False):
         return
 
-    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, mla_rotary_interleaved=False,
-                             **kwargs):  # fmt: skip
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
+        # kwargs go on as given: mla_rotary_interleaved exists from megatron-core 0.19 on
         layer = _ACTIVE.get()
-        if layer is None or kwargs or not _routes_to_plugin(t, freqs, config, cu_seqlens, mla_rotary_interleaved):
-            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group,
-                            mla_rotary_interleaved=mla_rotary_interleaved, **kwargs)  # fmt: skip
+        mla = kwargs.get("mla_rotary_interleaved", False)
+        if layer is None or set(kwargs) - {"mla_rotary_interleaved"} or not _routes_to_plugin(t, freqs, config, cu_seqlens, mla):
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **kwargs)
         layer.rope_calls += 1
         return plugin_rope(t, freqs.detach(), rotary_interleaved=bool(getattr(config, "rotary_interleaved", False)),
                            mscale=mscale, backend=layer.rope_backend)  # fmt: skip

@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer.mlp import MLPSubmodules
-from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
@@ -45,6 +45,7 @@ from ..modules import HoldsWeightCache, take_first_microbatch
 from ..ops import fp8_grouped_linear
 from ..recipe import BlockwiseRecipe
 from ..weight_cache import GroupedWeightCache
+from .compat import GroupedMLPSubmodules, grouped_linear
 from .layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
 
@@ -222,9 +223,8 @@ class Fp8RowParallelGroupedLinear(Fp8GroupedLinearBase):
 def grouped_mlp(recipe: BlockwiseRecipe | None = None, backend: str = "auto"):
     """Experts builder: Megatron's ``TEGroupedMLP`` with the plugin's grouped FP8 linears (no TE needed)."""
     kw = {"fp8_recipe": recipe, "fp8_backend": backend}
-    sub = GroupedMLPSubmodules(
-        linear_fc1=partial(Fp8ColumnParallelGroupedLinear, **kw), linear_fc2=partial(Fp8RowParallelGroupedLinear, **kw)
-    )
+    sub = GroupedMLPSubmodules(linear_fc1=grouped_linear(Fp8ColumnParallelGroupedLinear, **kw),
+                               linear_fc2=grouped_linear(Fp8RowParallelGroupedLinear, **kw))  # fmt: skip
     return partial(TEGroupedMLP, submodules=sub)
 
 
@@ -244,10 +244,11 @@ class Fp8Experts:
     def __init__(self, recipe: BlockwiseRecipe | None = None, backend: str = "auto", grouped: bool | None = None):
         self.recipe, self.backend, self.grouped = recipe, backend, grouped
 
-    def __call__(self, num_local_experts, config, /, *, pg_collection=None, name=None):
+    def __call__(self, num_local_experts, config, /, *, pg_collection=None, **kwargs):
+        # kwargs: what this MoELayer passes on (``name`` from megatron-core 0.18, which older experts lack)
         grouped = self.grouped if self.grouped is not None else bool(getattr(config, "moe_grouped_gemm", False))
         build = grouped_mlp if grouped else sequential_mlp
-        return build(self.recipe, self.backend)(num_local_experts, config, pg_collection=pg_collection, name=name)
+        return build(self.recipe, self.backend)(num_local_experts, config, pg_collection=pg_collection, **kwargs)
 
     def __repr__(self) -> str:
         mode = {None: "by config.moe_grouped_gemm", True: "grouped", False: "sequential"}[self.grouped]

@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..recipe import BlockwiseRecipe
+from .compat import grouped_linear, moe_experts, provider_experts
 from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8RowParallelGroupedLinear, grouped_mlp, sequential_mlp
 from .layers import Fp8ColumnParallelLinear, Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
 from .norm import TorchNorm
@@ -41,7 +42,7 @@ _SWAP = {
     "TERowParallelLinear": Fp8RowParallelLinear,
     "TELayerNormColumnParallelLinear": Fp8LayerNormColumnParallelLinear,
 }
-# TE's grouped expert linears (builders called directly by TEGroupedMLP, so replaced by partials, not ModuleSpecs)
+# TE's grouped expert linears (replaced by builders or ModuleSpecs, as the installed TEGroupedMLP takes them: compat.py)
 _SWAP_GROUPED = {
     "TEColumnParallelGroupedLinear": Fp8ColumnParallelGroupedLinear,
     "TERowParallelGroupedLinear": Fp8RowParallelGroupedLinear,
@@ -58,7 +59,7 @@ def _swap(node, recipe, backend):
     """Recursively replace linear classes in a spec tree (ModuleSpec, submodule dataclasses, partials)."""
     if isinstance(node, type):
         if node.__name__ in _SWAP_GROUPED:
-            return partial(_SWAP_GROUPED[node.__name__], fp8_recipe=recipe, fp8_backend=backend)
+            return grouped_linear(_SWAP_GROUPED[node.__name__], fp8_recipe=recipe, fp8_backend=backend)
         new = _SWAP.get(node.__name__)
         return _fp8_module(new, recipe, backend) if new is not None else node
     if isinstance(node, ModuleSpec):
@@ -228,7 +229,7 @@ def get_gpt_layer_spec(
     spec = with_core_attention(_norms_to_torch_norm(spec), core_attention)
     if num_experts is not None and moe_grouped_gemm is not False:
         experts = grouped_mlp(recipe, backend) if moe_grouped_gemm else Fp8Experts(recipe, backend, grouped=None)
-        mlp = _with_experts(spec.submodules.mlp, experts)
+        mlp = _with_experts(spec.submodules.mlp, moe_experts(experts))
         spec = ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
     if not fused_norm:
         return spec
@@ -282,10 +283,14 @@ class Fp8SpecProvider(LocalSpecProvider):
     def column_parallel_layer_norm_linear(self):
         return _fp8_module(Fp8LayerNormColumnParallelLinear, self.recipe, self.backend) if self.fuse_norm else None
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
         """``TEGroupedMLP`` with the plugin's grouped FP8 linears (``moe_use_grouped_gemm``), else
-        ``SequentialMLP`` with the dense FP8 linears."""
-        return (grouped_mlp if moe_use_grouped_gemm else sequential_mlp)(self.recipe, self.backend)
+        ``SequentialMLP`` with the dense FP8 linears: a builder, or ``(class, submodules)`` for Megatron-core
+        0.16 (compat.py). megatron-core 0.16's legacy ``GroupedMLP`` has no FP8 counterpart."""
+        if moe_use_legacy_grouped_gemm:
+            raise NotImplementedError("--moe-use-legacy-grouped-gemm (Megatron's legacy GroupedMLP) has no FP8 blockwise "
+                                      "counterpart: drop the flag (the plugin's grouped experts replace TEGroupedMLP's)")
+        return provider_experts((grouped_mlp if moe_use_grouped_gemm else sequential_mlp)(self.recipe, self.backend))
 
 
 def is_fp8_linear(module) -> bool:

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import torch
 
 SEQ, BATCH, VOCAB = 64, 2, 512
 # hidden/ffn/qkv widths whose TP=2 shards are multiples of 128, so FP8 tiles align across TP sizes
 DIMS = dict(num_layers=2, hidden_size=256, num_attention_heads=4, ffn_hidden_size=512)
+
+
+def submodules_of(spec):
+    """A spec's submodules: a ``ModuleSpec``'s, or a ``partial``'s keyword (MLP specs from megatron-core 0.17 on)."""
+    return spec.keywords["submodules"] if isinstance(spec, partial) else spec.submodules
 
 
 def tiny_config(**overrides):

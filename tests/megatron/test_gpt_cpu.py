@@ -8,7 +8,7 @@ import torch
 
 from primus_fp8_plugin.validate import rel_frobenius
 
-from .common import build_gpt, loss_and_grads, tiny_config
+from .common import build_gpt, loss_and_grads, submodules_of, tiny_config
 
 pytestmark = pytest.mark.usefixtures("megatron_world")
 
@@ -161,8 +161,8 @@ def test_spec_tools():
     all_bf16 = build_gpt(get_gpt_block_spec(2, bf16_layers=range(2)))
     assert fp8_linears(all_bf16) == []
     swapped = apply_fp8_blockwise(local)
-    assert swapped.submodules.mlp.keywords["submodules"].linear_fc1.module is Fp8ColumnParallelLinear
-    assert local.submodules.mlp.keywords["submodules"].linear_fc1.__name__ == "ColumnParallelLinear"  # copy
+    assert submodules_of(swapped.submodules.mlp).linear_fc1.module is Fp8ColumnParallelLinear
+    assert submodules_of(local.submodules.mlp).linear_fc1.__name__ == "ColumnParallelLinear"  # copy
     provider = Fp8SpecProvider()
     assert provider.column_parallel_linear().module is Fp8ColumnParallelLinear
     assert provider.column_parallel_layer_norm_linear().module is Fp8LayerNormColumnParallelLinear

@@ -4,6 +4,8 @@ fusion and the first-microbatch refresh. Multi-rank runs (EP=2, expert TP=2): te
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,21 +43,29 @@ def sequential_name(name: str) -> str:
 
 
 def test_specs_put_the_grouped_experts_where_te_grouped_mlp_stands():
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from primus_fp8_plugin.megatron import (
         Fp8ColumnParallelGroupedLinear,
+        Fp8ColumnParallelLinear,
         Fp8RowParallelGroupedLinear,
         Fp8SpecProvider,
         fp8_gpt_moe_layer_spec,
     )
 
+    # the provider through Megatron's own MoE spec builder (its return type differs by version: compat.py)
     provider = Fp8SpecProvider(backend="reference")
-    grouped = provider.grouped_mlp_modules(True)
-    assert grouped.func is TEGroupedMLP
-    assert grouped.keywords["submodules"].linear_fc1.func is Fp8ColumnParallelGroupedLinear
-    assert grouped.keywords["submodules"].linear_fc2.keywords["fp8_backend"] == "reference"
-    assert provider.grouped_mlp_modules(False).func is SequentialMLP
+    for grouped, kind, linear in ((True, TEGroupedMLP, Fp8ColumnParallelGroupedLinear), (False, SequentialMLP, None)):
+        moe = get_moe_module_spec_for_backend(backend=provider, num_experts=NUM_EXPERTS, moe_grouped_gemm=grouped)
+        layer = moe_spec(False)
+        layer = ModuleSpec(module=layer.module, params=layer.params,
+                           submodules=dataclasses.replace(layer.submodules, mlp=moe))  # fmt: skip
+        experts = build_gpt(layer, moe_config()).module.decoder.layers[0].mlp.experts
+        assert type(experts) is kind
+        fc1 = experts.linear_fc1 if grouped else experts.local_experts[0].linear_fc1
+        assert isinstance(fc1, linear or Fp8ColumnParallelLinear) and fc1.fp8_backend == "reference"
     model = build_gpt(moe_spec(True), moe_config())
     experts = model.module.decoder.layers[0].mlp.experts
     assert isinstance(experts, TEGroupedMLP) and isinstance(experts.linear_fc2, Fp8RowParallelGroupedLinear)
