@@ -25,6 +25,7 @@ import dataclasses
 import importlib
 import inspect
 import sys
+import warnings
 from functools import partial
 
 EXIT_BAD_SPEC = 2
@@ -49,6 +50,9 @@ def spec_modules(node, seen=None) -> list:
     if isinstance(node, ModuleSpec):
         out.append(node.module)
         spec_modules(node.submodules, out)
+        for v in (node.params or {}).values():  # e.g. an experts builder for megatron-core 0.16 (compat.py)
+            if callable(v) or isinstance(v, (ModuleSpec, list, tuple)):
+                spec_modules(v, out)
     elif isinstance(node, partial):
         out.append(getattr(node.func, "__self__", node.func))
         for v in (*node.args, *node.keywords.values()):
@@ -117,10 +121,15 @@ def build_spec(module: str, name: str, config):
     try:
         mod = importlib.import_module(module)
     except Exception as err:  # noqa: BLE001 - any import failure, with its cause
-        raise SpecError(f"{where}: importing {module} failed ({type(err).__name__}: {err}). Megatron-LM would log one "
-                        "ERROR line and train its default spec. Put this repository on PYTHONPATH (or pip install "
-                        "it) and install its Megatron extras") from err  # fmt: skip
-    if name not in vars(mod):
+        raise SpecError(f"{where}: importing {module} failed ({type(err).__name__}: {one_line(err)}). Megatron-LM would "
+                        "log one ERROR line and train its default spec. Put this repository on PYTHONPATH (or pip "
+                        "install it) and install its Megatron extras") from err  # fmt: skip
+    if name not in vars(mod):  # Megatron-LM reads vars(module)[name]
+        try:  # a package whose own imports failed keeps the error for its names (primus_fp8_plugin.megatron)
+            getattr(mod, name, None)
+        except ImportError as err:
+            raise SpecError(f"{where}: {one_line(err)}. Megatron-LM would log one ERROR line and train its default "
+                            "spec") from err  # fmt: skip
         known = sorted(n for n, v in vars(mod).items() if not n.startswith("_") and "spec" in n and
                        (isinstance(v, ModuleSpec) or callable(v)))  # fmt: skip
         raise SpecError(f"{where}: {module} has no attribute {name!r} (specs there: {', '.join(known) or 'none'})")
@@ -138,8 +147,11 @@ def build_spec(module: str, name: str, config):
 
 def check(module: str, name: str, flags: list[str] = ()) -> str:
     """The one-line summary of a good spec; raises ``SpecError`` otherwise."""
+    _fp8_classes()  # the plugin's Megatron layers import (an ImportError says what is missing: compat.py)
     try:
         config = config_from_flags(list(flags))
+    except ImportError:
+        raise
     except Exception as err:  # noqa: BLE001
         raise SpecError(f"these flags make no valid TransformerConfig: {type(err).__name__}: {err}") from err
     spec = build_spec(module, name, config)
@@ -195,11 +207,23 @@ def main(argv=None) -> int:
               file=sys.stderr)  # fmt: skip
         return EXIT_BAD_SPEC
     try:
-        print(check(argv[0], argv[1], argv[2:]), flush=True)
+        with warnings.catch_warnings():  # Megatron's notices (absent apex / TE fallbacks) are not this check's
+            warnings.filterwarnings("ignore", module=r"megatron\.")
+            print(check(argv[0], argv[1], argv[2:]), flush=True)
     except SpecError as err:
-        print(f"check_spec: FAILED {err}", file=sys.stderr, flush=True)
+        print(f"check_spec: FAILED {one_line(err)}", file=sys.stderr, flush=True)
+        return EXIT_BAD_SPEC
+    except ImportError as err:  # the plugin's own Megatron modules: megatron-core absent or unsupported (compat.py)
+        from . import explained
+
+        print(f"check_spec: FAILED {one_line(explained(err))}", file=sys.stderr, flush=True)
         return EXIT_BAD_SPEC
     return 0
+
+
+def one_line(err: BaseException) -> str:
+    """An error's message on one line."""
+    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

@@ -62,6 +62,15 @@ def version_error(what: str) -> MegatronVersionError:
                                 f"lacks; supported: {SUPPORTED}; {INSTALL_HINT}")  # fmt: skip
 
 
+def explain_import_error(err: ImportError) -> ImportError:
+    """``err`` (an import of the plugin's Megatron modules that failed) as a ``MegatronVersionError`` naming
+    the installed version and the supported range; a ``MegatronVersionError`` already does."""
+    if isinstance(err, MegatronVersionError):
+        return err
+    return MegatronVersionError(f"primus_fp8_plugin.megatron does not import with megatron-core {megatron_version()}: "
+                                f"{type(err).__name__}: {err}; supported: {SUPPORTED}; {INSTALL_HINT}")  # fmt: skip
+
+
 def _check_oldest() -> None:
     version = getattr(_installed(), "__version__", "")
     m = re.match(r"(\d+)\.(\d+)", version)
