@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .common import build_gpt, loss_and_grads, tiny_config
+from .common import build_gpt, loss_and_grads, submodules_of, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,8 +86,7 @@ def test_experts_reach_any_moe_layer_as_megatrons_own_modules(grouped):
     from primus_fp8_plugin.megatron import Fp8Experts, fp8_gpt_moe_layer_spec, is_fp8_linear
     from primus_fp8_plugin.megatron.compat import EXPERTS_ARE_BUILDERS, ExpertsFromBuilder
 
-    experts_entry = fp8_gpt_moe_layer_spec.submodules.mlp
-    experts_entry = (experts_entry.keywords["submodules"] if EXPERTS_ARE_BUILDERS else experts_entry.submodules).experts
+    experts_entry = submodules_of(fp8_gpt_moe_layer_spec.submodules.mlp).experts
     if EXPERTS_ARE_BUILDERS:
         assert isinstance(experts_entry, Fp8Experts)
     else:
