@@ -103,3 +103,11 @@ def test_experts_reach_any_moe_layer_as_megatrons_own_modules(grouped):
     assert torch.isfinite(torch.tensor(loss))
     expert_grads = [g for n, g in grads.items() if ".experts." in n]
     assert expert_grads and all(torch.isfinite(g).all() for g in expert_grads) and any(g.abs().sum() > 0 for g in expert_grads)
+
+
+def test_megatrons_legacy_grouped_mlp_is_refused_by_name():
+    """megatron-core 0.16 asks a spec provider for its legacy GroupedMLP too; the plugin has no FP8 one."""
+    from primus_fp8_plugin.megatron import Fp8SpecProvider
+
+    with pytest.raises(NotImplementedError, match="--moe-use-legacy-grouped-gemm"):
+        Fp8SpecProvider().grouped_mlp_modules(True, True)
