@@ -177,7 +177,8 @@ def test_check_launch_per_mode(check_launch):
     summary, notes = mod.check(compose("model.seq_length=2048", "backend=reference"), 1)
     assert "Fp8LayerNormColumnParallelLinear x4, Fp8RowParallelLinear x4" in summary
     assert len(notes) == 1 and "model.attention=sdpa runs PyTorch's fused kernels" in notes[0]
-    with pytest.raises(mod.LaunchCheckError, match="train.global_batch_size: 8 is not a multiple of train.micro_batch_size x data-parallel size = 8 x 2"):
+    bad = "train.global_batch_size: 8 is not a multiple of train.micro_batch_size x data-parallel size = 8 x 2"
+    with pytest.raises(mod.LaunchCheckError, match=bad):
         mod.check(compose("train.micro_batch_size=8", "train.global_batch_size=8"), 2)
     try:
         import transformer_engine.pytorch  # noqa: F401
