@@ -13,10 +13,7 @@ try:
         fp8_gpt_fast_layer_spec,
         fp8_gpt_fast_moe_spec,
         fp8_te_gpt_layer_spec,
-        get_gpt_fast_layer_spec,
-        get_te_gpt_layer_spec,
     )
-    from .fused_layers import Fp8FusedNormColumnParallelLinear, Fp8FusedSwigluMLP, Fp8SwigluRowParallelLinear
     from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8RowParallelGroupedLinear
     from .layers import (
         Fp8ColumnParallelLinear,
@@ -24,6 +21,7 @@ try:
         Fp8RowParallelLinear,
         set_is_first_microbatch,
     )
+    from .mlp import Fp8SwigluMLP
     from .norm import TorchNorm
     from .specs import (
         Fp8SpecProvider,
@@ -33,7 +31,9 @@ try:
         fp8_gpt_layer_spec_rmsnorm,
         fp8_gpt_moe_layer_spec,
         get_gpt_block_spec,
+        get_gpt_fast_layer_spec,
         get_gpt_layer_spec,
+        get_te_gpt_layer_spec,
         is_fp8_linear,
     )
 except ImportError as err:
@@ -59,9 +59,7 @@ def explained(err: ImportError) -> ImportError:
 
 __all__ = [
     "Fp8FastSelfAttention",
-    "Fp8FusedNormColumnParallelLinear",
-    "Fp8FusedSwigluMLP",
-    "Fp8SwigluRowParallelLinear",
+    "Fp8SwigluMLP",
     "fp8_gpt_fast_dense_spec",
     "fp8_gpt_fast_layer_spec",
     "fp8_gpt_fast_moe_spec",

@@ -1,59 +1,29 @@
 """``Fp8FastSelfAttention``: Megatron's ``SelfAttention`` whose rotary embedding is the plugin's (``rope.py``:
 Megatron's unfused sbhd RoPE bit for bit, one kernel each way on the triton backend, no apex or TE).
 
-Megatron's ``Attention.forward`` applies RoPE through the module-level name ``apply_rotary_pos_emb`` of
-``megatron.core.transformer.attention`` (rope_utils' router). Building an ``Fp8FastSelfAttention`` wraps that
-name once with a router that sends a call to the plugin's RoPE only while an ``Fp8FastSelfAttention``'s
-forward runs (a context variable marks it) and only for what the plugin's RoPE computes: the sbhd layout
-(no packed ``cu_seqlens``, angles for every position of ``t``), no MLA interleaving, no mRoPE. Every other
-call (other attention modules, other layouts) goes to Megatron's function unchanged.
-``Fp8FastSelfAttention.rope_calls`` counts the routed calls.
+Megatron's ``Attention.forward`` gets the query, key and value from ``get_query_key_value_tensors`` (a public
+method: the QKV projection, the split into heads, the q/k norms) and then rotates query and key when it is given
+``rotary_pos_emb``. For the calls the plugin's RoPE computes (sbhd layout: no packed sequences; no inference
+context; no MLA, mRoPE, YaRN scaling or fused single-QKV RoPE), this module's ``forward`` hands Megatron's forward
+no ``rotary_pos_emb`` and rotates query and key itself in its ``get_query_key_value_tensors``, right where
+Megatron would have. Every other call is Megatron's, unchanged. Nothing of Megatron is replaced: both are methods
+of this subclass. ``rope_calls`` counts the rotated tensors.
+
+Under full-layer activation recomputation the forward runs again, and so does the rotation; selective
+recomputation of core attention starts after it.
 """
 
 from __future__ import annotations
 
 import contextvars
 
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb as megatron_rope
 from megatron.core.transformer.attention import SelfAttention
 
 from ..rope import apply_rotary_pos_emb as plugin_rope
 
-_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("primus_fp8_fast_attention", default=None)
-
-
-def _routes_to_plugin(t, freqs, config, cu_seqlens, mla_rotary_interleaved) -> bool:
-    return (
-        cu_seqlens is None
-        and t.dim() == 4
-        and freqs.dim() == 4
-        and freqs.shape[0] == t.shape[0]
-        and not mla_rotary_interleaved
-        and not getattr(config, "multi_latent_attention", False)
-        and getattr(config, "mrope_section", None) is None
-    )
-
-
-def _install_rope_router() -> None:
-    """Wrap ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (idempotent)."""
-    from megatron.core.transformer import attention as mattn
-
-    original = mattn.apply_rotary_pos_emb
-    if getattr(original, "_primus_fp8_router", False):
-        return
-
-    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kwargs):
-        # kwargs go on as given: mla_rotary_interleaved exists from megatron-core 0.19 on
-        layer = _ACTIVE.get()
-        mla = kwargs.get("mla_rotary_interleaved", False)
-        if layer is None or set(kwargs) - {"mla_rotary_interleaved"} or not _routes_to_plugin(t, freqs, config, cu_seqlens, mla):
-            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **kwargs)
-        layer.rope_calls += 1
-        return plugin_rope(t, freqs.detach(), rotary_interleaved=bool(getattr(config, "rotary_interleaved", False)),
-                           mscale=mscale, backend=layer.rope_backend)  # fmt: skip
-
-    apply_rotary_pos_emb._primus_fp8_router = True
-    apply_rotary_pos_emb.__wrapped__ = original
-    mattn.apply_rotary_pos_emb = apply_rotary_pos_emb
+# the (query angles, key angles) of the forward running now, for its get_query_key_value_tensors
+_PENDING: contextvars.ContextVar = contextvars.ContextVar("primus_fp8_pending_rope", default=None)
 
 
 class Fp8FastSelfAttention(SelfAttention):
@@ -64,11 +34,49 @@ class Fp8FastSelfAttention(SelfAttention):
         super().__init__(*args, **kwargs)
         self.rope_backend = rope_backend
         self.rope_calls = 0
-        _install_rope_router()
+
+    def _rotates(self, kwargs: dict) -> bool:
+        """Whether this call's RoPE is the plugin's (the module docstring's conditions)."""
+        config = self.config
+        return (
+            kwargs.get("rotary_pos_emb") is not None
+            and kwargs.get("packed_seq_params") is None
+            and kwargs.get("inference_context") is None
+            and kwargs.get("inference_params") is None
+            and kwargs.get("key_value_states") is None
+            and not getattr(config, "multi_latent_attention", False)
+            and getattr(config, "mrope_section", None) is None
+            and not getattr(config, "fused_single_qkv_rope", False)
+            and not getattr(config, "flash_decode", False)
+            and getattr(self, "_yarn_concentration_factor", 1.0) == 1.0
+        )
 
     def forward(self, *args, **kwargs):
-        token = _ACTIVE.set(self)
-        try:
+        if len(args) > 4 or not self._rotates(kwargs):  # rotary_pos_emb given by position: Megatron's own path
             return super().forward(*args, **kwargs)
+        emb = kwargs["rotary_pos_emb"]
+        token = _PENDING.set(emb if isinstance(emb, tuple) else (emb, emb))
+        try:
+            return super().forward(*args, **{**kwargs, "rotary_pos_emb": None})
         finally:
-            _ACTIVE.reset(token)
+            _PENDING.reset(token)
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        qkv = super().get_query_key_value_tensors(*args, **kwargs)
+        pending = _PENDING.get()
+        if pending is None:
+            return qkv
+        query, key, *rest = qkv
+        q_emb, k_emb = pending
+        return (self._rotate(query, q_emb), self._rotate(key, k_emb), *rest)
+
+    def _rotate(self, t, freqs):
+        """``t`` [s, b, h, d] rotated by ``freqs`` [s, 1 or b, 1, rot]: the plugin's RoPE where it computes the call
+        (angles for every position of ``t``), else Megatron's."""
+        if freqs is None:
+            return t
+        if t.dim() != 4 or freqs.dim() != 4 or freqs.shape[0] != t.shape[0]:
+            return megatron_rope(t, freqs, config=self.config)
+        self.rope_calls += 1
+        interleaved = bool(getattr(self.config, "rotary_interleaved", False))
+        return plugin_rope(t, freqs.detach(), rotary_interleaved=interleaved, backend=self.rope_backend)

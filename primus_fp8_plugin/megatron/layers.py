@@ -13,6 +13,20 @@ only ``_forward_impl`` (the matrix multiply with its tensor-parallel communicati
 * row-parallel: the FP8 blockwise linear on the local shard; Megatron's forward then reduces (or
   reduce-scatters) the output as usual.
 
+Each layer's ``input_stage`` (``ops/stages.py``) says what its input is: ``"plain"``; ``"norm"`` (column-parallel:
+the layer owns ``layer_norm_weight`` / ``layer_norm_bias``, TE's ``LayerNormColumnParallelLinear`` names, and the
+norm is computed and quantized in one kernel, the bf16 norm output never written; ``Fp8LayerNormColumnParallelLinear``
+is this stage's name in specs); ``"swiglu"`` (row-parallel: the input is fc1's ``[gate | up]`` output, SwiGLU is
+computed and quantized in one kernel; ``mlp.Fp8SwigluMLP`` builds its fc2 so). The stages give the bits of the
+unfused composition (``normalization.norm`` / ``swiglu.swiglu``, then the plain layer), outputs and gradients.
+
+Tensor parallelism with the norm stage: each rank's gradient of the normed input is a partial sum over the ranks'
+output columns and the norm's backward runs inside the op, so without sequence parallelism the input's gradient is
+all-reduced after the norm's backward (it is linear in its incoming gradient) and so are the gamma/beta gradients;
+with sequence parallelism the norm runs on the local shard, fused with its quantization, its FP8 rowwise copy is
+all-gathered, and the gamma/beta gradients (this rank's tokens) are summed by Megatron's all-reduce of
+``sequence_parallel`` parameters.
+
 Every layer owns a weight cache (``weight_cache.py``) refreshed once per weight version and
 whenever ``is_first_microbatch`` is set. Megatron's optimizers write the new bf16 params through
 ``.data`` (the mixed-precision optimizer's copy of main params) or into the parameter buffer and
@@ -36,10 +50,10 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from ..modules import HoldsWeightCache, take_first_microbatch
-from ..ops import fp8_blockwise_linear
+from ..ops import fp8_blockwise_linear, fp8_norm_linear, fp8_swiglu_linear
 from ..recipe import BlockwiseRecipe
 from ..weight_cache import WeightCache
-from .norm import apply_norm, make_norm_params
+from .norm import make_norm_params
 
 
 def _accepted(cls: type, kwargs: dict) -> dict:
@@ -66,26 +80,56 @@ def _without_apex_fusion_check(config):
     return quiet
 
 
-class Fp8MegatronLinear(HoldsWeightCache):
-    """What the FP8 layers add to Megatron's: recipe, backend, weight cache and the FP8 matmul."""
+INPUT_STAGES = {"column": ("plain", "norm"), "row": ("plain", "swiglu")}
 
-    def _init_fp8(self, config, fp8_recipe: BlockwiseRecipe | None, fp8_backend: str) -> None:
+
+class Fp8MegatronLinear(HoldsWeightCache):
+    """What the FP8 layers add to Megatron's: recipe, backend, input stage, weight cache and the FP8 matmul."""
+
+    def _init_fp8(self, config, fp8_recipe: BlockwiseRecipe | None, fp8_backend: str, input_stage: str, kind: str,
+                  input_size: int) -> None:  # fmt: skip
+        if input_stage not in INPUT_STAGES[kind]:
+            raise ValueError(f"a {kind}-parallel FP8 linear takes input_stage {INPUT_STAGES[kind]}, got {input_stage!r}")
         self.config = config  # the caller's object, not the copy the parent was built from
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
         self.fp8_backend = fp8_backend
+        self.input_stage = input_stage
         self.weight_cache = WeightCache()
         self.is_first_microbatch: bool | None = None
+        if input_stage == "norm":
+            self.normalization = getattr(config, "normalization", "LayerNorm")
+            if self.normalization not in ("LayerNorm", "RMSNorm"):
+                raise ValueError(f"the norm input stage takes LayerNorm and RMSNorm, got {self.normalization!r}")
+            self.eps = config.layernorm_epsilon
+            self.zero_centered_gamma = getattr(config, "layernorm_zero_centered_gamma", False)
+            # sequence-parallel norm weights see only local tokens: Megatron all-reduces their gradients
+            make_norm_params(self, config, input_size, prefix="layer_norm_")
 
     def fp8_options(self) -> dict:
         """The FP8 keywords of this layer's ops (the weight cache refreshed on the first microbatch)."""
         return dict(recipe=self.fp8_recipe, backend=self.fp8_backend, weight_cache=self.weight_cache,
                     refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
 
-    def _fp8_linear(self, input, weight, bias, gradient_accumulation_fusion: bool, **extra):
-        # Megatron's gradient_accumulation_fusion: accumulate dW into main_grad (fp32) in the GEMM.
+    def _fp8_linear(self, input, weight, bias, gradient_accumulation_fusion: bool, *, allreduce_dgrad: bool = False,
+                    tp_group=None, sequence_parallel_group=None):  # fmt: skip
+        """The layer's FP8 op on ``input`` through its input stage; ``allreduce_dgrad``: the input's (and the norm
+        parameters') gradients are all-reduced over ``tp_group``."""
+        # Megatron's gradient_accumulation_fusion: accumulate dW into main_grad (fp32) in the GEMM
         weight.fuse_wgrad_accumulation = bool(gradient_accumulation_fusion)
-        return fp8_blockwise_linear(input, weight, bias, **self.fp8_options(), **extra)
+        if self.input_stage == "swiglu":
+            return fp8_swiglu_linear(input, weight, bias, **self.fp8_options())
+        sp = {} if sequence_parallel_group is None else {"sequence_parallel_group": sequence_parallel_group}
+        if self.input_stage == "plain":
+            if allreduce_dgrad:
+                input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+            return fp8_blockwise_linear(input, weight, bias, **sp, **self.fp8_options())
+        gamma, beta = self.layer_norm_weight, self.layer_norm_bias
+        if allreduce_dgrad:
+            input, gamma = (copy_to_tensor_model_parallel_region(t, group=tp_group) for t in (input, gamma))
+            beta = None if beta is None else copy_to_tensor_model_parallel_region(beta, group=tp_group)
+        return fp8_norm_linear(input, gamma, beta, weight, bias, normalization=self.normalization, eps=self.eps,
+                               zero_centered_gamma=self.zero_centered_gamma, **sp, **self.fp8_options())  # fmt: skip
 
 
 def tp_group_of(tp_group):
@@ -94,58 +138,49 @@ def tp_group_of(tp_group):
 
 
 class Fp8ColumnParallelLinear(Fp8MegatronLinear, ColumnParallelLinear):
-    """``ColumnParallelLinear`` with FP8 blockwise GEMMs. Extra keyword arguments: ``fp8_recipe``
-    (a ``BlockwiseRecipe``) and ``fp8_backend`` (a backend name or ``"auto"``)."""
+    """``ColumnParallelLinear`` with FP8 blockwise GEMMs. Extra keyword arguments: ``fp8_recipe`` (a
+    ``BlockwiseRecipe``), ``fp8_backend`` (a backend name or ``"auto"``) and ``input_stage`` (``"plain"`` or
+    ``"norm"``: the module docstring)."""
 
-    def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto", **kwargs):
+    def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto",
+                 input_stage="plain", **kwargs):  # fmt: skip
         super().__init__(
             input_size, output_size, config=_without_apex_fusion_check(config), init_method=init_method,
             **_accepted(ColumnParallelLinear, kwargs),
         )  # fmt: skip
-        self._init_fp8(config, fp8_recipe, fp8_backend)
+        self._init_fp8(config, fp8_recipe, fp8_backend, input_stage, "column", input_size)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, tp_group=None, **_unused):  # fmt: skip
         if sequence_parallel:  # the FP8 all-gather of the quantized shard (the bf16 one where it must)
             return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion,
                                     sequence_parallel_group=tp_group_of(tp_group))  # fmt: skip
-        if allreduce_dgrad:
-            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)
-
-
-class Fp8RowParallelLinear(Fp8MegatronLinear, RowParallelLinear):
-    """``RowParallelLinear`` with FP8 blockwise GEMMs (extra keywords as ``Fp8ColumnParallelLinear``)."""
-
-    def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto", **kwargs):
-        super().__init__(input_size, output_size, config=config, init_method=init_method, **_accepted(RowParallelLinear, kwargs))
-        self._init_fp8(config, fp8_recipe, fp8_backend)
-
-    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, **_unused):
-        return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)
+        return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad=allreduce_dgrad,
+                                tp_group=tp_group)  # fmt: skip
 
 
 class Fp8LayerNormColumnParallelLinear(Fp8ColumnParallelLinear):
-    """Norm (LayerNorm or RMSNorm, from ``config.normalization``) followed by an FP8 column-parallel
-    linear: stands where TE's ``TELayerNormColumnParallelLinear`` stands (``linear_qkv``,
-    ``linear_fc1``), with the same parameter names (``layer_norm_weight``, ``layer_norm_bias``), so
-    checkpoints map onto TE-spec and local-spec checkpoints."""
+    """``Fp8ColumnParallelLinear`` with the ``"norm"`` input stage (LayerNorm or RMSNorm, from
+    ``config.normalization``): where TE's ``TELayerNormColumnParallelLinear`` stands (``linear_qkv``,
+    ``linear_fc1``), with its parameter names (``layer_norm_weight``, ``layer_norm_bias``), so that checkpoints map
+    onto TE-spec and local-spec ones. Returns ``(Y, bias | None)`` with ``Y = norm(X) W^T``."""
 
     def __init__(self, input_size, output_size, *, config, init_method, **kwargs):
-        super().__init__(input_size, output_size, config=config, init_method=init_method, **kwargs)
-        self.normalization = getattr(config, "normalization", "LayerNorm")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"Fp8LayerNormColumnParallelLinear supports LayerNorm and RMSNorm, got {self.normalization!r}")
-        self.eps = config.layernorm_epsilon
-        self.zero_centered_gamma = getattr(config, "layernorm_zero_centered_gamma", False)
-        # Sequence-parallel norm weights see only local tokens: Megatron all-reduces their grads.
-        make_norm_params(self, config, input_size, prefix="layer_norm_")
+        kwargs.pop("input_stage", None)
+        super().__init__(input_size, output_size, config=config, init_method=init_method, input_stage="norm", **kwargs)
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
-        normed = apply_norm(
-            input_, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma
-        )
-        return super().forward(normed, weight=weight, runtime_gather_output=runtime_gather_output)
+
+class Fp8RowParallelLinear(Fp8MegatronLinear, RowParallelLinear):
+    """``RowParallelLinear`` with FP8 blockwise GEMMs (extra keywords as ``Fp8ColumnParallelLinear``; ``input_stage``
+    ``"plain"`` or ``"swiglu"``: the input is then fc1's ``[gate | up]`` output ``[s, b, 2F/tp]``)."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto",
+                 input_stage="plain", **kwargs):  # fmt: skip
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **_accepted(RowParallelLinear, kwargs))
+        self._init_fp8(config, fp8_recipe, fp8_backend, input_stage, "row", input_size)
+
+    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, **_unused):
+        return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)
 
 
 def set_is_first_microbatch(model: torch.nn.Module) -> int:

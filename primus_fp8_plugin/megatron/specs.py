@@ -1,4 +1,6 @@
-"""Layer specs that put the FP8 blockwise layers into Megatron-core models.
+"""Layer specs that put the FP8 blockwise layers into Megatron-core models: the one builder of the local, fast and
+TE-hybrid specs. Each starts from Megatron's own spec (the local one, or TE's) and writes the plugin's module specs
+into it with one tree walker (``_swap``: the linears by class name) and direct replacements of named submodules.
 
 * ``get_gpt_layer_spec(...)``: a GPT layer (dense or MoE), TE-style with the norm fused into
   ``linear_qkv`` / ``linear_fc1`` (``fused_norm=True``), or local-style with separate norms.
@@ -6,6 +8,9 @@
   FP8 counterpart; ``fp8_block_spec`` keeps chosen layers (e.g. first and last) in BF16.
 * ``get_gpt_block_spec(num_layers, ...)``: a whole decoder block (with a sequence-parallel capable
   final norm), optionally with BF16 layers (e.g. first and last).
+* ``get_gpt_fast_layer_spec(...)``: the TE-free fast layer: the fused-norm layer with SDPA attention, the plugin's
+  RoPE (``Fp8FastSelfAttention``) and, dense layers, the SwiGLU-fusing MLP (``Fp8SwigluMLP``).
+* ``get_te_gpt_layer_spec(...)``: TE's layer spec with the plugin's linears and SwiGLU-fusing MLP (needs TE).
 * ``Fp8SpecProvider``: a Megatron ``BackendSpecProvider`` (``grouped_mlp_modules(True)``: the plugin's grouped
   experts, ``grouped.py``).
 * Module-level specs for Megatron-LM's ``--spec primus_fp8_plugin.megatron <name>``:
@@ -25,14 +30,25 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..recipe import BlockwiseRecipe
 from .compat import grouped_linear, moe_experts, provider_experts
+from .fast_attention import Fp8FastSelfAttention
 from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8RowParallelGroupedLinear, grouped_mlp, sequential_mlp
 from .layers import Fp8ColumnParallelLinear, Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
+from .mlp import Fp8SwigluMLP
 from .norm import TorchNorm
+
+TE_MISSING = (
+    "{name} needs NVIDIA Transformer Engine (transformer_engine.pytorch), which does not import here ({err}). "
+    "Install it (e.g. `pip install --no-build-isolation transformer_engine[pytorch]`) and run with "
+    "--transformer-impl transformer_engine, or use the TE-free spec: "
+    "--spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec with --transformer-impl local "
+    "--no-persist-layer-norm --no-masked-softmax-fusion --no-gradient-accumulation-fusion --no-rope-fusion"
+)
 
 # Linear classes replaced by apply_fp8_blockwise, matched by name so TE's need not be importable.
 _SWAP = {
@@ -262,6 +278,102 @@ def _with_fc1(mlp, fc1):
     mlp = copy.copy(mlp)
     mlp.submodules = dataclasses.replace(mlp.submodules, linear_fc1=fc1)
     return mlp
+
+
+def _with_mlp_class(mlp, cls, submodules):
+    """The dense MLP spec (``partial(MLP.as_mlp_submodule, ...)`` in Megatron >= 0.17, else a ModuleSpec of MLP)
+    building ``cls`` with ``submodules`` instead."""
+    if isinstance(mlp, partial) and getattr(mlp.func, "__self__", None) is MLP:
+        return partial(cls.as_mlp_submodule, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    if isinstance(mlp, ModuleSpec) and mlp.module is MLP:
+        return ModuleSpec(module=cls, params=dict(mlp.params or {}), submodules=submodules)
+    raise TypeError(f"expected the dense layer's MLP spec (Megatron's MLP), got {mlp!r}")
+
+
+def _mlp_submodules(mlp):
+    return mlp.keywords["submodules"] if isinstance(mlp, partial) else mlp.submodules
+
+
+def _fast_layer(spec: ModuleSpec, *, dense: bool, backend: str, attention_cls=None, qk_norm=None) -> ModuleSpec:
+    """A plugin-linear layer spec with, given, the attention class and the q/k norm class and (dense layers) the
+    SwiGLU-fusing MLP (``mlp.Fp8SwigluMLP``: it builds fc2 with the swiglu input stage where the config allows)."""
+    sub = spec.submodules
+    attn = copy.copy(sub.self_attention)
+    attn_changes = {}
+    if qk_norm is not None:
+        for field in ("q_layernorm", "k_layernorm"):
+            if getattr(attn.submodules, field, IdentityOp) is not IdentityOp:
+                attn_changes[field] = qk_norm
+    if attention_cls is not None:
+        attn.module = attention_cls
+        attn.params = {**(attn.params or {}), "rope_backend": backend}
+    attn.submodules = dataclasses.replace(attn.submodules, **attn_changes)
+    changes = {"self_attention": attn}
+    if dense:
+        changes["mlp"] = _with_mlp_class(sub.mlp, Fp8SwigluMLP, _mlp_submodules(sub.mlp))
+    return ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(sub, **changes))
+
+
+def get_gpt_fast_layer_spec(
+    num_experts: int | None = None,
+    *,
+    qk_layernorm: bool = False,
+    normalization: str = "LayerNorm",
+    moe_grouped_gemm: bool | None = False,
+    recipe: BlockwiseRecipe | None = None,
+    backend: str = "auto",
+) -> ModuleSpec:
+    """The TE-free fast GPT layer (see the module docstring); arguments as ``get_gpt_layer_spec``'s
+    (``moe_grouped_gemm=None``: grouped experts when ``config.moe_grouped_gemm`` is set at build time)."""
+    spec = get_gpt_layer_spec(num_experts, qk_layernorm=qk_layernorm, normalization=normalization, fused_norm=True,
+                              core_attention="sdpa", moe_grouped_gemm=moe_grouped_gemm, recipe=recipe,
+                              backend=backend)  # fmt: skip
+    return _fast_layer(spec, dense=num_experts is None, backend=backend, attention_cls=Fp8FastSelfAttention,
+                       qk_norm=TorchNorm)  # fmt: skip
+
+
+def require_transformer_engine(name: str = "this spec") -> None:
+    """Raise ``ImportError`` saying what to do when ``transformer_engine.pytorch`` does not import."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - TE fails in many ways (missing, CUDA mismatch): all mean "no TE"
+        raise ImportError(TE_MISSING.format(name=name, err=f"{type(err).__name__}: {err}")) from err
+
+
+def get_te_gpt_layer_spec(
+    num_experts: int | None = None,
+    *,
+    qk_layernorm: bool = False,
+    moe_grouped_gemm: bool = False,
+    recipe: BlockwiseRecipe | None = None,
+    backend: str = "auto",
+) -> ModuleSpec:
+    """TE's GPT layer spec (``get_gpt_layer_with_transformer_engine_spec``) with the plugin's FP8 linears, the
+    norm fused into ``linear_qkv`` / ``linear_fc1`` with the quantization, and (dense layers) the fused SwiGLU
+    MLP; TE's attention (its output shared with the FP8 output projection: ``te_attention``), RoPE, q/k norms and
+    MoE pre-MLP norm stay. Needs TE (``ImportError`` saying so)."""
+    require_transformer_engine("fp8_te_gpt_layer_spec")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    te = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(moe_grouped_gemm),
+                                                    qk_layernorm=qk_layernorm)  # fmt: skip
+    spec = apply_fp8_blockwise(_with_marking_te_attention(te), recipe=recipe, backend=backend)
+    return _fast_layer(spec, dense=num_experts is None, backend=backend)
+
+
+def _with_marking_te_attention(spec: ModuleSpec) -> ModuleSpec:
+    """``spec`` with TE's core attention swapped for ``Fp8TEDotProductAttention`` (the same module, its output
+    marked for the FP8 output projection where TE saves it anyway: te_attention.py)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    from .te_attention import Fp8TEDotProductAttention
+
+    attn = spec.submodules.self_attention
+    if getattr(attn.submodules, "core_attention", None) is not TEDotProductAttention:
+        return spec
+    attn = _with_attention_submodules(attn, core_attention=Fp8TEDotProductAttention)
+    return ModuleSpec(module=spec.module, params=spec.params,
+                      submodules=dataclasses.replace(spec.submodules, self_attention=attn))  # fmt: skip
 
 
 class Fp8SpecProvider(LocalSpecProvider):

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from primus_fp8_plugin import backend_availability
 
+from ..megatron.common import fused_norm_names, unfused_reference
+
 pytestmark = pytest.mark.gpu
 pytest.importorskip("megatron.core")
 
@@ -47,10 +49,11 @@ def build(spec, cfg, seed=0):
 
 
 def copy_params(src, dst):
-    dst_params = dict(dst.named_parameters())
-    assert dst_params.keys() == dict(src.named_parameters()).keys()
+    """``src``'s parameters into ``dst`` (an unfused layer's norms go to the fused layer's names)."""
+    dst_params, src_params = dict(dst.named_parameters()), fused_norm_names(dict(src.named_parameters()))
+    assert dst_params.keys() == src_params.keys()
     with torch.no_grad():
-        for n, p in src.named_parameters():
+        for n, p in src_params.items():
             dst_params[n].copy_(p)
 
 
@@ -64,17 +67,6 @@ def loss_and_grads(model, seed=1):
     return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def unfused_plugin_spec(cfg, backend):
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from primus_fp8_plugin.megatron import TorchNorm, get_gpt_layer_spec
-    from primus_fp8_plugin.megatron.fast_specs import _retarget
-
-    spec = get_gpt_layer_spec(normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm, core_attention="sdpa",
-                              backend=backend)  # fmt: skip
-    return _retarget(spec, {WrappedTorchNorm: TorchNorm})
-
-
 @pytest.mark.parametrize("backend", ["triton", "auto"])
 @pytest.mark.parametrize("qk_layernorm", [False, True])
 def test_fast_spec_is_the_unfused_plugin_spec_bit_for_bit(nccl_world, backend, qk_layernorm):
@@ -82,12 +74,13 @@ def test_fast_spec_is_the_unfused_plugin_spec_bit_for_bit(nccl_world, backend, q
 
     from primus_fp8_plugin.megatron import fast_specs
     from primus_fp8_plugin.megatron.fast_attention import Fp8FastSelfAttention
-    from primus_fp8_plugin.megatron.fused_layers import Fp8FusedNormColumnParallelLinear, Fp8FusedSwigluMLP
+    from primus_fp8_plugin.megatron.layers import Fp8LayerNormColumnParallelLinear
+    from primus_fp8_plugin.megatron.mlp import Fp8SwigluMLP
 
     if backend != "auto" and not backend_availability(backend, "cuda"):
         pytest.skip(backend_availability(backend, "cuda").reason)
     cfg = config(qk_layernorm=qk_layernorm)
-    ref = build(unfused_plugin_spec(cfg, backend), cfg)
+    ref = build(unfused_reference(cfg, backend), cfg)
     fast = build(fast_specs.get_gpt_fast_layer_spec(**{**fast_specs.spec_options(cfg), "backend": backend}), cfg)
     copy_params(ref, fast)
     with sdpa_kernel([SDPBackend.MATH]):
@@ -96,11 +89,12 @@ def test_fast_spec_is_the_unfused_plugin_spec_bit_for_bit(nccl_world, backend, q
         l_fast, g_fast = loss_and_grads(fast)
     assert l_ref == l_ref2 and all(torch.equal(g_ref[n], g_ref2[n]) for n in g_ref), "the reference is not reproducible"
     assert l_fast == l_ref, (l_fast, l_ref)
+    g_ref = fused_norm_names(g_ref)
     differ = [n for n in g_ref if not torch.equal(g_ref[n], g_fast[n])]
     assert not differ, f"{len(differ)} gradients differ, e.g. {differ[:3]}"
     mods = list(fast.modules())
-    assert sum(isinstance(m, Fp8FusedNormColumnParallelLinear) for m in mods) == 2 * cfg.num_layers
-    assert all(m.fused_swiglu for m in mods if isinstance(m, Fp8FusedSwigluMLP))
+    assert sum(isinstance(m, Fp8LayerNormColumnParallelLinear) for m in mods) == 2 * cfg.num_layers
+    assert all(m.fused_swiglu for m in mods if isinstance(m, Fp8SwigluMLP))
     assert [m.rope_calls for m in mods if isinstance(m, Fp8FastSelfAttention)] == [2] * cfg.num_layers  # q and k
     print(f"fast spec ({backend}, qk_layernorm={qk_layernorm}): loss {l_fast:.6f} = unfused, {len(g_ref)} gradients equal")
 
@@ -112,10 +106,11 @@ def test_fast_spec_with_fused_attention_trains_like_the_unfused_spec(nccl_world)
     from primus_fp8_plugin.validate import rel_frobenius
 
     cfg = config()
-    ref = build(unfused_plugin_spec(cfg, "auto"), cfg)
+    ref = build(unfused_reference(cfg, "auto"), cfg)
     fast = build(fp8_gpt_fast_layer_spec(cfg), cfg)
     copy_params(ref, fast)
     (l_ref, g_ref), (l_fast, g_fast) = loss_and_grads(ref), loss_and_grads(fast)
+    g_ref = fused_norm_names(g_ref)
     worst = max(rel_frobenius(g_fast[n], g_ref[n]) for n in g_ref)
     print(f"fused attention: loss {l_fast:.6f} vs {l_ref:.6f}; worst gradient error {worst:.4f}")
     assert abs(l_fast - l_ref) / l_ref < 1e-3 and worst < 0.05
@@ -130,7 +125,8 @@ def test_te_hybrid_spec_matches_te_spec_with_the_plugins_linears(nccl_world, te)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     from primus_fp8_plugin.megatron import apply_fp8_blockwise, fp8_te_gpt_layer_spec
-    from primus_fp8_plugin.megatron.fused_layers import Fp8FusedNormColumnParallelLinear, Fp8FusedSwigluMLP
+    from primus_fp8_plugin.megatron.layers import Fp8LayerNormColumnParallelLinear
+    from primus_fp8_plugin.megatron.mlp import Fp8SwigluMLP
     from primus_fp8_plugin.megatron.te_attention import Fp8TEDotProductAttention
     from primus_fp8_plugin.ops.api import SAVED_ELSEWHERE
     from primus_fp8_plugin.validate import rel_frobenius
@@ -138,8 +134,8 @@ def test_te_hybrid_spec_matches_te_spec_with_the_plugins_linears(nccl_world, te)
     cfg = config()
     unfused = build(apply_fp8_blockwise(get_gpt_layer_with_transformer_engine_spec()), cfg)
     hybrid = build(fp8_te_gpt_layer_spec(cfg), cfg)
-    assert sum(isinstance(m, Fp8FusedNormColumnParallelLinear) for m in hybrid.modules()) == 2 * cfg.num_layers
-    assert all(m.fused_swiglu for m in hybrid.modules() if isinstance(m, Fp8FusedSwigluMLP))
+    assert sum(isinstance(m, Fp8LayerNormColumnParallelLinear) for m in hybrid.modules()) == 2 * cfg.num_layers
+    assert all(m.fused_swiglu for m in hybrid.modules() if isinstance(m, Fp8SwigluMLP))
     copy_params(unfused, hybrid)
     cores = [m for m in hybrid.modules() if isinstance(m, Fp8TEDotProductAttention)]
     assert len(cores) == cfg.num_layers

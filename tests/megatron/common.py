@@ -52,3 +52,31 @@ def loss_and_grads(model, seed=1):
     loss.backward()
     grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads
+
+
+def unfused_reference(config, backend):
+    """The unfused plugin spec (separate norms, Megatron's RoPE and MLP activation) with the same attention kernel
+    (SDPA) and the same q/k norm class."""
+    import dataclasses
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from primus_fp8_plugin.megatron import TorchNorm, get_gpt_layer_spec
+
+    spec = get_gpt_layer_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm, core_attention="sdpa",
+                              fused_norm=False, backend=backend)  # fmt: skip
+    attn = spec.submodules.self_attention
+    qk = {f: TorchNorm for f in ("q_layernorm", "k_layernorm") if getattr(attn.submodules, f) is not IdentityOp}
+    attn = ModuleSpec(module=attn.module, params=attn.params, submodules=dataclasses.replace(attn.submodules, **qk))
+    return ModuleSpec(module=spec.module, params=spec.params,
+                      submodules=dataclasses.replace(spec.submodules, self_attention=attn))  # fmt: skip
+
+
+def fused_norm_names(state: dict) -> dict:
+    """An unfused layer's state dict under the fused-norm layer's names (the norms live in linear_qkv / linear_fc1)."""
+    renamed = {}
+    for k, v in state.items():
+        k = k.replace(".input_layernorm.", ".self_attention.linear_qkv.layer_norm_")
+        renamed[k.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")] = v
+    return renamed

@@ -81,12 +81,13 @@ def check_norm(rank, world, config, s, b, seed):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    from primus_fp8_plugin.megatron.fused_layers import Fp8FusedNormColumnParallelLinear
+    from primus_fp8_plugin import fp8_blockwise_linear
+    from primus_fp8_plugin.megatron.layers import Fp8LayerNormColumnParallelLinear
     from primus_fp8_plugin.megatron.norm import apply_norm
 
     torch.manual_seed(seed)
     h, n = 256, 64 * world
-    fused = Fp8FusedNormColumnParallelLinear(h, n, config=config, init_method=config.init_method, bias=False,
+    fused = Fp8LayerNormColumnParallelLinear(h, n, config=config, init_method=config.init_method, bias=False,
                                              gather_output=False)  # fmt: skip
     with torch.no_grad():
         fused.layer_norm_weight.copy_(torch.rand(h) + 0.5)
@@ -98,7 +99,7 @@ def check_norm(rank, world, config, s, b, seed):
         normed = apply_norm(x, layer.normalization, layer.layer_norm_weight, layer.layer_norm_bias, layer.eps,
                             layer.zero_centered_gamma)  # fmt: skip
         gathered = gather_from_sequence_parallel_region(normed, tensor_parallel_output_grad=True, group=group)
-        return layer._fp8_linear(gathered, layer.weight, None, False)
+        return fp8_blockwise_linear(gathered, layer.weight, None, **layer.fp8_options())
 
     x = _input(rank, s, b, h, seed)
     dy = _input(rank + 1000, world * s, b, n // world, seed).detach()

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from primus_fp8_plugin.validate import rel_frobenius
 
 from . import fast_workers
-from .common import SEQ, VOCAB, loss_and_grads, tiny_config
+from .common import SEQ, VOCAB, fused_norm_names, loss_and_grads, tiny_config, unfused_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("megatron_world")
@@ -43,18 +43,6 @@ def build(spec, config, rope=True, seed=0):
         gpt = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                        position_embedding_type="rope" if rope else "learned_absolute")  # fmt: skip
     return Float16Module(config, gpt)
-
-
-def unfused_reference(config, backend):
-    """The unfused plugin spec with the same attention kernel (SDPA) and the same q/k norm class."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    from primus_fp8_plugin.megatron import TorchNorm, get_gpt_layer_spec
-    from primus_fp8_plugin.megatron.fast_specs import _retarget
-
-    spec = get_gpt_layer_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm, core_attention="sdpa",
-                              backend=backend)  # fmt: skip
-    return _retarget(spec, {WrappedTorchNorm: TorchNorm})
 
 
 def count_calls(monkeypatch, module, name):
@@ -83,23 +71,21 @@ def count_calls(monkeypatch, module, name):
     ],
 )
 def test_fast_spec_equals_the_unfused_plugin_spec_bit_for_bit(monkeypatch, backend, cfg_kw, rope):
-    from primus_fp8_plugin.megatron import fast_specs, fused_layers
+    from primus_fp8_plugin.megatron import fast_specs, layers
     from primus_fp8_plugin.megatron.fast_attention import Fp8FastSelfAttention
-    from primus_fp8_plugin.megatron.fused_layers import (
-        Fp8FusedNormColumnParallelLinear,
-        Fp8FusedSwigluMLP,
-        Fp8SwigluRowParallelLinear,
-    )
+    from primus_fp8_plugin.megatron.layers import Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
+    from primus_fp8_plugin.megatron.mlp import Fp8SwigluMLP
 
     config = swiglu_config(**cfg_kw)
     fast_spec = fast_specs.get_gpt_fast_layer_spec(**{**fast_specs.spec_options(config), "backend": backend})
     ref = build(unfused_reference(config, backend), config, rope)
     fast = build(fast_spec, config, rope)
-    fast.load_state_dict(ref.state_dict())  # the same parameter names: checkpoints are interchangeable
+    fast.load_state_dict(fused_norm_names(ref.state_dict()))
 
-    norm_calls = count_calls(monkeypatch, fused_layers, "fp8_norm_linear")
-    swiglu_calls = count_calls(monkeypatch, fused_layers, "fp8_swiglu_linear")
+    norm_calls = count_calls(monkeypatch, layers, "fp8_norm_linear")
+    swiglu_calls = count_calls(monkeypatch, layers, "fp8_swiglu_linear")
     loss_ref, grads_ref = loss_and_grads(ref)
+    grads_ref = fused_norm_names(grads_ref)
     loss_fast, grads_fast = loss_and_grads(fast)
     assert loss_fast == loss_ref
     assert grads_fast.keys() == grads_ref.keys()
@@ -107,14 +93,15 @@ def test_fast_spec_equals_the_unfused_plugin_spec_bit_for_bit(monkeypatch, backe
     assert not differ, f"gradients differ: {differ}"
     assert all(g.abs().sum() > 0 for g in grads_fast.values())
 
-    layers = config.num_layers
+    n = config.num_layers
     types = [type(m) for m in fast.modules()]
-    assert types.count(Fp8FusedNormColumnParallelLinear) == 2 * layers and types.count(Fp8FastSelfAttention) == layers
-    assert len(norm_calls) == 2 * layers  # qkv and fc1 of every layer went through the fused norm+quantize op
-    mlps = [m for m in fast.modules() if isinstance(m, Fp8FusedSwigluMLP)]
-    assert len(mlps) == layers and all(isinstance(m.linear_fc2, Fp8SwigluRowParallelLinear) for m in mlps)
+    assert types.count(Fp8LayerNormColumnParallelLinear) == 2 * n and types.count(Fp8FastSelfAttention) == n
+    assert len(norm_calls) == 2 * n  # qkv and fc1 of every layer went through the fused norm+quantize op
+    mlps = [m for m in fast.modules() if isinstance(m, Fp8SwigluMLP)]
+    assert len(mlps) == n and all(isinstance(m.linear_fc2, Fp8RowParallelLinear) for m in mlps)
     gated = config.gated_linear_unit
-    assert all(m.fused_swiglu == gated for m in mlps) and len(swiglu_calls) == (layers if gated else 0)
+    assert all(m.fused_swiglu == gated for m in mlps) and len(swiglu_calls) == (n if gated else 0)
+    assert all(m.linear_fc2.input_stage == ("swiglu" if gated else "plain") for m in mlps)
     attn = [m for m in fast.modules() if isinstance(m, Fp8FastSelfAttention)]
     assert all(m.rope_calls == (2 if rope else 0) for m in attn)  # query and key, one forward
 
@@ -142,16 +129,16 @@ def test_config_callables_build_what_the_config_says(normalization, qk_layernorm
     assert (attn.q_layernorm is TorchNorm) == qk_layernorm and (attn.k_layernorm is IdentityOp) != qk_layernorm
     assert (sub.pre_mlp_layernorm is TorchNorm) == bool(moe)  # MoE: the router reads the normalized input
     names = fp8_modules_in_spec(spec)
-    assert "Fp8FusedNormColumnParallelLinear" in names
-    assert ("Fp8SwigluRowParallelLinear" in names) == (not moe)
+    assert "Fp8LayerNormColumnParallelLinear" in names
+    assert ("Fp8RowParallelLinear" in names)
 
     model = build(block, config)
     found = {type(m).__name__ for m in model.modules()}
     assert "SdpaAttention" in found and "Fp8FastSelfAttention" in found
-    assert ("Fp8FusedSwigluMLP" in found) == (not moe)
+    assert ("Fp8SwigluMLP" in found) == (not moe)
     assert any(isinstance(m, Fp8ColumnParallelGroupedLinear) for m in model.modules()) == (moe == "grouped")
     assert ("SequentialMLP" in found) == (moe == "sequential")
-    norms = [m for m in model.modules() if type(m).__name__ == "Fp8FusedNormColumnParallelLinear"]
+    norms = [m for m in model.modules() if type(m).__name__ == "Fp8LayerNormColumnParallelLinear"]
     assert norms and all(m.normalization == normalization for m in norms)
     assert all((m.layer_norm_bias is None) == (normalization == "RMSNorm") for m in norms)
     if normalization == "RMSNorm" and qk_layernorm:  # one forward/backward per kind is enough (CPU time)
@@ -186,7 +173,7 @@ def test_object_exports_build_for_both_norms():
 
     for normalization in ("LayerNorm", "RMSNorm"):
         model = build(fp8_gpt_fast_dense_spec, swiglu_config(normalization=normalization))
-        norms = [m for m in model.modules() if type(m).__name__ == "Fp8FusedNormColumnParallelLinear"]
+        norms = [m for m in model.modules() if type(m).__name__ == "Fp8LayerNormColumnParallelLinear"]
         assert len(norms) == 4 and all(m.normalization == normalization for m in norms)
     moe_cfg = swiglu_config(num_moe_experts=4, moe_router_topk=2, moe_grouped_gemm=True, moe_ffn_hidden_size=256)
     model = build(fp8_gpt_fast_moe_spec, moe_cfg)

@@ -220,7 +220,7 @@ def test_unknown_normalization_is_refused():
 
     cfg = tiny_config()
     object.__setattr__(cfg, "normalization", "GroupNorm")
-    with pytest.raises(ValueError, match="supports LayerNorm and RMSNorm, got 'GroupNorm'"):
+    with pytest.raises(ValueError, match="takes LayerNorm and RMSNorm, got 'GroupNorm'"):
         Fp8LayerNormColumnParallelLinear(256, 384, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=False,
                                          gather_output=False, fp8_backend="reference")  # fmt: skip
     with pytest.raises(ValueError, match="normalization must be 'LayerNorm' or 'RMSNorm', got 'GroupNorm'"):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("megatron_world")
 def build(cfg):
     from primus_fp8_plugin.training.model import build_model, padded_vocab, transformer_config
 
-    vocab = padded_vocab(257, cfg.parallel.tp)
+    vocab = padded_vocab(257, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
     return build_model(cfg, transformer_config(cfg, on_cuda=False), 257, torch.device("cpu")), vocab
 
 

@@ -138,11 +138,11 @@ def test_spec_check_builds_each_plugin_arm_and_refuses_bad_specs():
     pytest.importorskip("megatron.core")
     want = {  # (model, arm): what the spec check must report
         ("gpt125m", "plugin"): ["Fp8LayerNormColumnParallelLinear", "DotProductAttention", "LayerNorm"],
-        ("llama8b_4l", "plugin_fast"): ["Fp8FusedNormColumnParallelLinear", "Fp8SwigluRowParallelLinear",
+        ("llama8b_4l", "plugin_fast"): ["Fp8LayerNormColumnParallelLinear", "Fp8RowParallelLinear",
                                         "Fp8FastSelfAttention/SdpaAttention", "RMSNorm"],
         ("moe_proxy", "plugin_fast"): ["Fp8ColumnParallelGroupedLinear", "SdpaAttention"],  # config-reading: grouped
         ("moe_proxy", "plugin"): ["Fp8Experts"],  # the object spec decides when the layer is built
-        ("gpt125m", "plugin_fast_graph"): ["Fp8FusedNormColumnParallelLinear", "SdpaAttention", "LayerNorm"],
+        ("gpt125m", "plugin_fast_graph"): ["Fp8LayerNormColumnParallelLinear", "SdpaAttention", "LayerNorm"],
     }  # fmt: skip
     for (name, arm), parts in want.items():
         model = mlm.MODELS[name]
@@ -180,7 +180,7 @@ def test_table_prints_every_figure_of_each_arm(capsys):
 
 
 def test_model_layer_count_is_parsed():
-    log = "[primus_fp8_plugin] GPTModel holds 16 FP8 layers: {'Fp8FusedNormColumnParallelLinear': 8}\n"
+    log = "[primus_fp8_plugin] GPTModel holds 16 FP8 layers: {'Fp8LayerNormColumnParallelLinear': 8}\n"
     assert mlm.parse_log(log)["fp8_layers"] == 16
     assert mlm.parse_log("nothing")["fp8_layers"] is None
 
