@@ -49,6 +49,14 @@ class HoldsWeightCache:
         return super()._apply(fn, *args, **kwargs)
 
 
+def check_weight_dtype(dtype: torch.dtype | None, layer: str) -> None:
+    """An FP8 layer keeps bf16, fp16 or fp32 weights (``dtype`` None: torch's default dtype)."""
+    resolved = dtype if dtype is not None else torch.get_default_dtype()
+    if resolved not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"dtype={resolved}: {layer} keeps bfloat16, float16 or float32 weights "
+                        "(pass dtype=torch.bfloat16, or use torch.nn.Linear for other dtypes)")  # fmt: skip
+
+
 def check_backend(backend: str, weight: torch.Tensor) -> None:
     """An explicit backend name must run where the weight lives (``"auto"`` is resolved per call)."""
     if backend != "auto":
@@ -87,12 +95,7 @@ class Fp8BlockwiseLinear(HoldsWeightCache, nn.Module):
         cache_weight: bool = True,
     ) -> None:
         super().__init__()
-        resolved = dtype if dtype is not None else torch.get_default_dtype()
-        if resolved not in HIGH_PRECISION_DTYPES:
-            raise TypeError(
-                f"dtype={resolved}: Fp8BlockwiseLinear keeps bfloat16, float16 or float32 weights "
-                "(pass dtype=torch.bfloat16, or use torch.nn.Linear for other dtypes)"
-            )
+        check_weight_dtype(dtype, "Fp8BlockwiseLinear")
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
@@ -181,6 +184,7 @@ class Fp8GroupedLinear(HoldsWeightCache, nn.Module):
         super().__init__()
         if num_gemms < 1:
             raise ValueError(f"num_gemms must be >= 1, got {num_gemms}")
+        check_weight_dtype(dtype, "Fp8GroupedLinear")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias = bias
         make = lambda *shape: nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))  # noqa: E731

@@ -217,3 +217,9 @@ def test_fused_wgrad_returns_one_shared_placeholder_not_one_per_expert(backend):
     layer(x, [50, 0, 100, 50]).backward(make_input((200, 256), seed=14))
     assert len(seen) == 4 and set(seen) == {(seen[0][0], (256, 128))}  # every hook saw the one placeholder tensor
     assert all(w.grad_added_to_main_grad for w in layer.weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_a_layer_of_other_weight_dtypes_is_refused_with_the_fix(dtype):
+    with pytest.raises(TypeError, match=r"Fp8GroupedLinear keeps bfloat16, float16 or float32 weights \(pass dtype"):
+        Fp8GroupedLinear(2, 128, 128, dtype=dtype)
