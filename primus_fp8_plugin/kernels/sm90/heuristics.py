@@ -141,7 +141,8 @@ def grouped_wgrad(
     ``gemm_grouped.wgrad_unsupported_reason`` refuses."""
     # Accumulation into main_grad: the portable kernel. The Gluon kernel gave whole-tile errors in a few of 128
     # experts per call on the H200 at 240/24 registers (0-3 with the TMA-stored epilogue, 9-19 with stores from
-    # registers, changing from run to run, never with one CTA; tools/grouped_wgrad_repeat.py); clean at 232/40
+    # registers, changing from run to run, never with one CTA; tools/grouped_wgrad_repeat.py, its output in
+    # docs/results/grouped_wgrad_repeat_h200_2026-12-03.log); clean at 232/40
     # in every call tried, with no cause found. Issue 39 investigates it (compute-sanitizer).
     if accumulate_into is not None:
         return None
