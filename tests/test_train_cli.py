@@ -116,7 +116,7 @@ def test_hydra_command_line_of_each_process():
     assert hydra_args(["logging.dir=/x/y", "fp8=bf16"], rank=0) == ["logging.dir=/x/y", "fp8=bf16", "hydra.run.dir=/x/y"]
     assert hydra_args(["++logging.dir=a", "logging.dir=b"], rank=0)[-1] == "hydra.run.dir=b"  # the last one wins
     assert hydra_args(["logging.dir=a", "hydra.run.dir=c"], rank=0) == ["logging.dir=a", "hydra.run.dir=c"]
-    assert hydra_args(["-m", "logging.dir=a", "fp8=bf16,blockwise"], rank=0) == ["-m", "logging.dir=a", "fp8=bf16,blockwise"]
+    assert hydra_args(["-m", "logging.dir=a", "fp8=bf16,blockwise"], rank=0) == ["-m", "fp8=bf16,blockwise", "hydra.sweep.dir=a"]
     rank1 = hydra_args(["fp8=bf16"], rank=1)
     assert rank1[0] == "fp8=bf16" and {"hydra.output_subdir=null", "hydra/job_logging=none", "hydra.run.dir=."} <= set(rank1)
 
