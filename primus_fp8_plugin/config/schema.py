@@ -20,6 +20,13 @@ TE_MODES = ("te_blockwise", "te_bf16", "te_spec_blockwise")  # built from TE's l
 BACKENDS = ("auto", *backend_names())  # the registry's names (backends/names.py)
 # Megatron's OptimizerParamScheduler styles that need no parameters beyond train.* (WSD needs its own)
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+# What makes a run itself: a resume (or checkpoint.load) that changes one of these stops the run unless
+# checkpoint.allow_changes names it (a group covers its fields). backend.resolved: the backend "auto"
+# resolved to, compared where the plugin's linears run; schedule fields (train.steps, lr, ...) may change.
+RUN_IDENTITY = (
+    "model", "fp8", "backend.resolved", "data", "train.seed",
+    "parallel.tp", "parallel.pp", "parallel.sequence_parallel", "parallel.use_distributed_optimizer",
+)  # fmt: skip
 # "train,valid,test" shares: one to three non-negative decimals, comma-separated
 _SPLIT = re.compile(r"^\s*\d+(?:\.\d*)?(?:\s*,\s*\d+(?:\.\d*)?){0,2}\s*$")
 
@@ -118,12 +125,21 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
+    # where this run saves its checkpoints and resumes from (checkpoint=periodic: <logging.dir>/checkpoints,
+    # inside the run's own output directory); null: no checkpoints
     dir: str | None = None
+    # start from another run's checkpoint (Megatron's --load): its checkpoint.dir (latest.txt) or one of its
+    # iter_* directories; used only while checkpoint.dir holds no checkpoint of this run's own
+    load: str | None = None
     save_interval: int = 0  # 0: only at the end (when dir is set)
-    resume: bool = True
+    keep_latest: int = 0  # after each save keep the newest N checkpoints; 0 keeps all
+    resume: bool = True  # false: start from fresh weights (a checkpoint.dir with checkpoints is then refused)
     # check every file of the checkpoint against its manifest (size, sha256) before loading it;
     # false loads a checkpoint without a manifest (or skips hashing a very large one)
     verify: bool = True
+    # identity fields (RUN_IDENTITY: a group such as fp8, or one field such as parallel.tp) that a resume
+    # may change; any other difference from the checkpoint's run stops the run
+    allow_changes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -131,6 +147,8 @@ class LoggingConfig:
     dir: str = "outputs/run"
     log_interval: int = 10
     progress: bool = True
+    tensorboard_dir: str | None = None  # TensorBoard event files (Megatron's --tensorboard-dir; needs tensorboard)
+    wandb_project: str | None = None  # Weights & Biases project (needs wandb; WANDB_MODE=offline works offline)
 
 
 @dataclass
@@ -302,6 +320,11 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(not t.cuda_graph or cfg.device != "cpu", "train.cuda_graph", "CUDA graphs need a GPU (device=cpu was set)")
     _require(t.cuda_graph_warmup_steps >= 1, "train.cuda_graph_warmup_steps", "must be >= 1")
     _require(cfg.checkpoint.save_interval >= 0, "checkpoint.save_interval", "must be >= 0 (0: save only at the end)")
+    _require(cfg.checkpoint.keep_latest >= 0, "checkpoint.keep_latest", "must be >= 0 (0: keep every checkpoint)")
+    for entry in cfg.checkpoint.allow_changes:
+        _require(is_identity_entry(str(entry)), "checkpoint.allow_changes",
+                 f"{entry!r} is not a field of the run's identity; name groups or fields of: {', '.join(RUN_IDENTITY)} "
+                 "(schedule fields such as train.lr may change anyway)")  # fmt: skip
     _require(cfg.logging.log_interval >= 1, "logging.log_interval", "must be >= 1 (log every N steps)")
     _require(cfg.data.source in ("stdlib", "indexed"), "data.source", f"{cfg.data.source!r}: use stdlib or indexed")
     _require(cfg.data.source != "indexed" or bool(cfg.data.path), "data.path", "data.source=indexed needs a .bin/.idx prefix")
@@ -342,6 +365,16 @@ def check_tokenizer_fields(tokenizer: str | None, vocab_size: int | None, eod_id
     if name == "byte":
         _require(eod_id is None, "data.eod_id", "the byte tokenizer ends a document with 256; remove data.eod_id")
     _require(eod_id is None or eod_id >= 0, "data.eod_id", f"{eod_id}: must be >= 0")
+
+
+def is_identity_entry(entry: str) -> bool:
+    """Whether ``entry`` names identity fields: one of ``RUN_IDENTITY``, a group above some (``parallel``,
+    ``backend``), or a field of an identity group (``fp8.mode``, ``model.attention``)."""
+    if any(entry == f or f.startswith(entry + ".") for f in RUN_IDENTITY):
+        return True
+    group, _, name = entry.partition(".")
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    return group in RUN_IDENTITY and "." not in name and name in {f.name for f in dataclasses.fields(sections[group]())}
 
 
 def _check_split(split: str, eval_interval: int) -> None:

@@ -1,10 +1,10 @@
 """The training loop: Megatron's DDP, optimizer, LR schedule and forward-backward schedule, with
-metrics (JSONL), a progress bar, evaluation and exact save/resume through distributed checkpoints."""
+metrics (``metrics.py``), evaluation and exact save/resume through distributed checkpoints
+(``checkpoint.py``), in directories the run holds locked (``lock.py``)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -21,7 +21,11 @@ from ..config.resources import check_resources
 from ..config.schema import ConfigError, resolve
 from ..weight_cache import mark_weights_changed
 from . import data as data_mod
-from .checkpoint import load_checkpoint, resume_point, save_checkpoint
+from . import flops
+from .checkpoint import PLUGIN_LINEAR_MODES, RunInfo, config_dict, load_checkpoint, save_checkpoint, start_point
+from .collective import rank0_decides
+from .lock import DirectoryLock, DirectoryLockedError
+from .metrics import METRICS_FILE, Metrics, claim_metrics_file, open_sinks
 from .model import build_model, padded_vocab, transformer_config
 from .tokenizer import run_tokenizer
 
@@ -77,41 +81,56 @@ def init_runtime(cfg) -> tuple[torch.device, contextlib.ExitStack]:
     return device, stack
 
 
-class Metrics:
-    """JSONL metrics (rank 0) and a progress bar."""
+def agree_on_run(cfg):
+    """The configuration rank 0 resolved (its output directory, checkpoint directory, ...), read-only,
+    on every rank: interpolations such as Hydra's output directory resolve per process."""
+    from omegaconf import OmegaConf
 
-    def __init__(self, cfg, rank: int, start: int):
-        self.rank = rank
-        self.path = Path(cfg.logging.dir) / "metrics.jsonl"
-        self.bar = None
-        if rank == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if cfg.logging.progress:
-                from tqdm import tqdm
+    resolved = OmegaConf.create(rank0_decides(lambda: config_dict(cfg)))
+    OmegaConf.set_readonly(resolved, True)
+    return resolved
 
-                self.bar = tqdm(total=cfg.train.steps, initial=start, unit="step", dynamic_ncols=True)
 
-    def log(self, record: dict) -> None:
-        if self.rank != 0:
-            return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
-        if self.bar is None:
-            print(line, flush=True)
-        elif "event" not in record and {"loss", "lr", "tokens_per_s"} <= record.keys():  # a training step
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-        else:  # validation losses and events: a line above the bar
-            self.bar.write(line)
+def lock_run_dirs(cfg, stack: contextlib.ExitStack) -> None:
+    """Lock ``logging.dir`` and ``checkpoint.dir`` for this run (rank 0; released when ``stack``
+    closes). ConfigError on every rank when another live run holds one of them."""
 
-    def advance(self, n: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
+    def take() -> None:
+        wanted = [("logging.dir", cfg.logging.dir)]
+        if cfg.checkpoint.dir:
+            wanted.append(("checkpoint.dir", cfg.checkpoint.dir))
+        for what, directory in wanted:
+            try:
+                lock = DirectoryLock.acquire(Path(directory), what, run_dir=str(cfg.logging.dir))
+            except DirectoryLockedError as err:
+                raise ConfigError(str(err)) from None
+            stack.callback(lock.release)
+            if lock.took_over:
+                gone = lock.took_over.get("pid")
+                print(f"note: {what}: took over the lock of a run that is no longer running (pid {gone})", flush=True)
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None  # later records (the end event) print as lines
+    rank0_decides(take)
+
+
+def resolved_backend(cfg, device) -> str | None:
+    """The backend the plugin's linears run on (``auto`` resolved for ``device``); None when the fp8
+    mode runs none of them."""
+    if cfg.fp8.mode not in PLUGIN_LINEAR_MODES:
+        return None
+    if cfg.backend.name != "auto":
+        return cfg.backend.name
+    from ..backends import get_backend
+
+    return get_backend("auto", device).name
+
+
+def fp8_cache_bytes(model) -> int | None:
+    """Bytes the plugin's FP8 weight caches hold in this process (the quantized W and W^T with their
+    scales); None for Transformer Engine's FP8 layers, whose caches are TE's."""
+    layers = [m for m in model.modules() if hasattr(m, "weight_cache_nbytes")]
+    if not layers and any(type(m).__module__.startswith("transformer_engine") for m in model.modules()):
+        return None
+    return sum(m.weight_cache_nbytes for m in layers)
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -192,7 +211,16 @@ def run(cfg) -> dict:
     device, stack = init_runtime(cfg)
     cfg = resolve(cfg, dist.get_world_size())  # the derived values (global batch, warmup) filled in
     with stack:
-        resume_from = resume_point(cfg)  # a bad checkpoint stops the run here, before data and model are built
+        cfg = agree_on_run(cfg)
+        lock_run_dirs(cfg, stack)
+        backend = resolved_backend(cfg, device)
+        # a bad or another run's checkpoint, or another run's metrics file, stop the run here, before
+        # data and model are built
+        start_at = start_point(cfg, backend)
+        metrics_path = Path(cfg.logging.dir) / METRICS_FILE
+        dropped = rank0_decides(lambda: claim_metrics_file(metrics_path, start_at.run_id, start_at.iteration))
+        sinks = open_sinks(cfg, start_at.run_id, config_dict(cfg)) if dist.get_rank() == 0 else []
+        run_info = RunInfo(start_at.run_id, backend, dist.get_world_size())
         rank = dist.get_rank()
         dp = parallel_state.get_data_parallel_world_size()
         t = cfg.train
@@ -201,7 +229,8 @@ def run(cfg) -> dict:
         train_ds, valid_ds = build_run_datasets(cfg)
 
         tconfig = transformer_config(cfg, device.type == "cuda")
-        model = build_model(cfg, tconfig, run_tokenizer(cfg).vocab_size, device)
+        vocab_size = run_tokenizer(cfg).vocab_size
+        model = build_model(cfg, tconfig, vocab_size, device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer
         )
@@ -221,7 +250,7 @@ def run(cfg) -> dict:
             end_wd=t.weight_decay, wd_incr_steps=t.steps, wd_incr_style="constant",
             override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,  # a resume takes this schedule
         )  # fmt: skip
-        resumed = load_checkpoint(cfg, model, optimizer, scheduler, resume_from)
+        resumed = load_checkpoint(cfg, model, optimizer, scheduler, start_at)
         start, consumed = resumed.iteration, resumed.consumed_samples
         mark_weights_changed()  # weights were loaded: no cache may serve a copy made before
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -229,18 +258,32 @@ def run(cfg) -> dict:
         train_iter = data_mod.rank_batches(train_ds, t.micro_batch_size, n_micro, t.global_batch_size, consumed, dp_rank, device)
         forward_backward = get_forward_backward_func()
         step_fn = _forward_step()
-        metrics = Metrics(cfg, rank, start)
+        metrics = Metrics(cfg, rank, start, sinks)
+        stack.callback(metrics.close)
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
+        flops_per_step = flops.model_flops_per_step(
+            cfg, padded_vocab(vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tp)
+        )
+        peak = flops.device_peak_flops(device)
         if rank == 0:
+            from .. import __version__
+
             n_params = sum(p.numel() for p in model.parameters())
             # which experts an MoE model runs (TEGroupedMLP: grouped GEMMs; SequentialMLP: a GEMM per expert)
             experts = next((type(m.experts).__name__ for m in model.modules() if hasattr(m, "router")), None)
-            metrics.log({"event": "start", "params": n_params, "fp8": cfg.fp8.mode, "backend": cfg.backend.name,
-                         "device": str(device), "world_size": dist.get_world_size(), "start_step": start,
-                         "experts": experts})  # fmt: skip
+            metrics.log({"event": "start", "run_id": start_at.run_id, "version": __version__, "params": n_params,
+                         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                         "fp8": cfg.fp8.mode, "backend": cfg.backend.name, "backend_resolved": backend,
+                         "device": str(device), "world_size": dist.get_world_size(), "tp": cfg.parallel.tp,
+                         "pp": cfg.parallel.pp, "sp": bool(cfg.parallel.sequence_parallel),
+                         "ep": parallel_state.get_expert_model_parallel_world_size(), "dp": dp,
+                         "start_step": start, "experts": experts})  # fmt: skip
+            for line in start_at.repaired:
+                print(f"note: checkpoint.dir: {line}", flush=True)
             if resumed.path is not None:
-                metrics.log({"event": "resume", "checkpoint": str(resumed.path), "step": start,
-                             "changed": {k: list(v) for k, v in resumed.changed.items()}})  # fmt: skip
+                metrics.log({"event": "resume", "checkpoint": str(resumed.path), "source": start_at.source, "step": start,
+                             "changed": {k: list(v) for k, v in resumed.changed.items()},
+                             "dropped_records": dropped})  # fmt: skip
         last = {}
         window_t, window_steps = time.perf_counter(), 0
         for step in range(start, t.steps):
@@ -265,20 +308,21 @@ def run(cfg) -> dict:
                 dt = (time.perf_counter() - window_t) / window_steps
                 last = {"step": step + 1, "loss": loss, "lr": scheduler.get_lr(optimizer.param_groups[0]),
                         "grad_norm": float(grad_norm or 0.0), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                        "mfu": flops.mfu(flops_per_step, dt, dist.get_world_size(), peak),
                         "memory_bytes": _memory_bytes(device), "consumed_samples": consumed, "update_ok": bool(ok)}  # fmt: skip
+                if step == start:  # the FP8 weight caches are filled by the first step
+                    last["fp8_cache_bytes"] = fp8_cache_bytes(model)
                 metrics.log(last)
                 window_t, window_steps = time.perf_counter(), 0
+            paused = time.perf_counter()  # evaluation and saves stay out of the step time
             if t.eval_interval and ((step + 1) % t.eval_interval == 0 or step + 1 == t.steps):
                 metrics.log({"step": step + 1, "valid_loss": evaluate(cfg, model, valid_ds, device, step_fn, n_micro)})
-                window_t = time.perf_counter()  # keep evaluation out of the step time
-            if cfg.checkpoint.dir and cfg.checkpoint.save_interval and (step + 1) % cfg.checkpoint.save_interval == 0:
-                save_checkpoint(cfg, model, optimizer, scheduler, step + 1, consumed)
-        if (
-            cfg.checkpoint.dir
-            and t.steps > start
-            and (not cfg.checkpoint.save_interval or t.steps % cfg.checkpoint.save_interval)
-        ):
-            save_checkpoint(cfg, model, optimizer, scheduler, t.steps, consumed)
+            every = cfg.checkpoint.save_interval
+            if cfg.checkpoint.dir and (step + 1 == t.steps or (every and (step + 1) % every == 0)):
+                saved = save_checkpoint(cfg, model, optimizer, scheduler, step + 1, consumed, run_info)
+                metrics.log({"event": "checkpoint", "step": step + 1, "path": str(saved.path), "bytes": saved.bytes,
+                             "seconds": saved.seconds, "pruned": saved.pruned})  # fmt: skip
+            window_t += time.perf_counter() - paused
         metrics.close()
         summary = {"final": last, "metrics": str(metrics.path), "steps": t.steps}
         if rank == 0:
