@@ -232,3 +232,14 @@ def test_cfg_job_with_a_logging_dir_prints_the_config(tmp_path):
     proc = trainer("--cfg", "job", "logging.dir=X", "checkpoint=periodic", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dir: ${logging.dir}/checkpoints" in proc.stdout
+
+
+def test_sweep_jobs_sharing_a_checkpoint_dir_stop_at_the_second(sweep, tmp_path):
+    """A sweep over the learning rate with one explicit checkpoint.dir: the second job would resume the
+    first's final checkpoint (a schedule change is no identity change) and train nothing."""
+    cwd, _, _, data = sweep
+    proc = trainer("-m", "train.lr=1e-3,2e-3", "train.steps=3", *SMALL, data, f"checkpoint.dir={tmp_path / 'ckpt'}",
+                   f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=cwd)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"checkpoint.dir: {tmp_path / 'ckpt'} is also the checkpoint.dir of job 0 of this sweep" in proc.stderr
+    assert steps(records(tmp_path / "sweep" / "0")) == [1, 2, 3] and not (tmp_path / "sweep" / "1" / "metrics.jsonl").exists()
