@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from primus_fp8_plugin import env
 from primus_fp8_plugin.training import checkpoint_store as store
 
 # (stage, the step whose save is killed, the latest.txt it leaves, what else the directory holds, what the
@@ -53,7 +54,7 @@ def test_a_run_killed_at_each_stage_of_a_save_resumes_and_loses_nothing(tmp_path
                 assert seen.setdefault(r["step"], r["loss"]) == r["loss"], (r["step"], seen[r["step"]], r["loss"])
 
     for i, (stage, step, latest, left, repaired) in enumerate(KILLS):
-        proc = trainer(*command, cwd=tmp_path, env={store.KILL_ENV: f"{stage}@{step}"})
+        proc = trainer(*command, cwd=tmp_path, env={env.KILL_DURING_SAVE: f"{stage}@{step}"})
         assert proc.returncode == -9, (stage, proc.returncode, proc.stderr[-3000:])
         assert (ckpt / "latest.txt").read_text() == latest, stage
         assert contents(ckpt) == left, (stage, contents(ckpt))

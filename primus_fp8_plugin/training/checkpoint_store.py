@@ -22,8 +22,7 @@ Test hook: with ``PRIMUS_FP8_KILL_DURING_SAVE=STAGE`` (or ``STAGE@STEP``: only i
 step) the saving process sends itself SIGKILL when the save reaches ``STAGE``, one of ``SAVE_STAGES``
 (tests/test_checkpoint_crash.py kills a run at each of them and resumes it).
 
-Only the process that owns the directory (rank 0 of the run holding its lock) calls these; nothing
-here imports torch.
+Only the process that owns the directory (rank 0 of the run holding its lock) calls these.
 """
 
 from __future__ import annotations
@@ -34,8 +33,9 @@ import shutil
 import signal
 from pathlib import Path
 
+from .. import env
+
 LATEST = "latest.txt"
-KILL_ENV = "PRIMUS_FP8_KILL_DURING_SAVE"
 # the stages of a save, in order; a kill after each is survived (tests/test_checkpoint_crash.py)
 SAVE_STAGES = (
     "written",  # every rank wrote its files into .iter_N.partial; no manifest yet
@@ -65,7 +65,7 @@ def staging(root: Path, step: int) -> Path:
 def reached(stage: str, step: int) -> None:
     """The test hook: SIGKILL this process if ``PRIMUS_FP8_KILL_DURING_SAVE`` names ``stage`` (and
     ``step``, when it names one)."""
-    want = os.environ.get(KILL_ENV)
+    want = env.kill_during_save()
     if not want:
         return
     name, _, at = want.partition("@")
