@@ -17,6 +17,8 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("hydra")
 
 ROOT = Path(__file__).resolve().parents[1]
+# torchrun's rendezvous port; PRIMUS_FP8_TEST_PORT lets two checkouts run these tests side by side
+PORT = int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")) + 260
 FAST = ["backend=reference", "logging.progress=false", "train.warmup_steps=2", "train.eval_interval=0"]
 
 
@@ -24,7 +26,7 @@ def train(tmp_path, *overrides, torchrun=0, name="run", progress=False):
     fast = FAST if not progress else [o for o in FAST if not o.startswith("logging.progress")]
     args = [*fast, f"logging.dir={tmp_path / name}", f"data.cache_dir={tmp_path / 'data'}", *overrides]
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}", "--master-port=29871",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}", f"--master-port={PORT}",
                "-m", "primus_fp8_plugin.train", *args]  # fmt: skip
     else:
         cmd = [sys.executable, "-m", "primus_fp8_plugin.train", *args]
