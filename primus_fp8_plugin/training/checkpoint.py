@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import time
 import uuid
@@ -131,7 +130,7 @@ def _digest(path: Path) -> dict:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             n += len(chunk)
-        os.fsync(f.fileno())  # what was hashed is on the storage, not only in the page cache
+        store.fsync_fd(f.fileno())  # what was hashed is on the storage, not only in the page cache
     return {"bytes": n, "sha256": h.hexdigest()}
 
 

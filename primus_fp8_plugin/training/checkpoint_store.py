@@ -27,6 +27,7 @@ Only the process that owns the directory (rank 0 of the run holding its lock) ca
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -73,11 +74,21 @@ def reached(stage: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's data and metadata to the storage."""
-    fd = os.open(path, os.O_RDONLY)
+def fsync_fd(fd: int) -> None:
+    """Flush an open file's (or directory's) data and metadata to the storage; a file system that cannot
+    sync this kind of descriptor (some network and FUSE mounts refuse directories) is left as it is."""
     try:
         os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+
+
+def fsync_path(path: Path) -> None:
+    """``fsync_fd`` of a file or directory by its path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fsync_fd(fd)
     finally:
         os.close(fd)
 

@@ -4,7 +4,8 @@ The trainer talks to its user through ``print``, warnings and a progress bar, no
 (which Hydra's ``train.log`` handler alone receives), so ``console_to_log`` copies ``sys.stdout`` and
 ``sys.stderr`` into the log file while a run lasts. A progress bar redraws its line with carriage
 returns: the log gets each line as it was last drawn when it ended (the bar's final state, the
-lines written above it), not every redraw.
+lines written above it), not every redraw. What C/C++ code writes straight to the file descriptors
+(NCCL's and torch's native messages) reaches the console only.
 """
 
 from __future__ import annotations

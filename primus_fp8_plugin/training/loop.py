@@ -219,7 +219,11 @@ def run(cfg) -> dict:
         start_at = start_point(cfg, backend)
         metrics_path = Path(cfg.logging.dir) / METRICS_FILE
         dropped = rank0_decides(lambda: claim_metrics_file(metrics_path, start_at.run_id, start_at.iteration))
-        sinks = open_sinks(cfg, start_at.run_id, config_dict(cfg)) if dist.get_rank() == 0 else []
+        if dist.get_rank() == 0:
+            for line in start_at.repaired:
+                print(f"note: checkpoint.dir: {line}", flush=True)
+        sinks: list = []  # TensorBoard, W&B: opened on rank 0, a missing package stopping every rank
+        rank0_decides(lambda: sinks.extend(open_sinks(cfg, start_at.run_id, config_dict(cfg))))
         run_info = RunInfo(start_at.run_id, backend, dist.get_world_size())
         rank = dist.get_rank()
         dp = parallel_state.get_data_parallel_world_size()
@@ -278,8 +282,6 @@ def run(cfg) -> dict:
                          "pp": cfg.parallel.pp, "sp": bool(cfg.parallel.sequence_parallel),
                          "ep": parallel_state.get_expert_model_parallel_world_size(), "dp": dp,
                          "start_step": start, "experts": experts})  # fmt: skip
-            for line in start_at.repaired:
-                print(f"note: checkpoint.dir: {line}", flush=True)
             if resumed.path is not None:
                 metrics.log({"event": "resume", "checkpoint": str(resumed.path), "source": start_at.source, "step": start,
                              "changed": {k: list(v) for k, v in resumed.changed.items()},
