@@ -243,3 +243,30 @@ def test_sweep_jobs_sharing_a_checkpoint_dir_stop_at_the_second(sweep, tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"checkpoint.dir: {tmp_path / 'ckpt'} is also the checkpoint.dir of job 0 of this sweep" in proc.stderr
     assert steps(records(tmp_path / "sweep" / "0")) == [1, 2, 3] and not (tmp_path / "sweep" / "1" / "metrics.jsonl").exists()
+
+
+@pytest.mark.gpu
+def test_mfu_on_a_gpu_in_the_peak_table(tmp_path):
+    """On a GPU of flops.PEAK_BF16_TFLOPS every step record has an MFU in (0, 1), equal to the formula's
+    model FLOPs over the step time and the peak; the start event names the backend auto chose."""
+    import torch
+
+    from primus_fp8_plugin.training import flops
+    from primus_fp8_plugin.training.model import padded_vocab
+    from tests.hydra_compose import compose
+
+    peak = flops.peak_flops(torch.cuda.get_device_name(0))
+    if peak is None:
+        pytest.skip(f"{torch.cuda.get_device_name(0)} is not in the peak table")
+    proc = trainer("train.steps=6", "train.warmup_steps=1", "train.eval_interval=0", "logging.progress=false",
+                   "logging.log_interval=1", "data.max_bytes=2000000", f"logging.dir={tmp_path / 'run'}",
+                   cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recs = records(tmp_path / "run")
+    start = next(r for r in recs if r.get("event") == "start")
+    assert start["backend"] == "auto" and start["backend_resolved"] not in (None, "auto", "reference")
+    per_step = flops.model_flops_per_step(compose(), padded_vocab(257, 1))
+    for r in recs:
+        if "loss" in r and "event" not in r:
+            assert 0 < r["mfu"] < 1 and r["mfu"] == pytest.approx(per_step / (r["step_time_s"] * peak), rel=1e-9)
+    assert "mfu=" in proc.stdout and "mfu=n/a" not in proc.stdout
