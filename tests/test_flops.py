@@ -13,7 +13,7 @@ from tests.hydra_compose import compose  # noqa: E402
 
 
 def test_model_flops_of_the_tiny_gpt_by_hand():
-    """The default tiny GPT: 2 layers, h=256, f=1024 (GeLU), 4 heads (MHA), s=128, vocabulary 257 padded to
+    """The default tiny GPT: 2 layers, h=256, f=1024 (GeLU), 4 heads (MHA), s=128, a padded vocabulary of
     512, 8 sequences a step. Weights a token is multiplied by: per layer QKV 256*768 = 196608, projection
     65536, MLP 2*262144 = 524288, so 786432; two layers 1572864; output layer 256*512 = 131072; N = 1703936.
     Causal attention: 6*L*s*h = 6*2*128*256 = 393216. Per token 6*1703936 + 393216 = 10616832;

@@ -105,9 +105,10 @@ def test_train_log_holds_what_the_console_showed(sweep):
 
 
 def test_the_start_event_names_the_layout_and_the_bytes(sweep):
-    """param_bytes: bf16 parameters of the one-layer model (parameter_count of the config, vocabulary
-    257 padded to 512); fp8_cache_bytes: each FP8 linear [N, K] caches W and W^T (N K bytes each) and
-    their 128x128 block scales in TE's layout (fp32 [ceil(N/128), pad4(ceil(K/128))] and transposed)."""
+    """param_bytes: bf16 parameters of the one-layer model (parameter_count of the config, the byte
+    tokenizer's 257 ids padded to 384, a multiple of 128 as Megatron pads); fp8_cache_bytes: each FP8
+    linear [N, K] caches W and W^T (N K bytes each) and their 128x128 block scales in TE's layout (fp32
+    [ceil(N/128), pad4(ceil(K/128))] and transposed)."""
     from primus_fp8_plugin import __version__
     from primus_fp8_plugin.config.resources import parameter_count
     from tests.hydra_compose import compose
@@ -122,7 +123,7 @@ def test_the_start_event_names_the_layout_and_the_bytes(sweep):
     for job, fp8_bytes, resolved in (("0", 0, None), ("1", cache, "reference")):
         recs = records(sweep_dir / job)
         start = next(r for r in recs if r.get("event") == "start")
-        assert start["param_bytes"] == 2 * parameter_count(cfg, 512) == 2 * start["params"]
+        assert start["param_bytes"] == 2 * parameter_count(cfg, 384) == 2 * start["params"]
         assert (start["tp"], start["pp"], start["sp"], start["ep"], start["dp"]) == (1, 1, False, 1, 1)
         assert start["version"] == __version__ and start["backend"] == "reference"
         assert start["backend_resolved"] == resolved
@@ -252,7 +253,6 @@ def test_mfu_on_a_gpu_in_the_peak_table(tmp_path):
     import torch
 
     from primus_fp8_plugin.training import flops
-    from primus_fp8_plugin.training.model import padded_vocab
     from tests.hydra_compose import compose
 
     peak = flops.peak_flops(torch.cuda.get_device_name(0))
@@ -265,7 +265,7 @@ def test_mfu_on_a_gpu_in_the_peak_table(tmp_path):
     recs = records(tmp_path / "run")
     start = next(r for r in recs if r.get("event") == "start")
     assert start["backend"] == "auto" and start["backend_resolved"] not in (None, "auto", "reference")
-    per_step = flops.model_flops_per_step(compose(), padded_vocab(257, 1))
+    per_step = flops.model_flops_per_step(compose(), 384)  # the byte tokenizer's 257 ids padded to 3 x 128
     for r in recs:
         if "loss" in r and "event" not in r:
             assert 0 < r["mfu"] < 1 and r["mfu"] == pytest.approx(per_step / (r["step_time_s"] * peak), rel=1e-9)
