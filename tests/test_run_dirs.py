@@ -144,3 +144,19 @@ def test_hydra_command_line_for_sweeps_and_cfg():
     assert hydra_args(["--cfg", "job", "logging.dir=X"], rank=0) == ["--cfg", "job", "logging.dir=X", "hydra.run.dir=X"]
     assert hydra_args(["a=1", "--cfg", "job"], rank=1)[:5] == ["a=1", "hydra.run.dir=.", "hydra.output_subdir=null",
                                                                 "hydra/job_logging=none", "hydra/hydra_logging=none"]  # fmt: skip
+
+
+def test_the_trainer_locks_both_directories_once_each(tmp_path):
+    pytest.importorskip("megatron.core")
+    import contextlib
+
+    from primus_fp8_plugin.training.loop import lock_run_dirs
+
+    for ckpt in (tmp_path / "ckpt", tmp_path):  # checkpoints beside the logs, or in the same directory
+        cfg = compose(f"logging.dir={tmp_path}", f"checkpoint.dir={ckpt}")
+        with contextlib.ExitStack() as stack:
+            lock_run_dirs(cfg, stack)
+            assert (tmp_path / LOCK_NAME).is_file() and (ckpt / LOCK_NAME).is_file()
+            with pytest.raises(ConfigError, match="already in use by an earlier run of this process"):
+                lock_run_dirs(cfg, contextlib.ExitStack())
+        assert not (tmp_path / LOCK_NAME).exists() and not (ckpt / LOCK_NAME).exists()

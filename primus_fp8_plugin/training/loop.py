@@ -97,7 +97,7 @@ def lock_run_dirs(cfg, stack: contextlib.ExitStack) -> None:
 
     def take() -> None:
         wanted = [("logging.dir", cfg.logging.dir)]
-        if cfg.checkpoint.dir:
+        if cfg.checkpoint.dir and Path(cfg.checkpoint.dir).resolve() != Path(cfg.logging.dir).resolve():
             wanted.append(("checkpoint.dir", cfg.checkpoint.dir))
         for what, directory in wanted:
             try:
