@@ -18,7 +18,7 @@ def test_model_flops_of_the_tiny_gpt_by_hand():
     65536, MLP 2*262144 = 524288, so 786432; two layers 1572864; output layer 256*512 = 131072; N = 1703936.
     Causal attention: 6*L*s*h = 6*2*128*256 = 393216. Per token 6*1703936 + 393216 = 10616832;
     per step x 1024 tokens = 10871635968."""
-    cfg = compose()
+    cfg = compose("train.global_batch_size=8")
     assert flops.matmul_weights_per_token(cfg.model, 512) == 1703936
     assert flops.model_flops_per_step(cfg, 512) == 10871635968
 

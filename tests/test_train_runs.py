@@ -265,7 +265,8 @@ def test_mfu_on_a_gpu_in_the_peak_table(tmp_path):
     recs = records(tmp_path / "run")
     start = next(r for r in recs if r.get("event") == "start")
     assert start["backend"] == "auto" and start["backend_resolved"] not in (None, "auto", "reference")
-    per_step = flops.model_flops_per_step(compose(), 384)  # the byte tokenizer's 257 ids padded to 3 x 128
+    # one process: a global batch of 8; the byte tokenizer's 257 ids padded to 3 x 128
+    per_step = flops.model_flops_per_step(compose("train.global_batch_size=8"), 384)
     for r in recs:
         if "loss" in r and "event" not in r:
             assert 0 < r["mfu"] < 1 and r["mfu"] == pytest.approx(per_step / (r["step_time_s"] * peak), rel=1e-9)
