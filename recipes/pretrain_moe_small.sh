@@ -7,8 +7,9 @@
 #
 #   recipes/pretrain_moe_small.sh [--gpus N] [--dry-run | --check] [OVERRIDES...]
 #
-# Extra arguments are the launcher's options and Hydra overrides, which win over the recipe's. Outputs go
-# to outputs/moe_small under the directory you run it from.
+# Extra arguments are the launcher's options and Hydra overrides, which win over the recipe's. Outputs and
+# checkpoints go to outputs/moe_small under the directory you run it from; running it again resumes that run
+# (a changed setting stops it at start-up, naming the field: checkpoint.allow_changes=[...] accepts it).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [ -f "$ROOT/scripts/launch_pretrain.sh" ] || ROOT="${SLURM_SUBMIT_DIR:-$PWD}"  # sbatch runs a copy of this file
@@ -16,4 +17,4 @@ export LAUNCH_RECIPE="$ROOT/recipes/pretrain_moe_small.sh"
 exec bash "$ROOT/scripts/launch_pretrain.sh" \
   model=moe_small model.moe_grouped_gemm=true model.attention=sdpa fp8=blockwise \
   train.steps=2000 train.global_batch_size=32 train.micro_batch_size=4 train.warmup_steps=100 \
-  logging.dir=outputs/moe_small "$@"
+  checkpoint=periodic logging.dir=outputs/moe_small "$@"

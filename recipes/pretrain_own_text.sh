@@ -9,7 +9,8 @@
 #   (pip install 'primus-fp8-plugin[data]'), or byte (default). DATA_PREFIX: where the .bin/.idx go
 #   (default outputs/own_text/corpus); they are made again when TEXT or TOKENIZER change.
 # PYTHON: the interpreter (default: the checkout's .venv, else python3); GPUS: processes (default all).
-# The overrides after the defaults below win, e.g. model=tiny train.steps=100.
+# The overrides after the defaults below win, e.g. model=tiny train.steps=100. Outputs and checkpoints go to
+# outputs/own_text; running it again resumes that run (a changed setting stops it at start-up, naming the field).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [ -z "${PYTHON:-}" ]; then
@@ -30,4 +31,4 @@ fi
 exec "$ROOT/scripts/launch_pretrain.sh" ${GPUS:+--gpus "$GPUS"} \
   model=gpt_125m model.attention=sdpa fp8=blockwise data=indexed data.path="$(realpath "$DATA_PREFIX")" \
   data.tokenizer="$TOKENIZER" train.steps=2000 train.micro_batch_size=8 train.lr=6e-4 train.min_lr=6e-5 \
-  train.eval_interval=200 logging.dir=outputs/own_text "$@"
+  train.eval_interval=200 checkpoint=periodic logging.dir=outputs/own_text "$@"
