@@ -139,7 +139,8 @@ def test_check_builds_the_spec_the_trainer_builds(tmp_path):
     SDPA attention) for 8 processes; the MoE recipe on 16 processes stops with the batch-size rule."""
     pytest.importorskip("megatron.core")
     tiny_indexed(tmp_path / "corpus")
-    proc = run(ROOT / "recipes" / "pretrain_llama3_8b.sh", "--check", cwd=tmp_path, env={"DATA_PREFIX": str(tmp_path / "corpus"), "TOKENIZER": "byte"})
+    env = {"DATA_PREFIX": str(tmp_path / "corpus"), "TOKENIZER": "byte"}
+    proc = run(ROOT / "recipes" / "pretrain_llama3_8b.sh", "--check", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert ("check_launch: OK llama3_8b, 32 layers, seq 8192, fp8=blockwise; FP8 layers: "
             "Fp8LayerNormColumnParallelLinear x64, Fp8RowParallelLinear x64; attention: SDPA (fused); "
