@@ -288,7 +288,8 @@ class GroupedFp8Weight:
         shape: ``(N, K)`` of one expert's weight.
         fp8_dtype, orig_dtype: as for ``BlockwiseFp8Tensor``.
         rowwise_data ``[E, N, K]``, rowwise_scale_inv ``[E, ceil(N/128), pad4(ceil(K/128))]``;
-        columnwise_data ``[E, K, N]``, columnwise_scale_inv ``[E, ceil(K/128), pad4(ceil(N/128))]``.
+        columnwise_data ``[E, K, N]``, columnwise_scale_inv ``[E, ceil(K/128), pad4(ceil(N/128))]``, or both None
+        (W only: W^T is made on demand, ``Backend.transpose_weight_grouped``).
     """
 
     shape: tuple[int, int]
@@ -296,8 +297,8 @@ class GroupedFp8Weight:
     orig_dtype: torch.dtype
     rowwise_data: torch.Tensor
     rowwise_scale_inv: torch.Tensor
-    columnwise_data: torch.Tensor
-    columnwise_scale_inv: torch.Tensor
+    columnwise_data: torch.Tensor | None = None
+    columnwise_scale_inv: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.shape = (int(self.shape[0]), int(self.shape[1]))
@@ -305,6 +306,8 @@ class GroupedFp8Weight:
 
     def check(self) -> None:
         n, k = self.shape
+        if self.rowwise_data is None:
+            raise ValueError("a GroupedFp8Weight holds W (rowwise_data and rowwise_scale_inv); W^T is optional")
         e = self.num_groups
         dev = _check_copy("rowwise", self.rowwise_data, self.rowwise_scale_inv, (e, n, k), (e, *scale_inv_shape(n, k, 2)),
                           self.fp8_dtype, None)  # fmt: skip
@@ -320,9 +323,24 @@ class GroupedFp8Weight:
         return self.rowwise_data.device
 
     @property
+    def has_columnwise(self) -> bool:
+        return self.columnwise_data is not None
+
+    @property
     def nbytes(self) -> int:
         parts = (self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv)
-        return sum(p.numel() * p.element_size() for p in parts)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+    def with_columnwise(self, data: torch.Tensor, scale_inv: torch.Tensor) -> GroupedFp8Weight:
+        """These weights' W copies with ``data`` / ``scale_inv`` as their W^T copies (checked)."""
+        return GroupedFp8Weight(self.shape, self.fp8_dtype, self.orig_dtype, self.rowwise_data, self.rowwise_scale_inv,
+                                data, scale_inv)  # fmt: skip
+
+    def rowwise_only(self) -> GroupedFp8Weight:
+        """These weights without their W^T copies (the same W buffers); itself when it has none."""
+        if self.columnwise_data is None:
+            return self
+        return GroupedFp8Weight(self.shape, self.fp8_dtype, self.orig_dtype, self.rowwise_data, self.rowwise_scale_inv)
 
     @classmethod
     def empty(cls, num_groups: int, shape: tuple[int, int], fp8_dtype, orig_dtype, device) -> GroupedFp8Weight:
@@ -339,11 +357,10 @@ class GroupedFp8Weight:
 
     def expert(self, e: int) -> BlockwiseFp8Tensor:
         """Expert ``e``'s weight as a dense ``BlockwiseFp8Tensor`` (views of this tensor's buffers)."""
-        return BlockwiseFp8Tensor(
-            self.shape, 2, self.fp8_dtype, self.orig_dtype,
-            rowwise_data=self.rowwise_data[e], rowwise_scale_inv=self.rowwise_scale_inv[e],
-            columnwise_data=self.columnwise_data[e], columnwise_scale_inv=self.columnwise_scale_inv[e],
-        )  # fmt: skip
+        col = {} if self.columnwise_data is None else {"columnwise_data": self.columnwise_data[e],
+                                                       "columnwise_scale_inv": self.columnwise_scale_inv[e]}  # fmt: skip
+        return BlockwiseFp8Tensor(self.shape, 2, self.fp8_dtype, self.orig_dtype, rowwise_data=self.rowwise_data[e],
+                                  rowwise_scale_inv=self.rowwise_scale_inv[e], **col)  # fmt: skip
 
     @classmethod
     def from_experts(cls, parts: Sequence[BlockwiseFp8Tensor]) -> GroupedFp8Weight:

@@ -81,6 +81,21 @@ def scales_to_te_layout(compact: torch.Tensor, rows: int, cols: int, block_dim: 
     return out
 
 
+def transpose_blocks(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The columnwise copy of a 128x128-block (2D) quantized copy: its exact transpose, data and scales (the reference
+    form; ``kernels/triton/transpose_weight.py`` computes the same bits).
+
+    ``data [..., R, C]`` FP8 (K-major), ``scale_inv [..., ceil(R/128), pad4(ceil(C/128))]`` (TE's 2D layout; leading
+    dims: experts) -> ``(data^T [..., C, R]`` contiguous, ``scale_inv [..., ceil(C/128), pad4(ceil(R/128))]`` with
+    1.0 in the padding entries). Every block keeps its bytes and its scale, so the pair dequantizes to the transpose
+    of what the rowwise pair dequantizes to, bit for bit (docs/NUMERICS.md)."""
+    rows, cols = data.shape[-2:]
+    rb, cb = ceil_div(rows, BLOCK), ceil_div(cols, BLOCK)
+    t_scale = torch.ones(*scale_inv.shape[:-2], cb, pad4(rb), dtype=torch.float32, device=scale_inv.device)
+    t_scale[..., :rb] = scale_inv[..., :cb].transpose(-1, -2)
+    return data.transpose(-1, -2).contiguous(), t_scale
+
+
 def scales_from_te_layout(te_scale: torch.Tensor, rows: int, cols: int, block_dim: int) -> torch.Tensor:
     """The real entries of a TE-layout ``scale_inv``, in ``compact_scale_shape`` order (a view)."""
     if block_dim == 1:
@@ -198,6 +213,19 @@ class BlockwiseFp8Tensor:
             self.shape, self.block_dim, self.fp8_dtype, self.orig_dtype, rowwise_data=row,
             rowwise_scale_inv=self.rowwise_scale_inv, columnwise_data=col, columnwise_scale_inv=self.columnwise_scale_inv,
         )  # fmt: skip
+
+    def rowwise_only(self) -> BlockwiseFp8Tensor:
+        """This tensor without its columnwise copy (the same rowwise buffers); itself when it has none."""
+        if self.columnwise_data is None:
+            return self
+        return BlockwiseFp8Tensor(self.shape, self.block_dim, self.fp8_dtype, self.orig_dtype, rowwise_data=self.rowwise_data,
+                                  rowwise_scale_inv=self.rowwise_scale_inv, layout=self.layout)  # fmt: skip
+
+    def with_columnwise(self, data: torch.Tensor, scale_inv: torch.Tensor) -> BlockwiseFp8Tensor:
+        """This tensor's rowwise copy with ``data`` / ``scale_inv`` as its columnwise copy (checked)."""
+        return BlockwiseFp8Tensor(self.shape, self.block_dim, self.fp8_dtype, self.orig_dtype, rowwise_data=self.rowwise_data,
+                                  rowwise_scale_inv=self.rowwise_scale_inv, columnwise_data=data,
+                                  columnwise_scale_inv=scale_inv, layout=self.layout)  # fmt: skip
 
     def _copy(self, which: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         if which == "rowwise":

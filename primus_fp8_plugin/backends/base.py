@@ -12,15 +12,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight, GroupLayout
 from ..recipe import QuantParams
-from ..tensor import BlockwiseFp8Tensor
-
-if TYPE_CHECKING:
-    from ..grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight, GroupLayout
+from ..tensor import BlockwiseFp8Tensor, transpose_blocks
 
 
 @dataclass(frozen=True)
@@ -82,6 +79,16 @@ class Backend(abc.ABC):
 
         With ``accumulate_into`` (fp32 [N, K]) the result is added to it in place and it is returned.
         """
+
+    def transpose_weight(self, w: BlockwiseFp8Tensor) -> BlockwiseFp8Tensor:
+        """``w`` (a 128x128 weight, its W copy at least) with its W^T copy, made from W as the exact transpose of its
+        blocks and scales: the bits ``quantize_weight`` gives (``tensor.transpose_blocks``, the torch form here;
+        backends with kernels override it). dgrad's W^T on demand, for weights held as W only."""
+        return w.with_columnwise(*transpose_blocks(w.rowwise_data, w.rowwise_scale_inv))
+
+    def transpose_weight_grouped(self, w: GroupedFp8Weight) -> GroupedFp8Weight:
+        """``w`` (``E`` experts' 128x128 weights) with their W^T copies, as ``transpose_weight`` for each expert."""
+        return w.with_columnwise(*transpose_blocks(w.rowwise_data, w.rowwise_scale_inv))
 
     # ---- grouped (mixture-of-experts) operations: optional; results equal a loop of the dense ones ----
     def _no_grouped(self, op: str) -> NotImplementedError:
@@ -173,11 +180,13 @@ GROUPED_OPS = (
     "gemm_dgrad_grouped",
     "gemm_wgrad_grouped",
 )
+WEIGHT_OPS = ("transpose_weight", "transpose_weight_grouped")
 
 
 def fused_ops_from_triton(cls: type) -> type:
     """Class decorator: a backend that holds a ``TritonBackend`` as ``self.triton`` runs the fused
-    ops (norm, SwiGLU, RoPE) and the grouped (mixture-of-experts) ops through it."""
+    ops (norm, SwiGLU, RoPE), the grouped (mixture-of-experts) ops and the W^T transposes through it, but those
+    its class body defines itself."""
 
     def delegate(name):
         def method(self, *args, **kwargs):
@@ -187,6 +196,7 @@ def fused_ops_from_triton(cls: type) -> type:
         method.__doc__ = f"``{name}`` of the triton backend this backend holds."
         return method
 
-    for name in FUSED_OPS + GROUPED_OPS:
-        setattr(cls, name, delegate(name))
+    for name in FUSED_OPS + GROUPED_OPS + WEIGHT_OPS:
+        if name not in vars(cls):
+            setattr(cls, name, delegate(name))
     return cls

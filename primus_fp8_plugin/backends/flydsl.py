@@ -6,7 +6,7 @@ N, K multiples of 128 is quantized straight into FlyDSL's (16, 16) preshuffled l
 pass: ``kernels/triton/quantize_weight_preshuffle.py``); fprop and dgrad read it with the LDS-staged
 kernels (``gemm_lds.py``). Other weights stay K-major and use the direct-load kernel (``gemm.py``) or the
 portable Triton GEMM. A preshuffled weight meeting an E5M2 gradient (HYBRID dgrad) is unshuffled for the
-portable GEMM (correct, not fast).
+portable GEMM (correct, not fast), as is a preshuffled weight held without W^T, whose W^T is made K-major on demand.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class FlydslBackend(Backend):
         if gfx950.preshuffled_weight(w, params):
             return quantize_128x128_preshuffled(w, params)
         return self.triton.quantize_weight(w, params)
+
+    def transpose_weight(self, w):
+        # a preshuffled W: its W^T made K-major (dgrad then runs the portable GEMM: correct, not fast)
+        return self.triton.transpose_weight(w.k_major().rowwise_only())
 
     def gemm_fwd(self, x, w, bias, out_dtype):
         if w.layout != PRESHUFFLE16:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import BLOCK, QuantParams
-from ..tensor import BlockwiseFp8Tensor, ceil_div, scales_to_te_layout
+from ..tensor import BlockwiseFp8Tensor, ceil_div, scales_to_te_layout, transpose_blocks
 from . import reference_fused as fused
 from .base import Availability, Backend
 from .grouped_loop import DenseLoopGrouped
@@ -152,16 +152,10 @@ class ReferenceBackend(DenseLoopGrouped, Backend):
     def quantize_weight(self, w, params):
         rows, cols = w.shape
         data, s = quantize_blocks_128x128(w, params)
-        return BlockwiseFp8Tensor(
-            (rows, cols),
-            2,
-            params.fp8_dtype,
-            w.dtype,
-            rowwise_data=data,
-            rowwise_scale_inv=scales_to_te_layout(s, rows, cols, 2),
-            columnwise_data=data.t().contiguous(),
-            columnwise_scale_inv=scales_to_te_layout(s.t(), cols, rows, 2),
-        )
+        scale = scales_to_te_layout(s, rows, cols, 2)
+        col_data, col_scale = transpose_blocks(data, scale)  # for 128x128 blocks W^T is the exact transpose
+        return BlockwiseFp8Tensor((rows, cols), 2, params.fp8_dtype, w.dtype, rowwise_data=data, rowwise_scale_inv=scale,
+                                  columnwise_data=col_data, columnwise_scale_inv=col_scale)  # fmt: skip
 
     def gemm_fwd(self, x, w, bias, out_dtype):
         return blockwise_gemm(x.rowwise_data, x.scales("rowwise"), w.rowwise_data, w.scales("rowwise"), 2, out_dtype, bias)

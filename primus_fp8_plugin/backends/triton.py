@@ -11,6 +11,7 @@ Hopper Gluon kernel runs the call (and with which config) and otherwise runs the
 * Grouped (MoE) operations: one launch per operation for all experts (Gluon grouped GEMMs on Hopper where
   they apply; the portable ones otherwise, and for every wgrad into ``main_grad``), except the weight
   quantization of a few experts on Hopper: one dense Gluon launch per expert.
+* W^T on demand (weights held as W only): the portable transpose kernel (``transpose_weight.py``).
 * Fused ops: LayerNorm / RMSNorm and SwiGLU with their output quantized to FP8 directly (the Gluon
   fused quantizer on Hopper where M, K and the row stride are multiples of 16), RoPE; bit for bit the
   reference backend's. Their launch variants: ``FusedVariants``.
@@ -37,6 +38,7 @@ from ..kernels.triton.gemm_grouped import grouped_gemm, grouped_wgrad
 from ..kernels.triton.quantize_act import quantize_1x128_dual
 from ..kernels.triton.quantize_grouped import quantize_128x128_batched, quantize_grouped_1x128
 from ..kernels.triton.quantize_weight import quantize_128x128
+from ..kernels.triton.transpose_weight import transpose_128x128
 from .base import Availability, Backend
 
 
@@ -142,6 +144,12 @@ class TritonBackend(Backend):
             dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data, x.columnwise_scale_inv,
             b_block_dim=1, out_dtype=out_dtype, accumulate_into=accumulate_into,
         )  # fmt: skip
+
+    def transpose_weight(self, w):
+        return w.with_columnwise(*transpose_128x128(w.rowwise_data, w.rowwise_scale_inv))
+
+    def transpose_weight_grouped(self, w):
+        return w.with_columnwise(*transpose_128x128(w.rowwise_data, w.rowwise_scale_inv))
 
     # ---- grouped (mixture-of-experts) operations: the same bits as a loop of the dense ones
     def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise):

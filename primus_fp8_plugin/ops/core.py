@@ -5,12 +5,14 @@ An input stage (``stages.py``: plain, norm, SwiGLU) hands the core the quantized
 experts) picks the backend's operations. What the core does, written once:
 
 Forward:  X --(stage: quantize; rowwise for the GEMM, columnwise kept for wgrad)--> (exchange: gather rows)
-          W --weight cache (W and W^T, once per weight version) or quantized for this call
+          W --the weight source: a weight cache (W and W^T once per weight version; or W only), the FP8 primary
+            weight a cache holds (``fp8_params.py``), or quantized for this call
           Y = X W^T (+ b)
 Saved:    X's columnwise FP8 copy (about 0.52x the bytes of a bf16 X) and what the stage's backward reads; the
           quantized weight on ``ctx`` (weight-sized, owned by the cache). Never a high-precision X unless another
           node saves its storage anyway (``stages.Plain(keep_input=True)``).
-Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W (W^T copy; exchange: reduce-scatter)
+Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W (the source's W^T, or the exact
+          transpose of W's blocks made for this dgrad and freed after it; exchange: reduce-scatter)
           dW = dY^T X, or ``main_grad += dW`` in fp32 under Megatron's protocol (``weight_gradients``)
           db = sum of dY over rows; then the stage's own backward on dX.
           Only what is needed is quantized and computed: a frozen weight skips X's columnwise copy and wgrad; with
@@ -113,8 +115,8 @@ def _backward(ctx, dy):
         dyq = layout.quantize_act(backend, dy2d, recipe.params(TensorRole.GRAD_OUTPUT), rowwise=need_dx, columnwise=need_dw)
     started = exchange.start_gather_columnwise(x_col, x_col_scale) if need_dw and not requantize else None
     dx2d, rs_work = None, None
-    if need_dx:
-        dx2d, rs_work = exchange.reduce_scatter(layout.gemm_dgrad(backend, dyq, ctx.wq, x_dtype))
+    if need_dx:  # W^T: the weight source's, or made now from W's blocks (a weight held as W only) and freed after
+        dx2d, rs_work = exchange.reduce_scatter(layout.gemm_dgrad(backend, dyq, layout.with_transpose(backend, ctx.wq), x_dtype))
     dws = [None] * nw
     if need_dw:
         if requantize:

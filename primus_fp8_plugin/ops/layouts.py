@@ -7,6 +7,7 @@ weights, run the three GEMMs and sum the bias gradients. The core (``core.py``) 
 =====================  ======================================  =====================================================
 activations            ``BlockwiseFp8Tensor`` ``[M, K]``       ``GroupedFp8Tensor`` ``[T, K]`` (``grouped_tensor.py``)
 weights                one ``[N, K]``, ``WeightCache``         ``E`` x ``[N, K]``, ``GroupedWeightCache``
+W^T for dgrad          held, or ``transpose_weight``           held, or ``transpose_weight_grouped``
 bias gradient          ``dY`` summed over rows                 each expert's rows of ``dY`` summed (counts on host)
 =====================  ======================================  =====================================================
 """
@@ -34,6 +35,10 @@ class Dense:
             return cache.get(weights[0], params, backend, refresh=refresh)
         with torch.no_grad():
             return backend.quantize_weight(weights[0].detach().contiguous(), params)
+
+    def with_transpose(self, backend: Backend, wq):
+        """``wq`` with its W^T copy for dgrad: the one it holds, or an exact transpose of its W blocks made now."""
+        return wq if wq.has_columnwise else backend.transpose_weight(wq)
 
     def gemm_fwd(self, backend: Backend, xq, wq, biases, out_dtype: torch.dtype) -> torch.Tensor:
         return backend.gemm_fwd(xq, wq, biases[0] if biases else None, out_dtype)
@@ -69,6 +74,9 @@ class Grouped:
             return cache.get(weights, params, backend, refresh=refresh)
         with torch.no_grad():
             return backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params)
+
+    def with_transpose(self, backend: Backend, wq):
+        return wq if wq.has_columnwise else backend.transpose_weight_grouped(wq)
 
     def gemm_fwd(self, backend: Backend, xq, wq, biases, out_dtype: torch.dtype) -> torch.Tensor:
         bias = torch.stack([b.detach() for b in biases]) if biases else None

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from .fused_math import OP_LAYERNORM, OP_RMSNORM, OP_SWIGLU
 
 # --------------------------------------------------------------------------------------------------
-# Quantizers (quantize_act.py, quantize_weight.py, quantize_weight_preshuffle.py, quantize_grouped.py)
+# Quantizers (quantize_act.py, quantize_weight.py, quantize_weight_preshuffle.py, quantize_grouped.py) and the
+# W^T transpose (transpose_weight.py)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -61,6 +62,25 @@ def act_quant_config(m: int, k: int) -> QuantizeConfig:
 def weight_quant_config() -> QuantizeConfig:
     """The 128x128 weight quantizers' launch (K-major, preshuffled, batched over experts)."""
     return WEIGHT_QUANT
+
+
+@dataclass(frozen=True)
+class TransposeConfig:
+    """W^T on demand (transpose_weight.py): ``sub_m`` rows of a 128x128 block per pass, ``num_warps``, ``num_stages``."""
+
+    sub_m: int
+    num_warps: int
+    num_stages: int = 3
+
+
+# A byte copy: half a block per pass keeps the [64, 128] chunk and its transpose in registers with 4 warps. Not
+# yet measured against other launches on a GPU (benchmarks/bench_quant.py --transpose times it).
+WEIGHT_TRANSPOSE = TransposeConfig(sub_m=64, num_warps=4)
+
+
+def weight_transpose_config() -> TransposeConfig:
+    """The W^T transpose's launch (dense and stacked experts): one config for every shape."""
+    return WEIGHT_TRANSPOSE
 
 
 # --------------------------------------------------------------------------------------------------
