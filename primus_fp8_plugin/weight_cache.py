@@ -39,6 +39,14 @@ aliases, parameters tied through ``.data``), or by a collective or kernel writin
 use and raises :class:`StaleWeightCacheError` where the stored copy differs: a debug mode, at the
 cost of a full quantization per call.
 
+W only, and the FP8 primary form of a weight
+--------------------------------------------
+``keep_transpose=False`` keeps W only: dgrad's W^T is then made on demand from W's blocks (an exact transpose,
+``Backend.transpose_weight``) and freed after it, which saves a byte per weight element. ``own()`` makes the cache's
+W the weight's primary form (``fp8_params.py``): the weight is quantized once more, W^T dropped, and the copy is
+served for that weight, whatever its data then holds, without a key check, until ``disown()``; meanwhile
+``invalidate()``, copying or pickling the cache refuse (the copy is the only form of the weight).
+
 Where no key can be checked
 ---------------------------
 * Inference tensors (made under ``torch.inference_mode()``) have no version counter: inside
@@ -105,6 +113,26 @@ class StaleWeightCacheError(RuntimeError):
     """A weight cache in check mode found its stored copy different from a fresh quantization."""
 
 
+class HeldWeightError(RuntimeError):
+    """An operation that would lose the FP8 primary form of a weight a cache holds (``own``)."""
+
+
+def check_held(weights, refs, held_key: tuple, params: QuantParams, backend: Backend) -> None:
+    """A held copy is served only for the weights it was made of, with the parameters and backend it was made with."""
+    if len(refs) != len(weights) or not all(map(operator.is_, map(_deref, refs), weights)):
+        raise HeldWeightError("this weight cache holds the FP8 primary form of other weights than the ones passed")
+    if (params, backend) != held_key:
+        raise HeldWeightError(f"the held FP8 weight was quantized with {held_key[0]} on backend {held_key[1].name!r}, "
+                              f"not {params} on {backend.name!r}")  # fmt: skip
+
+
+def held_error(action: str) -> HeldWeightError:
+    return HeldWeightError(
+        f"cannot {action}: the weight cache holds the FP8 primary form of its weight, whose high-precision values were "
+        "released (fp8_params.Fp8Params); restore them first (Fp8Params.restore(), then the optimizer step writes them)"
+    )
+
+
 def same_bits(a: BlockwiseFp8Tensor, b: BlockwiseFp8Tensor) -> bool:
     """Whether two quantized weights hold the same bits (NaN scales compare equal to NaN)."""
     pairs = (
@@ -128,18 +156,23 @@ class WeightCache:
         check: compare every served copy with a fresh quantization and raise
             ``StaleWeightCacheError`` on a difference (a debug mode). None (the default) reads
             ``PRIMUS_FP8_CHECK_WEIGHT_CACHE`` (``1`` turns it on) when the cache is made.
+        keep_transpose: keep W^T beside W (default); False keeps W only (W^T made for each dgrad).
 
     Attributes:
         refreshes: how many times the weight was quantized through this cache.
         checks: how many served copies check mode compared.
+        held: whether the cache holds its weight's FP8 primary form (``own``).
     """
 
-    def __init__(self, *, check: bool | None = None) -> None:
+    def __init__(self, *, check: bool | None = None, keep_transpose: bool = True) -> None:
         self._value: BlockwiseFp8Tensor | None = None
         self._tensor_ref: weakref.ref | None = None
         self._storage_ref: StorageWeakRef | None = None
         self._key: tuple | None = None
         self.check = env.check_weight_cache() if check is None else bool(check)
+        self.keep_transpose = bool(keep_transpose)
+        self.held = False
+        self._held_key: tuple | None = None
         self.refreshes = 0
         self.checks = 0
 
@@ -168,7 +201,11 @@ class WeightCache:
         )
 
     def get(self, weight: torch.Tensor, params: QuantParams, backend: Backend, *, refresh: bool = False) -> BlockwiseFp8Tensor:
-        """The quantized copies of ``weight`` [N, K] (W and W^T), re-made unless provably unchanged."""
+        """The quantized copies of ``weight`` [N, K] (W and W^T, or W only), re-made unless provably unchanged; the
+        held copy while the cache holds the weight's primary form."""
+        if self.held:
+            check_held([weight], [self._tensor_ref], self._held_key, params, backend)
+            return self._value
         untracked = False
         if weight.is_inference():
             # no version counter; inside inference mode such tensors can be written in place untracked
@@ -194,10 +231,24 @@ class WeightCache:
         self.refreshes += 1
         return self._value
 
-    @staticmethod
-    def _quantize(weight: torch.Tensor, params: QuantParams, backend: Backend) -> BlockwiseFp8Tensor:
+    def _quantize(self, weight: torch.Tensor, params: QuantParams, backend: Backend) -> BlockwiseFp8Tensor:
         with torch.no_grad():
-            return backend.quantize_weight(weight.detach().contiguous(), params)
+            value = backend.quantize_weight(weight.detach().contiguous(), params)
+        return value if self.keep_transpose else value.rowwise_only()
+
+    def own(self, weight: torch.Tensor, params: QuantParams, backend: Backend) -> BlockwiseFp8Tensor:
+        """Quantize ``weight`` now and hold W (W^T dropped) as its primary form: served for it until ``disown``,
+        whatever its data then holds (the caller may release them). Returns the held copy."""
+        self.disown()
+        with torch.autocast(weight.device.type, enabled=False):  # as inside the op (grouped stacking refuses FP8 under it)
+            value = self.get(weight, params, backend, refresh=True).rowwise_only()
+        self._value, self._tensor_ref, self.held, self._held_key = value, weakref.ref(weight), True, (params, backend)
+        return value
+
+    def disown(self) -> None:
+        """Stop holding the weight's primary form (its high-precision values are about to be written) and drop it."""
+        self.held = False
+        self.invalidate()
 
     def _check(self, weight: torch.Tensor, params: QuantParams, backend: Backend) -> None:
         self.checks += 1
@@ -215,13 +266,18 @@ class WeightCache:
     def __getstate__(self) -> dict:
         # copies (copy.copy / deepcopy of a module) and pickles start empty: a copy's weight is another
         # tensor, and the storage weak reference must never be duplicated (each one frees itself once)
-        return {"check": self.check}
+        if self.held:
+            raise held_error("copy or pickle the layer")
+        return {"check": self.check, "keep_transpose": self.keep_transpose}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(check=state["check"])
+        self.__init__(check=state["check"], keep_transpose=state.get("keep_transpose", True))
 
     def invalidate(self) -> None:
-        """Drop the cached copies; the next ``get`` re-quantizes."""
+        """Drop the cached copies; the next ``get`` re-quantizes. Refused while the cache holds the weight's primary
+        form (``HeldWeightError``)."""
+        if self.held:
+            raise held_error("drop the layer's FP8 weight (a move, a dtype conversion or invalidate_weight_cache())")
         self._value = self._tensor_ref = self._storage_ref = self._key = None
 
     @property
@@ -261,12 +317,15 @@ class GroupedWeightCache:
     ``PRIMUS_FP8_CHECK_WEIGHT_CACHE=1`` (or ``check=True``) compares every served copy with a fresh one.
     """
 
-    def __init__(self, *, check: bool | None = None) -> None:
+    def __init__(self, *, check: bool | None = None, keep_transpose: bool = True) -> None:
         self._value: GroupedFp8Weight | None = None
         self._refs: list | None = None
         self._storage_refs: list | None = None
         self._key: tuple | None = None
         self.check = env.check_weight_cache() if check is None else bool(check)
+        self.keep_transpose = bool(keep_transpose)
+        self.held = False
+        self._held_key: tuple | None = None
         self.refreshes = 0  # batched quantizations made (for tests and logs)
         self.checks = 0
 
@@ -302,7 +361,11 @@ class GroupedWeightCache:
     def get(
         self, weights: Sequence[torch.Tensor], params: QuantParams, backend: Backend, *, refresh: bool = False
     ) -> GroupedFp8Weight:
-        """All experts' quantized copies, re-made (in one launch) unless every weight is provably unchanged."""
+        """All experts' quantized copies, re-made (in one launch) unless every weight is provably unchanged; the held
+        copies while the cache holds the weights' primary form."""
+        if self.held:
+            check_held(weights, self._refs, self._held_key, params, backend)
+            return self._value
         untracked = torch.is_inference_mode_enabled() and any(w.is_inference() for w in weights)
         if untracked or capturing() or torch.compiler.is_compiling():
             _check_weights(weights, weights[0].device)
@@ -324,10 +387,23 @@ class GroupedWeightCache:
         self.refreshes += 1
         return self._value
 
-    @staticmethod
-    def _quantize(weights, params: QuantParams, backend: Backend) -> GroupedFp8Weight:
+    def _quantize(self, weights, params: QuantParams, backend: Backend) -> GroupedFp8Weight:
         with torch.no_grad():
-            return backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params)
+            value = backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params)
+        return value if self.keep_transpose else value.rowwise_only()
+
+    def own(self, weights: Sequence[torch.Tensor], params: QuantParams, backend: Backend) -> GroupedFp8Weight:
+        """As ``WeightCache.own``, for all experts' weights."""
+        self.disown()
+        with torch.autocast(weights[0].device.type, enabled=False):
+            value = self.get(weights, params, backend, refresh=True).rowwise_only()
+        self._value, self._refs, self.held, self._held_key = value, [weakref.ref(w) for w in weights], True, (params, backend)
+        return value
+
+    def disown(self) -> None:
+        """As ``WeightCache.disown``."""
+        self.held = False
+        self.invalidate()
 
     def _check(self, weights, params, backend) -> None:
         self.checks += 1
@@ -345,13 +421,17 @@ class GroupedWeightCache:
     def __getstate__(self) -> dict:
         # copies and pickles start empty (their weights are other tensors; storage weak references must never
         # be duplicated)
-        return {"check": self.check}
+        if self.held:
+            raise held_error("copy or pickle the layer")
+        return {"check": self.check, "keep_transpose": self.keep_transpose}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(check=state["check"])
+        self.__init__(check=state["check"], keep_transpose=state.get("keep_transpose", True))
 
     def invalidate(self) -> None:
-        """Drop the cached copies; the next ``get`` re-quantizes."""
+        """Drop the cached copies; the next ``get`` re-quantizes (refused while held, as ``WeightCache``'s)."""
+        if self.held:
+            raise held_error("drop the layer's FP8 weights (a move, a dtype conversion or invalidate_weight_cache())")
         self._value = self._refs = self._storage_refs = self._key = None
 
     @property

@@ -2,6 +2,9 @@
 
 Ops: the plain, norm and SwiGLU linears, the grouped (MoE) linear, and the plain and norm linears under sequence
 parallelism (a one-rank gloo group here: the exchange's code runs; tests/test_sequence_parallel.py runs two ranks).
+Weight sources: quantized per call, and (``*_held``) FP8 primary weights: a weight cache holding W only as the
+weights' primary form (``WeightCache.own``), the weights' high-precision data then replaced by NaN, so that any read
+of them would show, and dgrad's W^T made on demand.
 Behaviours: backward twice with ``retain_graph``, bias-only training, a frozen weight, inference mode,
 ``torch.compile``, ``torch.autocast``, ``main_grad`` accumulated twice (``.grad`` left empty), saved-tensor hooks,
 zero rows, K not a multiple of 128, bad counts / bad dtypes. A new op joins ``OPS`` before it is used.
@@ -16,6 +19,10 @@ import torch
 import torch.distributed as dist
 
 from primus_fp8_plugin import available_backends, fp8_blockwise_linear, fp8_grouped_linear, fp8_norm_linear, fp8_swiglu_linear
+from primus_fp8_plugin.backends import get_backend
+from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole
+from primus_fp8_plugin.tensor import HIGH_PRECISION_DTYPES
+from primus_fp8_plugin.weight_cache import GroupedWeightCache, WeightCache
 
 from .conftest import make_input
 
@@ -40,6 +47,7 @@ class Op:
     norm: bool = False
     swiglu: bool = False
     sequence_parallel: bool = False
+    held: bool = False  # the weights' FP8 primary form held by a weight cache, their bf16 data gone
 
     def leaves(self, rows: int, k: int, n: int, seed: int, dtype=torch.bfloat16, bias: bool = True) -> dict:
         """The op's differentiable inputs: ``x`` (or ``h``), norm parameters, weights, biases."""
@@ -59,7 +67,22 @@ class Op:
             t["counts"] = cut
         return t
 
+    def hold(self, t: dict, backend: str) -> None:
+        """Make the weights' FP8 copy their primary form (once per leaves) and replace their data by NaN."""
+        if not self.held or "cache" in t or 0 in t["w"][0].shape or t["w"][0].dtype not in HIGH_PRECISION_DTYPES:
+            return  # nothing to hold where the op computes without FP8 or refuses the weights
+        cache = GroupedWeightCache(keep_transpose=False) if self.grouped else WeightCache(keep_transpose=False)
+        impl = get_backend(backend, DEVICE)
+        cache.own(t["w"] if self.grouped else t["w"][0], BlockwiseRecipe().params(TensorRole.WEIGHT), impl)
+        if not torch.is_inference_mode_enabled():
+            for w in t["w"]:
+                w.data = torch.full((), float("nan"), dtype=w.dtype, device=w.device).expand(w.shape)
+        t["cache"] = cache
+
     def __call__(self, t: dict, backend: str, **kw) -> torch.Tensor:
+        self.hold(t, backend)
+        if "cache" in t:
+            kw["weight_cache"] = t["cache"]
         b = t["b"]
         if self.sequence_parallel:
             kw["sequence_parallel_group"] = _group()
@@ -80,6 +103,8 @@ OPS = [
     Op("grouped_linear", grouped=True),
     Op("sp_linear", sequence_parallel=True),
     Op("sp_norm_linear", norm=True, sequence_parallel=True),
+    Op("linear_held", held=True),
+    Op("grouped_linear_held", grouped=True, held=True),
 ]
 
 
@@ -171,6 +196,7 @@ def test_torch_compile_runs_the_op_eagerly_with_the_same_bits(op, backend):
     eager_y, eager_grads = train(op, requires(op.leaves(ROWS, 128, N, seed=7)), backend)
     compiled = torch.compile(lambda t: op(t, backend) * 1.0, backend="eager", fullgraph=False)
     t = requires(op.leaves(ROWS, 128, N, seed=7))
+    op.hold(t, backend)  # held before compiling (a training loop holds weights between steps, outside the model)
     y = compiled(t)
     y.backward(make_input(tuple(y.shape), seed=99, device=DEVICE))
     assert same(eager_y, y.detach())
