@@ -12,7 +12,7 @@ from torch import nn
 
 from .backends import get_backend
 from .ops import fp8_blockwise_linear, fp8_grouped_linear
-from .recipe import BlockwiseRecipe
+from .recipe import BlockwiseRecipe, TensorRole
 from .tensor import HIGH_PRECISION_DTYPES
 from .weight_cache import GroupedWeightCache, WeightCache
 
@@ -28,9 +28,22 @@ def take_first_microbatch(layer: nn.Module) -> bool:
 
 class HoldsWeightCache:
     """Mixin of the FP8 layers: ``weight_cache`` (a ``WeightCache``, a ``GroupedWeightCache`` or None) reported, and
-    dropped when the module's tensors are moved or converted (``.to()``, ``.cuda()``, ``.half()``)."""
+    dropped when the module's tensors are moved or converted (``.to()``, ``.cuda()``, ``.half()``); and the layer's
+    part of FP8 primary weights (``fp8_params.py``): ``hold_weights`` makes the cache's FP8 W the weights' primary
+    form. Each layer says what its cache quantizes (``fp8_weight_source``)."""
 
     weight_cache: WeightCache | GroupedWeightCache | None = None
+
+    def fp8_weight_source(self) -> tuple[torch.Tensor | list[torch.Tensor], BlockwiseRecipe, str]:
+        """``(weights, recipe, backend name)`` as the layer passes them to its op: one weight for a ``WeightCache``,
+        the experts' list for a ``GroupedWeightCache``."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which weights its cache quantizes")
+
+    def hold_weights(self) -> None:
+        """Quantize the weights now and hold their FP8 W in the cache as their primary form (``WeightCache.own``)."""
+        weights, recipe, backend = self.fp8_weight_source()
+        first = weights[0] if isinstance(weights, list) else weights
+        self.weight_cache.own(weights, recipe.params(TensorRole.WEIGHT), get_backend(backend, first.device))
 
     def invalidate_weight_cache(self) -> None:
         """Forget the quantized weights. Needed only after a write the cache cannot see: through ``.data``, through
@@ -112,6 +125,9 @@ class Fp8BlockwiseLinear(HoldsWeightCache, nn.Module):
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             nn.init.uniform_(self.bias, -bound, bound)
+
+    def fp8_weight_source(self):
+        return self.weight, self.recipe, self.backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_blockwise_linear(x, self.weight, self.bias, recipe=self.recipe, backend=self.backend,
@@ -213,6 +229,9 @@ class Fp8GroupedLinear(HoldsWeightCache, nn.Module):
             nn.init.kaiming_uniform_(getattr(self, f"weight{i}"), a=math.sqrt(5))
             if self.use_bias:
                 nn.init.uniform_(getattr(self, f"bias{i}"), -bound, bound)
+
+    def fp8_weight_source(self):
+        return self.weights, self.recipe, self.backend
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
         return fp8_grouped_linear(x, m_splits, self.weights, self.biases, recipe=self.recipe, backend=self.backend,

@@ -118,7 +118,11 @@ class HeldWeightError(RuntimeError):
 
 
 def check_held(weights, refs, held_key: tuple, params: QuantParams, backend: Backend) -> None:
-    """A held copy is served only for the weights it was made of, with the parameters and backend it was made with."""
+    """A held copy is served only for the weights it was made of, with the parameters and backend it was made with,
+    and never into a CUDA graph (each step holds new buffers, which a graph captured before would not read)."""
+    if capturing():
+        raise HeldWeightError("FP8 primary weights cannot be captured into a CUDA graph: every step holds them in new "
+                              "buffers; train with BF16 weights (the weight cache) under CUDA graphs")  # fmt: skip
     if len(refs) != len(weights) or not all(map(operator.is_, map(_deref, refs), weights)):
         raise HeldWeightError("this weight cache holds the FP8 primary form of other weights than the ones passed")
     if (params, backend) != held_key:

@@ -155,6 +155,9 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
     def biases(self) -> list[torch.nn.Parameter] | None:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
 
+    def fp8_weight_source(self):
+        return self.weights, self.fp8_recipe, self.fp8_backend
+
     def forward(self, x: torch.Tensor, m_splits):
         weights = self.weights
         for w in weights:  # Megatron's gradient-accumulation fusion: dW accumulated into main_grad in fp32

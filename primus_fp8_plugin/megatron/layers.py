@@ -106,6 +106,9 @@ class Fp8MegatronLinear(HoldsWeightCache):
             # sequence-parallel norm weights see only local tokens: Megatron all-reduces their gradients
             make_norm_params(self, config, input_size, prefix="layer_norm_")
 
+    def fp8_weight_source(self):
+        return self.weight, self.fp8_recipe, self.fp8_backend
+
     def fp8_options(self) -> dict:
         """The FP8 keywords of this layer's ops (the weight cache refreshed on the first microbatch)."""
         return dict(recipe=self.fp8_recipe, backend=self.fp8_backend, weight_cache=self.weight_cache,
