@@ -17,6 +17,7 @@ from ..backends.names import backend_names
 
 FP8_MODES = ("bf16", "blockwise", "te_blockwise", "te_bf16", "te_spec_blockwise")
 TE_MODES = ("te_blockwise", "te_bf16", "te_spec_blockwise")  # built from TE's layer spec
+PLUGIN_LINEAR_MODES = ("blockwise", "te_spec_blockwise")  # fp8.mode values that run the plugin's linears
 BACKENDS = ("auto", *backend_names())  # the registry's names (backends/names.py)
 # Megatron's OptimizerParamScheduler styles that need no parameters beyond train.* (WSD needs its own)
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
@@ -27,6 +28,9 @@ RUN_IDENTITY = (
     "model", "fp8", "backend.resolved", "data", "train.seed",
     "parallel.tp", "parallel.pp", "parallel.sequence_parallel", "parallel.use_distributed_optimizer",
 )  # fmt: skip
+# fields inside RUN_IDENTITY's groups that change how a run holds its state, not what it computes: a resume or
+# checkpoint.load may change them (fp8.params: the same bits either way; its checkpoints are the BF16-weight run's)
+NOT_IDENTITY = ("fp8.params",)
 # "train,valid,test" shares: one to three non-negative decimals, comma-separated
 _SPLIT = re.compile(r"^\s*\d+(?:\.\d*)?(?:\s*,\s*\d+(?:\.\d*)?){0,2}\s*$")
 
@@ -68,6 +72,9 @@ class Fp8Config:
     fp8_format: str = "E4M3"  # or HYBRID
     pow2_scales: bool = True
     bf16_layers: list[int] = field(default_factory=list)  # layer indices kept in BF16 (negative ok)
+    # FP8 primary weights (the plugin's linears, fp8_params.py): between optimizer steps each linear's weight is held
+    # as its 128x128 FP8 W only (no BF16 copy, W^T made per dgrad); the same losses bit for bit as false
+    params: bool = False
 
 
 @dataclass
@@ -293,6 +300,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1")
     _require(not p.sequence_parallel or m.seq_length % p.tp == 0, "model.seq_length",
              f"must be a multiple of parallel.tp ({p.tp}) with sequence parallelism")  # fmt: skip
+    _require(not cfg.fp8.params or cfg.fp8.mode in PLUGIN_LINEAR_MODES, "fp8.params",
+             f"FP8 primary weights are the plugin's linears' (fp8.mode {' or '.join(PLUGIN_LINEAR_MODES)}), not "
+             f"fp8.mode={cfg.fp8.mode}'s")  # fmt: skip
+    _require(not (cfg.fp8.params and t.cuda_graph), "fp8.params",
+             "FP8 primary weights are re-made every step in new buffers, which a CUDA graph would not see: "
+             "use train.cuda_graph=false with fp8.params=true")  # fmt: skip
     bad = [i for i in cfg.fp8.bf16_layers if not -m.num_layers <= i < m.num_layers]
     _require(not bad, "fp8.bf16_layers", f"{bad} out of range for model.num_layers={m.num_layers} "
              f"(use 0..{m.num_layers - 1}, or -1..-{m.num_layers} counting from the last layer)")  # fmt: skip
@@ -370,6 +383,8 @@ def check_tokenizer_fields(tokenizer: str | None, vocab_size: int | None, eod_id
 def is_identity_entry(entry: str) -> bool:
     """Whether ``entry`` names identity fields: one of ``RUN_IDENTITY``, a group above some (``parallel``,
     ``backend``), or a field of an identity group (``fp8.mode``, ``model.attention``)."""
+    if entry in NOT_IDENTITY:
+        return False
     if any(entry == f or f.startswith(entry + ".") for f in RUN_IDENTITY):
         return True
     group, _, name = entry.partition(".")

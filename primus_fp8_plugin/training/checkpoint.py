@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config.schema import RUN_IDENTITY, ConfigError
+from ..config.schema import NOT_IDENTITY, RUN_IDENTITY, ConfigError
 from . import checkpoint_store as store
 from .collective import barrier, rank0_decides, rank_world
 
@@ -57,8 +57,6 @@ MODEL_SHAPE_FIELDS = (
 )  # fmt: skip
 # where a run logs and saves, not what it computes: never compared
 NOT_COMPARED = ("checkpoint", "logging", "data.cache_dir")
-# fp8.mode values that run the plugin's linears, whose kernels the backend supplies
-PLUGIN_LINEAR_MODES = ("blockwise", "te_spec_blockwise")
 
 
 # The distributed optimizer's state in Megatron's "dp_reshardable" format: a run may resume with another
@@ -297,7 +295,7 @@ def compare_runs(saved: dict[str, Any], mine: dict[str, Any], allowed) -> tuple[
         if old == new or (key in ("backend.resolved", "parallel.world_size") and (old is None or new is None)):
             continue
         changed[key] = (old, new)
-        if _under(key, RUN_IDENTITY) and not _under(key, list(allowed)):
+        if _under(key, RUN_IDENTITY) and not _under(key, NOT_IDENTITY) and not _under(key, list(allowed)):
             refused[key] = (old, new)
     return changed, refused
 

@@ -18,11 +18,12 @@ import torch.distributed as dist
 
 from ..config import validate
 from ..config.resources import check_resources
-from ..config.schema import ConfigError, resolve
+from ..config.schema import PLUGIN_LINEAR_MODES, ConfigError, resolve
+from ..fp8_params import param_bytes
 from ..weight_cache import mark_weights_changed
 from . import data as data_mod
 from . import flops
-from .checkpoint import PLUGIN_LINEAR_MODES, RunInfo, config_dict, load_checkpoint, save_checkpoint, start_point
+from .checkpoint import RunInfo, config_dict, load_checkpoint, save_checkpoint, start_point
 from .collective import rank0_decides
 from .lock import DirectoryLock, DirectoryLockedError
 from .metrics import METRICS_FILE, Metrics, claim_metrics_file, open_sinks
@@ -126,7 +127,7 @@ def resolved_backend(cfg, device) -> str | None:
 
 def fp8_cache_bytes(model) -> int | None:
     """Bytes the plugin's FP8 weight caches hold in this process (the quantized W and W^T with their
-    scales); None for Transformer Engine's FP8 layers, whose caches are TE's."""
+    scales; W only for FP8 primary weights); None for Transformer Engine's FP8 layers, whose caches are TE's."""
     layers = [m for m in model.modules() if hasattr(m, "weight_cache_nbytes")]
     if not layers and any(type(m).__module__.startswith("transformer_engine") for m in model.modules()):
         return None
@@ -208,6 +209,8 @@ def run(cfg) -> dict:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from ..megatron.fp8_params import attach as attach_fp8_params
+
     device, stack = init_runtime(cfg)
     cfg = resolve(cfg, dist.get_world_size())  # the derived values (global batch, warmup) filled in
     with stack:
@@ -257,6 +260,11 @@ def run(cfg) -> dict:
         resumed = load_checkpoint(cfg, model, optimizer, scheduler, start_at)
         start, consumed = resumed.iteration, resumed.consumed_samples
         mark_weights_changed()  # weights were loaded: no cache may serve a copy made before
+        # FP8 primary weights (fp8_params.py): held as FP8 W through forward and backward, bf16 only around the
+        # optimizer step (which writes bf16(master)), evaluation and checkpoints
+        primary = attach_fp8_params(model) if cfg.fp8.params else None
+        if primary is not None:
+            primary.release()
         dp_rank = parallel_state.get_data_parallel_rank()
         # each data-parallel rank reads its own share of each global batch
         train_iter = data_mod.rank_batches(train_ds, t.micro_batch_size, n_micro, t.global_batch_size, consumed, dp_rank, device)
@@ -276,7 +284,7 @@ def run(cfg) -> dict:
             # which experts an MoE model runs (TEGroupedMLP: grouped GEMMs; SequentialMLP: a GEMM per expert)
             experts = next((type(m.experts).__name__ for m in model.modules() if hasattr(m, "router")), None)
             metrics.log({"event": "start", "run_id": start_at.run_id, "version": __version__, "params": n_params,
-                         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                         "param_bytes": param_bytes(model), "fp8_params": bool(cfg.fp8.params),
                          "fp8": cfg.fp8.mode, "backend": cfg.backend.name, "backend_resolved": backend,
                          "device": str(device), "world_size": dist.get_world_size(), "tp": cfg.parallel.tp,
                          "pp": cfg.parallel.pp, "sp": bool(cfg.parallel.sequence_parallel),
@@ -291,11 +299,20 @@ def run(cfg) -> dict:
         for step in range(start, t.steps):
             model.zero_grad_buffer()
             optimizer.zero_grad()
+            if primary is not None:
+                primary.release()
             losses = forward_backward(
                 forward_step_func=step_fn, data_iterator=train_iter, model=[model], num_microbatches=n_micro,
                 seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size, forward_only=False,
             )  # fmt: skip
+            if step == start:  # the FP8 weights the step's backward used (the caches, or the FP8 primary weights)
+                cache_bytes = fp8_cache_bytes(model)
+            if primary is not None:
+                primary.restore()
             ok, grad_norm, _ = optimizer.step()
+            if primary is not None and not ok:
+                raise RuntimeError(f"step {step + 1}: the optimizer skipped its update, so the weights it should have "
+                                   "written (fp8.params=true) hold NaN")  # fmt: skip
             mark_weights_changed()  # whatever path the optimizer wrote the weights through
             scheduler.step(increment=1)
             consumed += t.global_batch_size
@@ -312,8 +329,8 @@ def run(cfg) -> dict:
                         "grad_norm": float(grad_norm or 0.0), "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                         "mfu": flops.mfu(flops_per_step, dt, dist.get_world_size(), peak),
                         "memory_bytes": _memory_bytes(device), "consumed_samples": consumed, "update_ok": bool(ok)}  # fmt: skip
-                if step == start:  # the FP8 weight caches are filled by the first step
-                    last["fp8_cache_bytes"] = fp8_cache_bytes(model)
+                if step == start:
+                    last["fp8_cache_bytes"] = cache_bytes
                 metrics.log(last)
                 window_t, window_steps = time.perf_counter(), 0
             paused = time.perf_counter()  # evaluation and saves stay out of the step time
