@@ -7,6 +7,8 @@ variable                               meaning
 ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` ``1``: fp32 scales instead of powers of 2 (TE's own switch; a recipe's default)
 ``PRIMUS_FP8_CHECK_WEIGHT_CACHE``      ``1``: every weight cache compares each copy it serves with a fresh one
 ``PRIMUS_FP8_SDPA_KERNELS``            the SDPA kernels ``SdpaAttention`` ranks (``megatron/attention.py``)
+``PRIMUS_FP8_PARAMS``                  ``1``: FP8 primary weights in a Megatron-LM run (``megatron/fp8_params.py``), read
+                                       when the plugin's Megatron layers are built
 ``PRIMUS_FP8_KILL_DURING_SAVE``        a test hook: ``STAGE[@STEP]`` makes the trainer's saving process SIGKILL itself
                                        at that stage of a checkpoint save (``training/checkpoint_store.py``)
 =====================================  ==========================================================================
@@ -20,6 +22,7 @@ FP32_SCALES = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 CHECK_WEIGHT_CACHE = "PRIMUS_FP8_CHECK_WEIGHT_CACHE"
 SDPA_KERNELS = "PRIMUS_FP8_SDPA_KERNELS"
 KILL_DURING_SAVE = "PRIMUS_FP8_KILL_DURING_SAVE"
+FP8_PARAMS = "PRIMUS_FP8_PARAMS"
 
 
 def fp32_scales() -> bool:
@@ -38,3 +41,7 @@ def sdpa_kernels() -> str:
 def kill_during_save() -> str:
     """The save stage (``STAGE`` or ``STAGE@STEP``) at which a checkpoint save kills its process; empty: none."""
     return os.environ.get(KILL_DURING_SAVE, "")
+
+
+def fp8_params() -> bool:
+    return os.environ.get(FP8_PARAMS, "0") == "1"

@@ -1,16 +1,32 @@
-"""FP8 primary weights (``fp8_params.py``) for a model wrapped in Megatron-core's ``DistributedDataParallel``.
+"""FP8 primary weights (``fp8_params.py``) for a model wrapped in Megatron-core's ``DistributedDataParallel``, driven
+by the training loop (``attach``, as the plugin's trainer does) or, in a loop the plugin does not own (Megatron-LM's
+``pretrain_gpt.py``), by hooks (``PRIMUS_FP8_PARAMS=1``).
 
 Under the distributed optimizer DDP makes every trainable parameter a view of a param buffer (one per dtype and
 expert group: ``buffers``, ``expert_parallel_buffers``, each with its ``param_data`` and ``params``), into which the
 optimizer writes its shard of bf16(master) and which it all-gathers; ``Fp8Params`` frees and re-makes those buffers
 as a whole. Without the distributed optimizer the parameters keep their own storage.
+
+The hooks (``install_hooks``, installed once when a plugin layer is built with ``PRIMUS_FP8_PARAMS=1``): torch's
+global module forward pre-hook releases the weights of a DDP model whenever it runs a training forward (grad mode on,
+``model.training``; the first call of a step does it, later microbatches find them released), attaching
+``Fp8Params`` to it the first time; torch's global optimizer step pre-hook restores them before any optimizer steps
+(Megatron's optimizers step their inner ``torch.optim`` optimizer before they write bf16(master) into the model).
+Evaluation (no grad) and checkpoints, between a step and the next training forward, see the bf16 weights.
 """
 
 from __future__ import annotations
 
+import weakref
+
+import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..fp8_params import Fp8Params
+
+ATTACHED = "primus_fp8_params"  # the attribute holding a model's Fp8Params
 
 
 def ddp_param_buffers(model: nn.Module) -> list[tuple]:
@@ -26,10 +42,14 @@ def ddp_param_buffers(model: nn.Module) -> list[tuple]:
 
 
 def attach(model: nn.Module) -> Fp8Params:
-    """``Fp8Params`` for ``model`` (Megatron's DDP wrapper, or a module of the plugin's layers).
+    """The ``Fp8Params`` of ``model`` (Megatron's DDP wrapper, or a module of the plugin's layers): made the first
+    time, the same object afterwards.
 
     Raises NotImplementedError where DDP gathers parameters in the forward pass (``overlap_param_gather``: the
     gather would write into a buffer ``release`` freed) or where Megatron-FSDP owns the parameters."""
+    existing = getattr(model, ATTACHED, None)
+    if existing is not None:
+        return existing
     config = getattr(model, "ddp_config", None)
     if config is not None and getattr(config, "overlap_param_gather", False):
         raise NotImplementedError("FP8 primary weights with overlap_param_gather: DDP then all-gathers the parameters "
@@ -37,4 +57,33 @@ def attach(model: nn.Module) -> Fp8Params:
                                   "off")  # fmt: skip
     if config is not None and getattr(config, "use_megatron_fsdp", False):
         raise NotImplementedError("FP8 primary weights under Megatron-FSDP: it owns the parameters' storage")
-    return Fp8Params(model, shared_storages=ddp_param_buffers(model))
+    primary = Fp8Params(model, shared_storages=ddp_param_buffers(model))
+    setattr(model, ATTACHED, primary)
+    return primary
+
+
+_hooked: weakref.WeakSet = weakref.WeakSet()  # DDP models the hooks attached Fp8Params to
+_installed = False
+
+
+def install_hooks() -> None:
+    """Drive FP8 primary weights by torch's global hooks (module docstring); once per process."""
+    global _installed
+    if _installed:
+        return
+    register_module_forward_pre_hook(release_before_training_forward)
+    register_optimizer_step_pre_hook(restore_before_optimizer_step)
+    _installed = True
+
+
+def release_before_training_forward(module: nn.Module, args) -> None:
+    from megatron.core.distributed import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel) and module.training and torch.is_grad_enabled():
+        attach(module).release()
+        _hooked.add(module)
+
+
+def restore_before_optimizer_step(optimizer, args, kwargs) -> None:
+    for model in list(_hooked):
+        getattr(model, ATTACHED).restore()

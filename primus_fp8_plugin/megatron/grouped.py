@@ -41,11 +41,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
+from .. import env
 from ..modules import HoldsWeightCache, take_first_microbatch
 from ..ops import fp8_grouped_linear
 from ..recipe import BlockwiseRecipe
 from ..weight_cache import GroupedWeightCache
 from .compat import GroupedMLPSubmodules, grouped_linear
+from .fp8_params import install_hooks
 from .layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
 
@@ -130,6 +132,8 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.weight_cache = GroupedWeightCache()
         self.is_first_microbatch: bool | None = None
+        if env.fp8_params():  # FP8 primary weights in a loop the plugin does not own (Megatron-LM)
+            install_hooks()
         self._register_load_state_dict_pre_hook(self._merge_extra_states)
 
     @staticmethod

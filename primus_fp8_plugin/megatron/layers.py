@@ -49,10 +49,12 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
+from .. import env
 from ..modules import HoldsWeightCache, take_first_microbatch
 from ..ops import fp8_blockwise_linear, fp8_norm_linear, fp8_swiglu_linear
 from ..recipe import BlockwiseRecipe
 from ..weight_cache import WeightCache
+from .fp8_params import install_hooks
 from .norm import make_norm_params
 
 
@@ -97,6 +99,8 @@ class Fp8MegatronLinear(HoldsWeightCache):
         self.input_stage = input_stage
         self.weight_cache = WeightCache()
         self.is_first_microbatch: bool | None = None
+        if env.fp8_params():  # FP8 primary weights in a loop the plugin does not own (Megatron-LM)
+            install_hooks()
         if input_stage == "norm":
             self.normalization = getattr(config, "normalization", "LayerNorm")
             if self.normalization not in ("LayerNorm", "RMSNorm"):

@@ -4,6 +4,7 @@ process from the same initial weights and data (gloo on the CPU; spawned for mor
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -35,13 +36,16 @@ def train(job: dict, fp8_params: bool) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from primus_fp8_plugin import env
     from primus_fp8_plugin.fp8_params import param_bytes
     from primus_fp8_plugin.megatron.cpu import CudaAsCpu
-    from primus_fp8_plugin.megatron.fp8_params import attach, ddp_param_buffers
+    from primus_fp8_plugin.megatron.fp8_params import ATTACHED, attach, ddp_param_buffers
 
     from .common import batch
 
-    dist_opt = job.get("dist_opt", False)
+    dist_opt, hooks = job.get("dist_opt", False), fp8_params and job.get("hooks", False)
+    if hooks:  # as Megatron-LM's pretrain_gpt.py runs: no call of the plugin's in the loop (last job of a process)
+        os.environ[env.FP8_PARAMS] = "1"
     model = build(job)
     out = {"losses": [], "norms": []}
     with CudaAsCpu():
@@ -49,25 +53,26 @@ def train(job: dict, fp8_params: bool) -> dict:
             grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt), model)  # fmt: skip
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=1.0,
                                                      use_distributed_optimizer=dist_opt), [ddp])  # fmt: skip
-        primary = attach(ddp) if fp8_params else None
+        primary = attach(ddp) if fp8_params and not hooks else None
         out["param_bytes_before"] = param_bytes(ddp)
         for step in range(STEPS):
             ddp.zero_grad_buffer()
             opt.zero_grad()
             if primary is not None:
                 primary.release()
-            if step == 0:
-                out["held"] = {
-                    "param_bytes": param_bytes(ddp),
-                    "fp8_bytes": 0 if primary is None else primary.fp8_bytes(),
-                    "weight_storage": sorted({w.untyped_storage().nbytes() for w in (primary.weights if primary else [])}),
-                    "buffers": [flat.untyped_storage().nbytes() for flat, _ in ddp_param_buffers(ddp)],
-                }
             for micro in range(MICRO):
                 ids, pos = batch(seed=100 * step + micro + dist.get_rank() * 7)
                 loss = ddp(ids, pos, None, labels=ids).float().mean() / MICRO
                 loss.backward()
                 out["losses"].append(loss.item())
+                if step == 0 and micro == 0:  # what the model holds while it runs
+                    held = getattr(ddp, ATTACHED, None)
+                    out["held"] = {
+                        "param_bytes": param_bytes(ddp),
+                        "fp8_bytes": 0 if held is None else held.fp8_bytes(),
+                        "weight_storage": sorted({w.untyped_storage().nbytes() for w in (held.weights if held else [])}),
+                        "buffers": [flat.untyped_storage().nbytes() for flat, _ in ddp_param_buffers(ddp)],
+                    }
             ddp.finish_grad_sync()
             if primary is not None:
                 primary.restore()

@@ -1,7 +1,8 @@
 """FP8 primary weights (``fp8_params.py``) under Megatron-core's DDP and optimizers, on the CPU with gloo: a tiny
 plugin GPT (dense, and grouped MoE experts) trained with ``Fp8Params`` gives the losses, gradient norms and weights
 of the same run with BF16 weights and the weight cache bit for bit, under the mixed-precision and the distributed
-optimizer, at one rank, at DP=2 (distributed optimizer) and at TP=2 with sequence parallelism;
+optimizer, at one rank, at DP=2 (distributed optimizer; driven by the loop, and by the hooks that
+``PRIMUS_FP8_PARAMS=1`` installs for Megatron-LM's loop) and at TP=2 with sequence parallelism;
 while it runs forward and backward the FP8 weights' storage is a two-byte placeholder and, under the distributed
 optimizer, DDP's param buffers hold no bytes."""
 
@@ -72,13 +73,14 @@ def spawned(tmp_path_factory):
     parallelism (expert parallelism changes nothing here: the experts' weights are held as the dense ones are)."""
     tmp = tmp_path_factory.mktemp("fp8_params")
     out = {}
-    for job in ({"name": "dp2_distributed", "dist_opt": True}, {"name": "tp2_sp", "tp": 2, "sp": True}):
-        mp.spawn(workers.run, args=(2, next(_ports), [job], str(tmp)), nprocs=2, join=True)
-        out[job["name"]] = (torch.load(tmp / f"{job['name']}.pt"), job)
+    dp2 = [{"name": "dp2_distributed", "dist_opt": True}, {"name": "dp2_distributed_hooks", "dist_opt": True, "hooks": True}]
+    for group in (dp2, [{"name": "tp2_sp", "tp": 2, "sp": True}]):
+        mp.spawn(workers.run, args=(2, next(_ports), group, str(tmp)), nprocs=2, join=True)
+        out |= {job["name"]: (torch.load(tmp / f"{job['name']}.pt"), job) for job in group}
     return out
 
 
-@pytest.mark.parametrize("name", ["dp2_distributed", "tp2_sp"])
+@pytest.mark.parametrize("name", ["dp2_distributed", "dp2_distributed_hooks", "tp2_sp"])
 def test_two_ranks(spawned, name):
     result, job = spawned[name]
     check_same_run(result, job.get("dist_opt", False))
