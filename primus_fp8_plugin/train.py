@@ -56,6 +56,20 @@ def _register_schema() -> None:
     ConfigStore.instance().store(name="schema", node=Config)
 
 
+def compose(*overrides: str):
+    """The read-only configuration ``python -m primus_fp8_plugin.train OVERRIDES`` trains, composed in this process
+    (tools and tests: no run directory, no Hydra output)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    _register_schema()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
 def _quiet_megatron() -> None:
     # Megatron's notices about absent apex/TE fallbacks and GPTModel's deprecation are not the user's business.
     warnings.filterwarnings("ignore", module=r"megatron\..*")

@@ -201,11 +201,29 @@ def build_run_datasets(cfg):
     return train_ds, valid_ds
 
 
+def build_ddp_and_optimizer(cfg, tconfig, model):
+    """(Megatron's DDP around ``model``, Megatron's bf16 Adam over it) as a training run of ``cfg`` has them: gradients
+    reduced in fp32, the distributed optimizer where ``parallel.use_distributed_optimizer``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    t, dist_opt = cfg.train, cfg.parallel.use_distributed_optimizer
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt)
+    model = DistributedDataParallel(tconfig, ddp_config, model)
+    # after each step's backward passes: the data-parallel gradient reduction, the tensor-parallel
+    # all-reduce of sequence-parallel norm gradients, and the rest of Megatron's gradient fix-ups
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=0.9,
+                        adam_beta2=0.95, bf16=True, clip_grad=t.clip_grad, use_distributed_optimizer=dist_opt),
+        [model],
+    )  # fmt: skip
+    return model, optimizer
+
+
 def run(cfg) -> dict:
     """Train as ``cfg`` says. Returns a summary (final loss, tokens/s, steps, paths)."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -237,20 +255,7 @@ def run(cfg) -> dict:
 
         tconfig = transformer_config(cfg, device.type == "cuda")
         vocab_size = run_tokenizer(cfg).vocab_size
-        model = build_model(cfg, tconfig, vocab_size, device)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer
-        )
-        model = DistributedDataParallel(tconfig, ddp_config, model)
-        # after each step's backward passes: the data-parallel gradient reduction, the tensor-parallel
-        # all-reduce of sequence-parallel norm gradients, and the rest of Megatron's gradient fix-ups
-        tconfig.finalize_model_grads_func = finalize_model_grads
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=0.9,
-                            adam_beta2=0.95, bf16=True, clip_grad=t.clip_grad,
-                            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
-            [model],
-        )  # fmt: skip
+        model, optimizer = build_ddp_and_optimizer(cfg, tconfig, build_model(cfg, tconfig, vocab_size, device))
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
             lr_decay_steps=t.steps, lr_decay_style=t.lr_decay_style, start_wd=t.weight_decay,
