@@ -12,6 +12,11 @@ iterations vary by ~10% and whole runs by several percent across a call on the H
     python benchmarks/megatron_lm.py --megatron-lm ~/Megatron-LM --model llama8b_4l \\
         --arms plugin_fast,plugin,local_bf16,te_fp8,te_bf16,te_hybrid --iters 20 --json out.json --plot out.png
 
+Memory with FP8 primary weights (every arm under the distributed optimizer, peak allocated against TE BF16's)::
+
+    python benchmarks/megatron_lm.py --megatron-lm ~/Megatron-LM --model llama70b_2l --distributed-optimizer \\
+        --arms plugin_fast_fp8w,plugin_fast,te_fp8_pg,te_fp8,te_bf16 --ref te_bf16 --iters 20 --json out.json
+
 Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 
 * ``plugin_fast`` the plugin's TE-free fast spec ``fp8_gpt_fast_layer_spec`` (``--transformer-impl local``;
@@ -23,6 +28,11 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 * ``te_bf16``     TE's spec in BF16;
 * ``te_hybrid``   ``fp8_te_gpt_layer_spec``: TE's spec (attention, RoPE) with the plugin's fused FP8 linears
   (``--transformer-impl transformer_engine``, no ``--fp8-format``);
+* ``te_fp8_pg``    ``te_fp8`` with ``--fp8-param-gather`` (TE's FP8 weights, gathered in FP8; needs
+  ``--distributed-optimizer``);
+* ``plugin_fp8w``, ``plugin_fast_fp8w``: ``plugin`` / ``plugin_fast`` with FP8 primary weights
+  (``PRIMUS_FP8_PARAMS=1``: between steps each linear's weight is held as FP8 W only, W^T made per dgrad;
+  ``primus_fp8_plugin/fp8_params.py``);
 * ``plugin_fast_flash``: ``plugin_fast`` with ``PRIMUS_FP8_SDPA_KERNELS=flash,efficient,math`` (PyTorch's flash
   attention kernel first; ``plugin_fast`` puts cuDNN's first on Hopper);
 * ``plugin_fast_graph``, ``te_bf16_graph``, ``te_fp8_graph``: those arms under Megatron's own per-layer CUDA
@@ -86,6 +96,15 @@ MODELS = {
         "--group-query-attention --num-query-groups 8 --seq-length 2048 --max-position-embeddings 2048 "
         "--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
         "--untie-embeddings-and-output-weights --micro-batch-size 2 --global-batch-size 16",
+        spec="fp8_gpt_layer_spec_rmsnorm",
+        moe=False,
+    ),
+    # the issue's 70B-width dense proxy: two layers at Llama-3-70B width (docs/PERFORMANCE.md, FP8 primary weights)
+    "llama70b_2l": dict(
+        args="--num-layers 2 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64 "
+        "--group-query-attention --num-query-groups 8 --seq-length 4096 --max-position-embeddings 4096 "
+        "--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
+        "--untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size 8",
         spec="fp8_gpt_layer_spec_rmsnorm",
         moe=False,
     ),
@@ -163,8 +182,16 @@ def summarize(parsed: dict, seq_length: int, warmup: int) -> dict:
 
 GRAPH_ARMS = ("plugin_fast", "te_bf16", "te_fp8")  # the arms that have a ``NAME_graph`` twin
 
-# arms that are another arm's flags run with extra environment: SdpaAttention's SDPA kernel order
-ARM_ENV = {"plugin_fast_flash": ("plugin_fast", {"PRIMUS_FP8_SDPA_KERNELS": "flash,efficient,math"})}
+# arms that are another arm's flags run with extra environment: SdpaAttention's SDPA kernel order; FP8 primary
+# weights (megatron/fp8_params.py: hooks installed when the plugin's layers are built)
+ARM_ENV = {
+    "plugin_fast_flash": ("plugin_fast", {"PRIMUS_FP8_SDPA_KERNELS": "flash,efficient,math"}),
+    "plugin_fp8w": ("plugin", {"PRIMUS_FP8_PARAMS": "1"}),
+    "plugin_fast_fp8w": ("plugin_fast", {"PRIMUS_FP8_PARAMS": "1"}),
+}
+# Megatron's FP8 parameter all-gather (TE's FP8 weights): only with the distributed optimizer
+FP8_PARAM_GATHER = "--fp8-param-gather"
+DIST_OPT = "--use-distributed-optimizer"
 
 
 def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
@@ -176,6 +203,7 @@ def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
         "plugin": f"{TE_FREE} {spec}" + plugin_grouped,
         "local_bf16": TE_FREE,
         "te_fp8": f"{TE_ARM} --fp8-format e4m3 --fp8-recipe blockwise" + grouped,
+        "te_fp8_pg": f"{TE_ARM} --fp8-format e4m3 --fp8-recipe blockwise {FP8_PARAM_GATHER}" + grouped,
         "te_bf16": TE_ARM + grouped,
         "te_hybrid": f"{TE_ARM} --spec primus_fp8_plugin.megatron fp8_te_gpt_layer_spec" + grouped,
     }
@@ -186,6 +214,19 @@ def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
     if arm not in arms:
         raise SystemExit(f"unknown arm {arm!r}: choose from {sorted(arms)} or give --extra-arm {arm}='ARGS'")
     return arms[arm]
+
+
+def plan_arms(names: list[str], extra: dict, model: dict, plugin_grouped: bool, distributed_optimizer: bool) -> list:
+    """``(arm, its flags)`` in run order: ``extra`` arms' own flags, the others' from ``arm_args``; every arm with
+    ``--use-distributed-optimizer`` where ``distributed_optimizer`` (else an arm with ``--fp8-param-gather``, which
+    Megatron takes with the distributed optimizer only, is a ValueError)."""
+    plans = [(n, extra[n] if n in extra else arm_args(n, model, plugin_grouped)) for n in names]
+    if distributed_optimizer:
+        return [(n, f"{flags} {DIST_OPT}") for n, flags in plans]
+    if needs := [n for n, flags in plans if FP8_PARAM_GATHER in flags]:
+        raise ValueError(f"{needs}: Megatron's --fp8-param-gather works with the distributed optimizer only; give "
+                         "--distributed-optimizer (every arm then runs with it: a like-for-like table)")  # fmt: skip
+    return plans
 
 
 def spec_of(args_str: str) -> tuple[str, str] | None:
@@ -335,6 +376,8 @@ def main(argv=None) -> int:
         "--extra-arm", action="append", default=[], metavar="NAME=ARGS", help="another arm: its pretrain_gpt.py flags"
     )
     ap.add_argument("--plugin-grouped", action="store_true", help="MoE: pass --moe-grouped-gemm to the plugin arm too")
+    ap.add_argument("--distributed-optimizer", action="store_true",
+                    help="every arm with --use-distributed-optimizer (te_fp8_pg needs it)")  # fmt: skip
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the median")
     ap.add_argument("--ref", default="te_fp8", help="the arm the ratios compare with")
@@ -358,7 +401,10 @@ def main(argv=None) -> int:
             ap.error(f"--extra-arm takes NAME=ARGS, got {item!r}")
         extra[name] = flags
     names = [a for a in args.arms.split(",") if a] + [n for n in extra if n not in args.arms.split(",")]
-    plans = [(n, extra[n] if n in extra else arm_args(n, model, args.plugin_grouped)) for n in names]
+    try:
+        plans = plan_arms(names, extra, model, args.plugin_grouped, args.distributed_optimizer)
+    except ValueError as err:
+        ap.error(str(err))
     for name, flags in plans:
         summary = check_spec(flags, model["args"], name)
         if summary:

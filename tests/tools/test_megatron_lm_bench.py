@@ -95,6 +95,24 @@ def test_arms_and_spec_check():
         mlm.arm_args("nope", model, False)
 
 
+def test_fp8_weight_arms_and_the_distributed_optimizer(monkeypatch):
+    """The FP8-weight arms are their base arms' flags with PRIMUS_FP8_PARAMS=1; TE's FP8 parameter gather runs only
+    with --distributed-optimizer, which every arm then gets."""
+    monkeypatch.delenv("PRIMUS_FP8_PARAMS", raising=False)
+    model = mlm.MODELS["llama70b_2l"]
+    for arm, base in (("plugin_fp8w", "plugin"), ("plugin_fast_fp8w", "plugin_fast")):
+        assert mlm.arm_args(arm, model, False) == mlm.arm_args(base, model, False)
+        assert mlm.arm_env(arm)["PRIMUS_FP8_PARAMS"] == "1" and "PRIMUS_FP8_PARAMS" not in mlm.arm_env(base)
+    assert mlm.arm_args("te_fp8_pg", model, False) == mlm.arm_args("te_fp8", model, False) + " --fp8-param-gather"
+    names = ["plugin_fast_fp8w", "te_fp8_pg", "te_bf16"]
+    with pytest.raises(ValueError, match=r"\['te_fp8_pg'\]: .*--distributed-optimizer"):
+        mlm.plan_arms(names, {}, model, False, distributed_optimizer=False)
+    plans = mlm.plan_arms(names, {"mine": "--foo"}, model, False, distributed_optimizer=True)
+    assert [n for n, _ in plans] == names and all(f.endswith(" --use-distributed-optimizer") for _, f in plans)
+    assert mlm.plan_arms(["mine"], {"mine": "--foo"}, model, False, False) == [("mine", "--foo")]
+    assert "--hidden-size 8192 --ffn-hidden-size 28672" in model["args"] and "--seq-length 4096" in model["args"]
+
+
 def test_graph_arms_are_their_eager_arms_under_megatrons_local_cuda_graphs():
     for name, model in mlm.MODELS.items():
         for base in ("plugin_fast", "te_bf16", "te_fp8"):
@@ -143,10 +161,11 @@ def test_spec_check_builds_each_plugin_arm_and_refuses_bad_specs():
         ("moe_proxy", "plugin_fast"): ["Fp8ColumnParallelGroupedLinear", "SdpaAttention"],  # config-reading: grouped
         ("moe_proxy", "plugin"): ["Fp8Experts"],  # the object spec decides when the layer is built
         ("gpt125m", "plugin_fast_graph"): ["Fp8LayerNormColumnParallelLinear", "SdpaAttention", "LayerNorm"],
+        ("llama70b_2l", "plugin_fast_fp8w"): ["Fp8LayerNormColumnParallelLinear", "SdpaAttention", "RMSNorm"],
     }  # fmt: skip
     for (name, arm), parts in want.items():
         model = mlm.MODELS[name]
-        summary = mlm.check_spec(mlm.arm_args(arm, model, plugin_grouped=True), model["args"])
+        summary = mlm.check_spec(mlm.arm_args(arm, model, plugin_grouped=True), model["args"], arm)
         assert summary.startswith("check_spec: OK") and all(p in summary for p in parts), summary
     assert mlm.check_spec(mlm.arm_args("te_bf16", mlm.MODELS["gpt125m"], False)) is None  # no --spec: nothing to check
     with pytest.raises(SystemExit, match="importing no_such_module_xyz failed"):
