@@ -7,7 +7,8 @@
 are also timed on their own as "ours (Triton kernel)").
 
 For each M x K: the dual 1x128 activation quantization (bf16 X -> rowwise + columnwise FP8 with
-scales) and the 128x128 weight quantization (W -> W and W^T). Bandwidth counts bytes read plus
+scales), the 128x128 weight quantization (W -> W and W^T) and W^T made from W's FP8 blocks (FP8 primary
+weights' dgrad operand: a byte transpose, ``transpose_weight.py``). Bandwidth counts bytes read plus
 bytes written; "copy" is a device-to-device copy of X measured in the same run (the ceiling).
 """
 
@@ -37,6 +38,7 @@ from primus_fp8_plugin.backends.triton import hopper_or_portable_act_quant, hopp
 from primus_fp8_plugin.kernels.triton.heuristics import QuantizeConfig  # noqa: E402
 from primus_fp8_plugin.kernels.triton.quantize_act import quantize_1x128_dual  # noqa: E402
 from primus_fp8_plugin.kernels.triton.quantize_weight import quantize_128x128  # noqa: E402
+from primus_fp8_plugin.kernels.triton.transpose_weight import transpose_128x128  # noqa: E402
 from primus_fp8_plugin.tensor import ceil_div  # noqa: E402
 
 SHAPES = [(8192, 8192), (16384, 4096), (8192, 29568), (4096, 14336)]
@@ -67,12 +69,15 @@ def main() -> int:
         act_bytes = hp + 2 * x.numel() + 4 * (m * ceil_div(k, 128) + k * ceil_div(m, 128))
         w_bytes = hp + 2 * x.numel() + 8 * ceil_div(m, 128) * ceil_div(k, 128)
         both = {"rowwise": True, "columnwise": True}
+        held = quantize_128x128(x, p_w)  # W^T on demand reads W's FP8 blocks and scales, writes W^T's
+        t_bytes = 2 * x.numel() + 8 * ceil_div(m, 128) * ceil_div(k, 128)
         contenders = {
             ("copy", "-"): (lambda: copy_dst.copy_(x), 2 * hp),
             ("ours", "act 1x128 row+col"): (lambda: hopper_or_portable_act_quant(x, p_act, **both), act_bytes),
             ("ours (Triton kernel)", "act 1x128 row+col"): (lambda: quantize_1x128_dual(x, p_act, **both), act_bytes),
             ("ours", "weight 128x128 W+W^T"): (lambda: hopper_or_portable_weight_quant(x, p_w), w_bytes),
             ("ours (Triton kernel)", "weight 128x128 W+W^T"): (lambda: quantize_128x128(x, p_w), w_bytes),
+            ("ours", "W^T from W (on demand)"): (lambda: transpose_128x128(held.rowwise_data, held.rowwise_scale_inv), t_bytes),
             ("torch eager", "act 1x128 row+col"): (lambda: ref.quantize_act(x, p_act, rowwise=True, columnwise=True), act_bytes),
             ("torch eager", "weight 128x128 W+W^T"): (lambda: ref.quantize_weight(x, p_w), w_bytes),
         }

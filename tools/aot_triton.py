@@ -31,13 +31,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from primus_fp8_plugin.kernels.triton import gemm, quantize_act, quantize_weight, quantize_weight_preshuffle
+from primus_fp8_plugin.kernels.triton import gemm, quantize_act, quantize_weight, quantize_weight_preshuffle, transpose_weight
 from primus_fp8_plugin.kernels.triton import heuristics as portable
 from primus_fp8_plugin.kernels.triton.fused_math import OP_SWIGLU
 from tools import aot_specs_fused as aot_fused
 from tools.aot_specs_grouped import grouped_kernel_specs
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx950": GPUTarget("hip", "gfx950", 64)}
+# W^T on demand moves bytes: 128-bit global loads and stores of the byte tiles (not a byte at a time)
+TRANSPOSE_EXPECT = {"sm90": [r"ld\.global(\.\w+)*\.v4\.b32", r"st\.global(\.\w+)*\.v4\.b32"],
+                    "gfx950": [r"global_load_dwordx4", r"global_store_dwordx4"]}  # fmt: skip
 
 
 @dataclass
@@ -141,6 +144,23 @@ def _quant_weight_preshuffle_spec() -> KernelSpec:
     )
 
 
+def _transpose_weight_spec() -> KernelSpec:
+    """W^T from W's FP8 blocks (bytes moved, nothing converted; ``TRANSPOSE_EXPECT``)."""
+    cfg = portable.weight_transpose_config()
+    sig = {"q_ptr": "*u8", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*fp32", "N": "i32", "K": "i32",
+           "stride_s": "i32", "stride_st": "i32", "stride_se": "i32", "stride_ste": "i32", "BLOCK": "constexpr",
+           "SUB_M": "constexpr"}  # fmt: skip
+    return KernelSpec(
+        "transpose_128x128[u8]",
+        transpose_weight.transpose_128x128_kernel,
+        sig,
+        {"BLOCK": 128, "SUB_M": cfg.sub_m},
+        cfg.num_warps,
+        cfg.num_stages,
+        TRANSPOSE_EXPECT,
+    )
+
+
 def _gemm_spec(direction: str) -> KernelSpec:
     b_2d = direction != "wgrad"
     out_ty = "fp32" if direction == "wgrad" else "bf16"
@@ -175,6 +195,7 @@ def kernel_specs() -> list[KernelSpec]:
         _quant_act_spec("fp32", "fp8e4nv", True, True, ragged=True),
         _quant_weight_spec(),
         _quant_weight_preshuffle_spec(),
+        _transpose_weight_spec(),
         _gemm_spec("fwd"),
         _gemm_spec("wgrad"),
         *(KernelSpec(**spec) for spec in aot_fused.kernel_specs()),  # norm, SwiGLU, RoPE

@@ -33,7 +33,7 @@ def test_every_kernel_compiled_for_both_targets(reports):
     import tools.aot_specs_fused as aot_fused
 
     kernels = {r["kernel"] for r in reports}
-    assert {"blockwise_gemm[fwd]", "blockwise_gemm[wgrad]", "quantize_128x128[bf16->fp8e4nv]"} <= kernels
+    assert {"blockwise_gemm[fwd]", "blockwise_gemm[wgrad]", "quantize_128x128[bf16->fp8e4nv]", "transpose_128x128[u8]"} <= kernels
     grouped = {"grouped_gemm[fwd]", "grouped_gemm[dgrad]", "grouped_wgrad[main_grad]"}
     grouped |= {"quantize_128x128_batched[bf16->fp8e4nv,table]"}
     assert grouped <= kernels and any(k.startswith("quantize_grouped_1x128[") for k in kernels)  # the MoE kernels

@@ -74,7 +74,7 @@ class TransposeConfig:
 
 
 # A byte copy: half a block per pass keeps the [64, 128] chunk and its transpose in registers with 4 warps. Not
-# yet measured against other launches on a GPU (benchmarks/bench_quant.py --transpose times it).
+# yet measured against other launches on a GPU (benchmarks/bench_quant.py times it: "W^T from W").
 WEIGHT_TRANSPOSE = TransposeConfig(sub_m=64, num_warps=4)
 
 
