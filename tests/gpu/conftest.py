@@ -15,6 +15,20 @@ def verify_launch_hints():
         yield
 
 
+GPU_BACKENDS = ["triton", "cublas", "hopper", "flydsl"]  # each skipped where unavailable
+
+
+@pytest.fixture(params=GPU_BACKENDS)
+def gpu_backend(request):
+    """Every GPU backend, skipped where it cannot run (the reason in the skip)."""
+    from primus_fp8_plugin import backend_availability
+
+    avail = backend_availability(request.param, "cuda")
+    if not avail:
+        pytest.skip(f"{request.param}: {avail.reason}")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def nccl_world():
     """A one-process NCCL world with Megatron's model-parallel state (TP=1) and its CUDA RNG tracker."""

@@ -10,7 +10,6 @@ from primus_fp8_plugin import (
     BlockwiseRecipe,
     QuantParams,
     TensorRole,
-    backend_availability,
     gemm_dgrad,
     gemm_fwd,
     gemm_wgrad,
@@ -23,15 +22,6 @@ from primus_fp8_plugin.validate import rel_frobenius
 from ..conftest import GOLDEN_DIR, make_input
 
 pytestmark = pytest.mark.gpu
-GPU_BACKENDS = ["triton", "cublas", "hopper", "flydsl"]  # each skipped where unavailable
-
-
-@pytest.fixture(params=GPU_BACKENDS)
-def gpu_backend(request):
-    avail = backend_availability(request.param, "cuda")
-    if not avail:
-        pytest.skip(f"{request.param}: {avail.reason}")
-    return request.param
 
 
 def bits(t):

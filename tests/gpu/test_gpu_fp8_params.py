@@ -9,21 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from primus_fp8_plugin import Fp8BlockwiseLinear, QuantParams, backend_availability, get_backend
+from primus_fp8_plugin import Fp8BlockwiseLinear, QuantParams, get_backend
 from primus_fp8_plugin.fp8_params import Fp8Params
 
 from ..conftest import make_input
 
 pytestmark = pytest.mark.gpu
-GPU_BACKENDS = ["triton", "cublas", "hopper", "flydsl"]  # each skipped where unavailable
-
-
-@pytest.fixture(params=GPU_BACKENDS)
-def gpu_backend(request):
-    avail = backend_availability(request.param, "cuda")
-    if not avail:
-        pytest.skip(f"{request.param}: {avail.reason}")
-    return request.param
 
 
 def same(a, b) -> bool:
