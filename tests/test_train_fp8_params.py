@@ -25,7 +25,7 @@ def runs(tmp_path_factory):
     out = {}
     for name, params in (("bf16_weights", "false"), ("fp8_weights", "true")):
         proc, out[name] = train(tmp, *ONE_LAYER, "train.steps=20", f"fp8.params={params}", f"checkpoint.dir={tmp / name}",
-                                "checkpoint.save_interval=10", name=name)  # fmt: skip
+                                "checkpoint.save_interval=15", name=name)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp, out
 
@@ -61,17 +61,17 @@ def test_the_start_event_counts_each_linear_weight_as_its_fp8_w(runs):
 
 @pytest.mark.parametrize("saved_by, loaded_by", [("bf16_weights", "true"), ("fp8_weights", "false")])
 def test_checkpoints_move_between_bf16_and_fp8_weights(runs, saved_by, loaded_by):
-    """Step 10 of one mode's run, loaded by the other mode (``checkpoint.load``; ``fp8.params`` is not part of the
-    run's identity): steps 11-20 are the uninterrupted run's, bit for bit."""
+    """Step 15 of one mode's run, loaded by the other mode (``checkpoint.load``; ``fp8.params`` is not part of the
+    run's identity): steps 16-20 are the uninterrupted run's, bit for bit."""
     tmp, out = runs
     name = f"{saved_by}_to_{loaded_by}"
     proc, recs = train(tmp, *ONE_LAYER, "train.steps=20", f"fp8.params={loaded_by}",
-                       f"checkpoint.load={tmp / saved_by / 'iter_0000010'}", name=name)  # fmt: skip
+                       f"checkpoint.load={tmp / saved_by / 'iter_0000015'}", name=name)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     resume = next(r for r in recs if r.get("event") == "resume")
-    assert resume["step"] == 10 and resume["changed"]["fp8.params"] == [loaded_by != "true", loaded_by == "true"]
+    assert resume["step"] == 15 and resume["changed"]["fp8.params"] == [loaded_by != "true", loaded_by == "true"]
     full = losses(out[saved_by])
-    assert losses(recs) == {s: full[s] for s in range(11, 21)}
+    assert losses(recs) == {s: full[s] for s in range(16, 21)}
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,10 @@ The hooks (``install_hooks``, installed once when a plugin layer is built with `
 global module forward pre-hook releases the weights of a DDP model whenever it runs a training forward (grad mode on,
 ``model.training``; the first call of a step does it, later microbatches find them released), attaching
 ``Fp8Params`` to it the first time; torch's global optimizer step pre-hook restores them before any optimizer steps
-(Megatron's optimizers step their inner ``torch.optim`` optimizer before they write bf16(master) into the model).
-Evaluation (no grad) and checkpoints, between a step and the next training forward, see the bf16 weights.
+(Megatron's optimizers step their inner ``torch.optim`` optimizer before they write bf16(master) into the model),
+and refuses (NotImplementedError) a step before any DDP model trained: the variable asked for something no model
+got (FSDP, a model outside Megatron's DDP). Evaluation (no grad) and checkpoints, between a step and the next
+training forward, see the bf16 weights.
 """
 
 from __future__ import annotations
@@ -63,17 +65,20 @@ def attach(model: nn.Module) -> Fp8Params:
 
 
 _hooked: weakref.WeakSet = weakref.WeakSet()  # DDP models the hooks attached Fp8Params to
-_installed = False
+_handles: list = []  # the installed hooks' handles
 
 
 def install_hooks() -> None:
     """Drive FP8 primary weights by torch's global hooks (module docstring); once per process."""
-    global _installed
-    if _installed:
-        return
-    register_module_forward_pre_hook(release_before_training_forward)
-    register_optimizer_step_pre_hook(restore_before_optimizer_step)
-    _installed = True
+    if not _handles:
+        _handles.extend([register_module_forward_pre_hook(release_before_training_forward),
+                         register_optimizer_step_pre_hook(restore_before_optimizer_step)])  # fmt: skip
+
+
+def remove_hooks() -> None:
+    """Remove the hooks (the models they attached keep their ``Fp8Params``: restore them before another step)."""
+    while _handles:
+        _handles.pop().remove()
 
 
 def release_before_training_forward(module: nn.Module, args) -> None:
@@ -85,5 +90,11 @@ def release_before_training_forward(module: nn.Module, args) -> None:
 
 
 def restore_before_optimizer_step(optimizer, args, kwargs) -> None:
+    if not _hooked:
+        raise NotImplementedError(
+            "PRIMUS_FP8_PARAMS=1, but no Megatron-core DistributedDataParallel model ran a training forward before "
+            f"this optimizer step ({type(optimizer).__name__}): FP8 primary weights are held for a model wrapped in "
+            "Megatron's DDP (not FSDP); unset PRIMUS_FP8_PARAMS to train with BF16 weights and the weight cache"
+        )
     for model in list(_hooked):
         getattr(model, ATTACHED).restore()

@@ -84,3 +84,18 @@ def spawned(tmp_path_factory):
 def test_two_ranks(spawned, name):
     result, job = spawned[name]
     check_same_run(result, job.get("dist_opt", False))
+
+
+def test_the_hooks_refuse_a_step_no_ddp_model_trained_for():
+    """PRIMUS_FP8_PARAMS=1 asked for FP8 primary weights; an optimizer step before any Megatron DDP model ran a
+    training forward (FSDP, a model outside Megatron's DDP) got none: refused, naming the variable."""
+    from primus_fp8_plugin.megatron.fp8_params import install_hooks, remove_hooks
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    install_hooks()
+    try:
+        with pytest.raises(NotImplementedError, match="PRIMUS_FP8_PARAMS=1, but no Megatron-core DistributedDataParallel"):
+            opt.step()
+    finally:
+        remove_hooks()
+    opt.step()  # without the hooks: an ordinary step
