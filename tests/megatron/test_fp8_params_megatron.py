@@ -2,7 +2,8 @@
 plugin GPT (dense, and grouped MoE experts) trained with ``Fp8Params`` gives the losses, gradient norms and weights
 of the same run with BF16 weights and the weight cache bit for bit, under the mixed-precision and the distributed
 optimizer, at one rank, at DP=2 (distributed optimizer; driven by the loop, and by the hooks that
-``PRIMUS_FP8_PARAMS=1`` installs for Megatron-LM's loop) and at TP=2 with sequence parallelism;
+``PRIMUS_FP8_PARAMS=1`` installs for Megatron-LM's loop), grouped experts at EP=2, and at TP=2 with sequence
+parallelism;
 while it runs forward and backward the FP8 weights' storage is a two-byte placeholder and, under the distributed
 optimizer, DDP's param buffers hold no bytes."""
 
@@ -69,18 +70,20 @@ def test_param_bytes_count_each_fp8_weight_as_its_w(megatron_world):
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
-    """Two ranks: data-parallel with the distributed optimizer (each rank its own batches), and TP=2 with sequence
-    parallelism (expert parallelism changes nothing here: the experts' weights are held as the dense ones are)."""
+    """Two ranks: data-parallel with the distributed optimizer (each rank its own batches; grouped experts under
+    EP=2), and TP=2 with sequence parallelism."""
     tmp = tmp_path_factory.mktemp("fp8_params")
     out = {}
-    dp2 = [{"name": "dp2_distributed", "dist_opt": True}, {"name": "dp2_distributed_hooks", "dist_opt": True, "hooks": True}]
+    dp2 = [{"name": "dp2_distributed", "dist_opt": True, "ep": 2},  # EP=2 set up for the MoE job; dense: plain DP=2
+           {"name": "ep2_moe_distributed", "moe": True, "ep": 2, "dist_opt": True},
+           {"name": "dp2_distributed_hooks", "dist_opt": True, "hooks": True}]  # last: it installs the hooks
     for group in (dp2, [{"name": "tp2_sp", "tp": 2, "sp": True}]):
         mp.spawn(workers.run, args=(2, next(_ports), group, str(tmp)), nprocs=2, join=True)
         out |= {job["name"]: (torch.load(tmp / f"{job['name']}.pt"), job) for job in group}
     return out
 
 
-@pytest.mark.parametrize("name", ["dp2_distributed", "dp2_distributed_hooks", "tp2_sp"])
+@pytest.mark.parametrize("name", ["dp2_distributed", "ep2_moe_distributed", "dp2_distributed_hooks", "tp2_sp"])
 def test_two_ranks(spawned, name):
     result, job = spawned[name]
     check_same_run(result, job.get("dist_opt", False))
