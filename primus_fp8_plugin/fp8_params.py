@@ -146,7 +146,8 @@ class Fp8Params:
         if any(layer.weight_cache is None for layer in layers):
             raise ValueError("FP8 primary weights live in the layers' weight caches: build every FP8 layer with its "
                              "weight cache (cache_weight=True)")  # fmt: skip
-        self.layers = [layer for layer in layers if all(w.requires_grad for w in weights_of(layer))]  # frozen: bf16
+        # frozen weights stay bf16 (no optimizer writes them); empty ones compute without FP8 (ops/api.py)
+        self.layers = [layer for layer in layers if all(w.requires_grad and w.numel() for w in weights_of(layer))]
         self.weights = [w for layer in self.layers for w in weights_of(layer)]
         primary = {id(w) for w in self.weights}
         self.shared = [SharedStorage(flat, params, primary) for flat, params in shared_storages]

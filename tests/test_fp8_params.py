@@ -144,13 +144,15 @@ def test_a_plain_torch_optimizer_is_refused():
     fine.step()  # optimizers that hold no such parameter are left alone
 
 
-def test_frozen_weights_stay_bf16_and_layers_without_a_cache_are_refused():
+def test_frozen_and_empty_weights_stay_bf16_and_layers_without_a_cache_are_refused():
     model = Model()
     model.experts.requires_grad_(False)
     primary = Fp8Params(model)
     assert primary.layers == [model.dense]
     primary.release()
     assert model.experts.weight0.untyped_storage().nbytes() == 72 * 136 * 2
+    empty = nn.Sequential(Fp8BlockwiseLinear(128, 0), Fp8BlockwiseLinear(128, 128))
+    assert Fp8Params(empty).layers == [empty[1]]  # a layer without outputs computes without FP8
     uncached = nn.Sequential(Fp8BlockwiseLinear(128, 128, cache_weight=False))
     with pytest.raises(ValueError, match="cache_weight=True"):
         Fp8Params(uncached)
