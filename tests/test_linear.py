@@ -129,6 +129,21 @@ def test_a_wrong_main_grad_is_refused_not_written(bad):
     assert torch.equal(main_grad, before)
 
 
+def test_a_bf16_gradient_buffer_under_megatrons_protocol_gets_dw_through_grad():
+    """Megatron's gradient buffers without ``grad_reduce_in_fp32`` are bf16; the kernels accumulate in fp32 only, so
+    ``dW`` goes to ``.grad`` (the weight's dtype), which Megatron's hook adds, as for its own unfused layers."""
+    layer = Fp8BlockwiseLinear(256, 128, bias=False, dtype=torch.bfloat16, backend="reference")
+    w = layer.weight
+    w.main_grad, w.grad_added_to_main_grad = torch.zeros(128, 256, dtype=torch.bfloat16), False
+    x, dy = make_input((32, 256), seed=4), make_input((32, 128), seed=5)
+    layer(x).backward(dy)
+    plain = Fp8BlockwiseLinear(256, 128, bias=False, dtype=torch.bfloat16, backend="reference")
+    plain.load_state_dict(layer.state_dict())
+    plain(x).backward(dy)
+    assert torch.equal(w.grad, plain.weight.grad) and w.grad.abs().sum() > 0
+    assert w.grad_added_to_main_grad is False and not w.main_grad.any()
+
+
 def test_drop_in_for_nn_linear():
     torch.manual_seed(3)
     ref = nn.Linear(64, 32)

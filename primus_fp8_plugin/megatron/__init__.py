@@ -20,6 +20,7 @@ try:
         Fp8LayerNormColumnParallelLinear,
         Fp8RowParallelLinear,
         set_is_first_microbatch,
+        set_wgrad_accumulation_fusion,
     )
     from .mlp import Fp8SwigluMLP
     from .norm import TorchNorm
@@ -83,4 +84,5 @@ __all__ = [
     "get_gpt_layer_spec",
     "is_fp8_linear",
     "set_is_first_microbatch",
+    "set_wgrad_accumulation_fusion",
 ]

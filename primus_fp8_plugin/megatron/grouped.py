@@ -5,7 +5,9 @@
 ``TERowParallelGroupedLinear``):
 
 * constructor ``(num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert,
-  tp_comm_buffer_name, pg_collection, name)`` plus ``fp8_recipe`` / ``fp8_backend``;
+  tp_comm_buffer_name, pg_collection, name)`` plus ``fp8_recipe`` / ``fp8_backend`` / ``fuse_wgrad_accumulation``
+  (each expert's ``dW`` into its ``main_grad`` inside the grouped wgrad GEMM, whatever Megatron's
+  ``gradient_accumulation_fusion`` says; False: into ``.grad``, as ``layers.py`` says);
 * parameters ``weight0..`` / ``bias0..`` with TE's attributes: ``allreduce`` (False under expert parallelism or
   an expert TP size other than the dense one: the expert data-parallel group reduces them),
   ``tensor_model_parallel``, ``partition_dim`` (0 column, 1 row), ``partition_stride``; row-parallel biases are
@@ -48,7 +50,7 @@ from ..recipe import BlockwiseRecipe
 from ..weight_cache import GroupedWeightCache
 from .compat import GroupedMLPSubmodules, grouped_linear
 from .fp8_params import install_hooks
-from .layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
+from .layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear, fuse_into_main_grad
 
 
 def _device(config):
@@ -78,6 +80,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         name: str | None = None,
         fp8_recipe: BlockwiseRecipe | None = None,
         fp8_backend: str = "auto",
+        fuse_wgrad_accumulation: bool = True,
     ) -> None:
         super().__init__()
         if not is_expert:
@@ -130,6 +133,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
         self.fp8_backend = fp8_backend
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
+        fuse_into_main_grad(self.weights, fuse_wgrad_accumulation)
         self.weight_cache = GroupedWeightCache()
         self.is_first_microbatch: bool | None = None
         if env.fp8_params():  # FP8 primary weights in a loop the plugin does not own (Megatron-LM)
@@ -163,11 +167,8 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         return self.weights, self.fp8_recipe, self.fp8_backend
 
     def forward(self, x: torch.Tensor, m_splits):
-        weights = self.weights
-        for w in weights:  # Megatron's gradient-accumulation fusion: dW accumulated into main_grad in fp32
-            w.fuse_wgrad_accumulation = self.gradient_accumulation_fusion
         biases = None if self.te_return_bias else self.biases
-        out = fp8_grouped_linear(x, m_splits, weights, biases, recipe=self.fp8_recipe, backend=self.fp8_backend,
+        out = fp8_grouped_linear(x, m_splits, self.weights, biases, recipe=self.fp8_recipe, backend=self.fp8_backend,
                                  weight_cache=self.weight_cache, refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
         return (out, self.biases) if self.te_return_bias else (out, None)
 

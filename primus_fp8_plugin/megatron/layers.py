@@ -35,8 +35,14 @@ inner ``torch.optim`` step, whose global post-hook advances the cache's optimize
 next forward re-quantizes (tests/megatron/test_weight_cache_megatron.py). Note: Megatron's
 ``MegatronModule.set_is_first_microbatch`` only sets it when ``config.fp8`` is set (TE's switch),
 which plugin users leave unset; ``set_is_first_microbatch(model)`` here sets it on the plugin's
-layers. Gradient-accumulation fusion accumulates the weight gradient into ``weight.main_grad`` in
-fp32.
+layers.
+
+Weight gradients go into ``weight.main_grad`` (fp32) inside the wgrad GEMM wherever Megatron's DDP gives the weight
+one, whether or not ``config.gradient_accumulation_fusion`` is set (Megatron needs that flag, and apex, for its own
+layers; the plugin's kernels need neither): the layer sets ``grad_added_to_main_grad`` and hands autograd one
+shared placeholder gradient, so Megatron's backward hook adds nothing (``ops/core.py``). The opt-out is the layer's
+``fuse_wgrad_accumulation=False`` keyword (or ``set_wgrad_accumulation_fusion(model, False)``): ``dW`` then goes to
+``weight.grad`` in the weight's dtype and Megatron's hook adds it to ``main_grad``, as for its unfused layers.
 """
 
 from __future__ import annotations
@@ -89,11 +95,12 @@ class Fp8MegatronLinear(HoldsWeightCache):
     """What the FP8 layers add to Megatron's: recipe, backend, input stage, weight cache and the FP8 matmul."""
 
     def _init_fp8(self, config, fp8_recipe: BlockwiseRecipe | None, fp8_backend: str, input_stage: str, kind: str,
-                  input_size: int) -> None:  # fmt: skip
+                  input_size: int, fuse_wgrad_accumulation: bool) -> None:  # fmt: skip
         if input_stage not in INPUT_STAGES[kind]:
             raise ValueError(f"a {kind}-parallel FP8 linear takes input_stage {INPUT_STAGES[kind]}, got {input_stage!r}")
         self.config = config  # the caller's object, not the copy the parent was built from
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
+        fuse_into_main_grad([self.weight], fuse_wgrad_accumulation)
         self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
         self.fp8_backend = fp8_backend
         self.input_stage = input_stage
@@ -118,12 +125,11 @@ class Fp8MegatronLinear(HoldsWeightCache):
         return dict(recipe=self.fp8_recipe, backend=self.fp8_backend, weight_cache=self.weight_cache,
                     refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
 
-    def _fp8_linear(self, input, weight, bias, gradient_accumulation_fusion: bool, *, allreduce_dgrad: bool = False,
-                    tp_group=None, sequence_parallel_group=None):  # fmt: skip
+    def _fp8_linear(self, input, weight, bias, *, allreduce_dgrad: bool = False, tp_group=None,
+                    sequence_parallel_group=None):  # fmt: skip
         """The layer's FP8 op on ``input`` through its input stage; ``allreduce_dgrad``: the input's (and the norm
-        parameters') gradients are all-reduced over ``tp_group``."""
-        # Megatron's gradient_accumulation_fusion: accumulate dW into main_grad (fp32) in the GEMM
-        weight.fuse_wgrad_accumulation = bool(gradient_accumulation_fusion)
+        parameters') gradients are all-reduced over ``tp_group``. ``dW`` goes into ``weight.main_grad`` where the
+        weight has one (module docstring), whatever Megatron's ``gradient_accumulation_fusion`` argument says."""
         if self.input_stage == "swiglu":
             return fp8_swiglu_linear(input, weight, bias, **self.fp8_options())
         sp = {} if sequence_parallel_group is None else {"sequence_parallel_group": sequence_parallel_group}
@@ -146,24 +152,23 @@ def tp_group_of(tp_group):
 
 class Fp8ColumnParallelLinear(Fp8MegatronLinear, ColumnParallelLinear):
     """``ColumnParallelLinear`` with FP8 blockwise GEMMs. Extra keyword arguments: ``fp8_recipe`` (a
-    ``BlockwiseRecipe``), ``fp8_backend`` (a backend name or ``"auto"``) and ``input_stage`` (``"plain"`` or
-    ``"norm"``: the module docstring)."""
+    ``BlockwiseRecipe``), ``fp8_backend`` (a backend name or ``"auto"``), ``input_stage`` (``"plain"`` or
+    ``"norm"``: the module docstring) and ``fuse_wgrad_accumulation`` (default True: ``dW`` into ``main_grad`` in the
+    GEMM whatever ``config.gradient_accumulation_fusion`` says; False: into ``weight.grad``)."""
 
     def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto",
-                 input_stage="plain", **kwargs):  # fmt: skip
+                 input_stage="plain", fuse_wgrad_accumulation=True, **kwargs):  # fmt: skip
         super().__init__(
             input_size, output_size, config=_without_apex_fusion_check(config), init_method=init_method,
             **_accepted(ColumnParallelLinear, kwargs),
         )  # fmt: skip
-        self._init_fp8(config, fp8_recipe, fp8_backend, input_stage, "column", input_size)
+        self._init_fp8(config, fp8_recipe, fp8_backend, input_stage, "column", input_size, fuse_wgrad_accumulation)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                       sequence_parallel=False, tp_group=None, **_unused):  # fmt: skip
         if sequence_parallel:  # the FP8 all-gather of the quantized shard (the bf16 one where it must)
-            return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion,
-                                    sequence_parallel_group=tp_group_of(tp_group))  # fmt: skip
-        return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad=allreduce_dgrad,
-                                tp_group=tp_group)  # fmt: skip
+            return self._fp8_linear(input, weight, bias, sequence_parallel_group=tp_group_of(tp_group))
+        return self._fp8_linear(input, weight, bias, allreduce_dgrad=allreduce_dgrad, tp_group=tp_group)
 
 
 class Fp8LayerNormColumnParallelLinear(Fp8ColumnParallelLinear):
@@ -182,12 +187,30 @@ class Fp8RowParallelLinear(Fp8MegatronLinear, RowParallelLinear):
     ``"plain"`` or ``"swiglu"``: the input is then fc1's ``[gate | up]`` output ``[s, b, 2F/tp]``)."""
 
     def __init__(self, input_size, output_size, *, config, init_method, fp8_recipe=None, fp8_backend="auto",
-                 input_stage="plain", **kwargs):  # fmt: skip
+                 input_stage="plain", fuse_wgrad_accumulation=True, **kwargs):  # fmt: skip
         super().__init__(input_size, output_size, config=config, init_method=init_method, **_accepted(RowParallelLinear, kwargs))
-        self._init_fp8(config, fp8_recipe, fp8_backend, input_stage, "row", input_size)
+        self._init_fp8(config, fp8_recipe, fp8_backend, input_stage, "row", input_size, fuse_wgrad_accumulation)
 
     def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, **_unused):
-        return self._fp8_linear(input, weight, bias, gradient_accumulation_fusion)
+        return self._fp8_linear(input, weight, bias)
+
+
+def fuse_into_main_grad(weights, enabled: bool) -> None:
+    """Whether the FP8 ops accumulate these weights' gradients into their ``main_grad`` (``enabled``, the default of
+    every layer) or hand them to autograd (the opt-out): the weights' ``fuse_wgrad_accumulation`` attribute, which
+    the op reads (``ops/core.main_grads_to_fill``)."""
+    for w in weights:
+        w.fuse_wgrad_accumulation = bool(enabled)
+
+
+def set_wgrad_accumulation_fusion(model: torch.nn.Module, enabled: bool) -> int:
+    """Turn the accumulation of the FP8 layers' weight gradients into ``main_grad`` on or off for every FP8 layer
+    of ``model`` (the layers' ``fuse_wgrad_accumulation`` keyword, for a model already built). Returns how many
+    weights were set."""
+    weights = [p for m in model.modules() if isinstance(m, HoldsWeightCache)
+               for n, p in m.named_parameters(recurse=False) if n.startswith("weight")]  # fmt: skip
+    fuse_into_main_grad(weights, enabled)
+    return len(weights)
 
 
 def set_is_first_microbatch(model: torch.nn.Module) -> int:

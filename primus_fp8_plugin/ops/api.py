@@ -130,7 +130,7 @@ def fp8_blockwise_linear(
         x: ``[..., in_features]``, bfloat16/float16/float32; any number of leading dims, any number of rows.
         weight: ``[out_features, in_features]``, bfloat16/float16/float32, any strides. With a ``main_grad`` (fp32,
             contiguous, its shape) and ``fuse_wgrad_accumulation`` not False, the weight gradient is accumulated into
-            ``main_grad`` in fp32 (``core.weight_gradients``). An inference tensor works under
+            ``main_grad`` in fp32 (``core.main_grads_to_fill``). An inference tensor works under
             ``no_grad``/``inference_mode``, not in autograd.
         bias: ``[out_features]`` or None.
         sequence_parallel_group: a column-parallel layer's tensor-parallel group under sequence parallelism: ``x`` is
@@ -285,7 +285,7 @@ def fp8_grouped_linear(
             a host synchronisation on a GPU: ``grouped_tensor.group_layout``; the bias gradients read them on the
             host), or a ``GroupLayout``.
         weights: ``E`` tensors ``[out_features, in_features]``; with a ``main_grad`` on every one (Megatron), the weight
-            gradients are accumulated into them in fp32 (``core.weight_gradients``).
+            gradients are accumulated into them in fp32 (``core.main_grads_to_fill``).
         biases: ``E`` tensors ``[out_features]`` or None.
         recipe, backend, weight_cache, refresh_weight_cache: as for ``fp8_blockwise_linear`` (the cache is a
             ``GroupedWeightCache``).

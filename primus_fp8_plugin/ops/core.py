@@ -13,7 +13,7 @@ Saved:    X's columnwise FP8 copy (about 0.52x the bytes of a bf16 X) and what t
           node saves its storage anyway (``stages.Plain(keep_input=True)``).
 Backward: dY --quantize (rowwise + columnwise; E5M2 under HYBRID)--> dX = dY W (the source's W^T, or the exact
           transpose of W's blocks made for this dgrad and freed after it; exchange: reduce-scatter)
-          dW = dY^T X, or ``main_grad += dW`` in fp32 under Megatron's protocol (``weight_gradients``)
+          dW = dY^T X, or ``main_grad += dW`` in fp32 wherever the weights have one (``weight_gradients``)
           db = sum of dY over rows; then the stage's own backward on dX.
           Only what is needed is quantized and computed: a frozen weight skips X's columnwise copy and wgrad; with
           neither dX nor dW needed (bias-only training) dY is not quantized.
@@ -28,6 +28,7 @@ read in backward (the quantized copies are).
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 from typing import NamedTuple
 
 import torch
@@ -141,9 +142,9 @@ def _zero_rows_backward(ctx) -> tuple:
     needs = ctx.needs_input_grad[1:]
     metas = ctx.leaves[:ns] + [(w.shape, w.dtype, w.device) for w in ctx.weights] + ctx.leaves[ns:]
     grads = [torch.zeros(m[0], dtype=m[1], device=m[2]) if m is not None and need else None for m, need in zip(metas, needs)]
-    for i, w in enumerate(ctx.weights):
-        if needs[ns + i] and fuses_main_grad(w):
-            grads[ns + i] = placeholder_gradient(w)
+    nw = len(ctx.weights)
+    if plan.need_wgrad and any(needs[ns : ns + nw]) and main_grads_to_fill(ctx.weights) is not None:
+        grads[ns : ns + nw] = placeholder_gradients(ctx.weights)
     return None, *grads
 
 
@@ -155,39 +156,53 @@ def keeps_graph() -> bool:
 
 
 # ---- the weight gradient: into .grad, or into main_grad under Megatron's protocol ------------------------------
+# Every pass over the weights below is a C-level ``map`` (no Python call per expert): the host work of a grouped
+# op does not grow with its number of experts (tests/test_grouped_host_work.py).
 
-_main_grad_of = operator.attrgetter("main_grad")
+_MAIN_GRAD, _FUSE, _ADDED = repeat("main_grad"), repeat("fuse_wgrad_accumulation"), repeat("grad_added_to_main_grad")
+_dtype_of = operator.attrgetter("dtype")
 
 
-def fuses_main_grad(weight: torch.Tensor) -> bool:
-    """Whether the weight's gradient goes into its ``main_grad`` (Megatron's gradient-accumulation fusion)."""
-    return getattr(weight, "main_grad", None) is not None and getattr(weight, "fuse_wgrad_accumulation", True)
+def main_grads_to_fill(weights) -> list | None:
+    """The weights' ``main_grad`` tensors where the op accumulates ``dW`` into them, else None (``dW`` goes to
+    autograd, in the weight's dtype).
+
+    The op fills ``main_grad`` (fp32, inside the wgrad GEMM) wherever every weight has one, whatever Megatron's
+    ``gradient_accumulation_fusion`` says, unless a weight says ``fuse_wgrad_accumulation = False`` (the opt-out:
+    the layers' ``fuse_wgrad_accumulation`` keyword). Under Megatron's protocol (``grad_added_to_main_grad``: its
+    hook adds ``.grad`` into ``main_grad``) gradient buffers of another dtype than fp32 (no
+    ``grad_reduce_in_fp32``) get ``dW`` through ``.grad`` too, as Megatron's own unfused layers give it: the kernels
+    accumulate in fp32 only. Any other ``main_grad`` that is not a contiguous fp32 tensor of the weight's shape is
+    refused. Weights of one op either all have one or none has."""
+    main_grads = list(map(getattr, weights, _MAIN_GRAD, repeat(None)))
+    missing = sum(map(operator.is_, main_grads, repeat(None)))
+    if missing == len(weights) or False in set(map(getattr, weights, _FUSE, repeat(True))):
+        return None
+    if missing:
+        raise ValueError("either every expert weight has a main_grad or none has")
+    if set(map(_dtype_of, main_grads)) != {torch.float32} and set(map(hasattr, weights, _ADDED)) == {True}:
+        return None
+    check_main_grads(weights, main_grads)
+    return main_grads
 
 
 def weight_gradients(layout, backend: Backend, dyq, xq, weights, need_w) -> list:
-    """What autograd gets for each weight.
-
-    Without a ``main_grad``: ``dW = dY^T X`` in the weight's dtype (None where not needed). With a ``main_grad`` on
-    every weight (fp32, contiguous, the weight's shape; ``fuse_wgrad_accumulation`` not False): ``main_grad += dW`` in
-    fp32 inside the wgrad GEMM, and autograd gets ``placeholder_gradient``. Weights of one op either all have one or
-    none has."""
-    fused = list(map(fuses_main_grad, weights))
-    if not any(fused):
+    """What autograd gets for each weight: ``dW = dY^T X`` in the weight's dtype (None where not needed); or, where
+    ``main_grads_to_fill`` gives the ``main_grad`` tensors, ``main_grad += dW`` in fp32 inside the wgrad GEMM and
+    ``placeholder_gradients`` for autograd."""
+    main_grads = main_grads_to_fill(weights)
+    if main_grads is None:
         dws = layout.gemm_wgrad(backend, dyq, xq, weights[0].dtype, None)
         return [d if nd else None for d, nd in zip(dws, need_w)]
-    if not all(fused):
-        raise ValueError("either every expert weight has a main_grad (with fuse_wgrad_accumulation) or none has")
-    main_grads = list(map(_main_grad_of, weights))
-    check_main_grads(weights, main_grads)
     layout.gemm_wgrad(backend, dyq, xq, torch.float32, main_grads)
-    return list(map(placeholder_gradient, weights))
+    return placeholder_gradients(weights)
 
 
 def check_main_grads(weights, main_grads) -> None:
     """Every ``main_grad`` a contiguous fp32 tensor of its weight's shape (C-level passes; the loop runs only to
     name the first wrong one)."""
     shapes_ok = list(map(operator.attrgetter("shape"), main_grads)) == list(map(operator.attrgetter("shape"), weights))
-    if shapes_ok and {g.dtype for g in main_grads} == {torch.float32} and all(map(torch.Tensor.is_contiguous, main_grads)):
+    if shapes_ok and set(map(_dtype_of, main_grads)) == {torch.float32} and all(map(torch.Tensor.is_contiguous, main_grads)):
         return
     for i, (w, g) in enumerate(zip(weights, main_grads)):
         if g.dtype != torch.float32 or g.shape != w.shape or not g.is_contiguous():
@@ -202,24 +217,28 @@ def check_main_grads(weights, main_grads) -> None:
 _PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
 
 
-def placeholder_gradient(weight: torch.Tensor) -> torch.Tensor | None:
-    """What autograd gets for a weight whose gradient went into its ``main_grad``.
+def placeholder_gradients(weights) -> list:
+    """What autograd gets for weights whose gradients went into their ``main_grad``.
 
-    Under Megatron's protocol (the weight has a ``grad_added_to_main_grad`` attribute, which Megatron's DDP sets and
-    whose hook discards ``.grad``): the attribute is set True and a placeholder gradient is returned so that the
-    parameter's hooks run; one tensor per shape, dtype and device shared by all weights and calls (zeros where the
-    weight asks ``zero_out_wgrad``, else uninitialised, as TE does); nothing writes it. Otherwise None: ``.grad``
-    stays None and the gradient is only in ``main_grad``."""
-    if not hasattr(weight, "grad_added_to_main_grad"):
-        return None
-    weight.grad_added_to_main_grad = True
-    zero = bool(getattr(weight, "zero_out_wgrad", False))
-    key = (tuple(weight.shape), weight.dtype, weight.device, zero)
+    Under Megatron's protocol (the weights have a ``grad_added_to_main_grad`` attribute, which Megatron's DDP sets
+    and whose hook then discards ``.grad`` instead of adding it): the attribute is set True and every weight gets
+    one placeholder gradient, so that the parameters' hooks run; one tensor per shape, dtype and device shared by
+    all weights and calls (zeros where the weights ask ``zero_out_wgrad``, else uninitialised, as TE does); nothing
+    writes it. Otherwise None: ``.grad`` stays None and the gradient is only in ``main_grad``."""
+    marked = set(map(hasattr, weights, _ADDED))
+    if marked == {False}:
+        return [None] * len(weights)
+    if marked != {True}:
+        raise ValueError("either every expert weight follows Megatron's grad_added_to_main_grad protocol or none does")
+    list(map(setattr, weights, _ADDED, repeat(True)))
+    w0 = weights[0]
+    zero = True in set(map(getattr, weights, repeat("zero_out_wgrad"), repeat(False)))
+    key = (tuple(w0.shape), w0.dtype, w0.device, zero)
     dummy = _PLACEHOLDERS.get(key)
     if dummy is None:
-        dummy = (torch.zeros if zero else torch.empty)(weight.shape, dtype=weight.dtype, device=weight.device)
+        dummy = (torch.zeros if zero else torch.empty)(w0.shape, dtype=w0.dtype, device=w0.device)
         _PLACEHOLDERS[key] = dummy
-    return dummy
+    return [dummy] * len(weights)
 
 
 def apply_linear(plan: LinearPlan, inputs, weights, biases) -> torch.Tensor:

@@ -61,11 +61,10 @@ def check_column(rank, world, config, s, b, main_grad, seed):
         layer.weight.main_grad = torch.zeros(layer.weight.shape)
         layer.weight.grad_added_to_main_grad = False
     group = parallel_state.get_tensor_model_parallel_group()
-    gaf = layer.gradient_accumulation_fusion
 
     def before(layer, x):  # the layer's _forward_impl before the FP8 all-gather
         gathered = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
-        return layer._fp8_linear(gathered, layer.weight, layer.bias, gaf)
+        return layer._fp8_linear(gathered, layer.weight, layer.bias)
 
     x = _input(rank, s, b, h, seed)
     dy = _input(rank + 1000, world * s, b, n // world, seed).detach()
