@@ -108,18 +108,20 @@ def group_layout(
             raise ValueError(f"counts describe {counts.numel()} experts; the layer has {num_groups if num_groups else '>= 1'}")
         dev = torch.device(device) if device is not None else counts.device
         return _device_layout(counts.to(dev), int(num_tokens))
-    host = tuple(int(v) for v in counts)
+    host = tuple(map(int, counts))  # C-level passes over the counts: no Python call per expert
     if num_groups is not None and len(host) != num_groups:
         raise ValueError(f"{len(host)} counts given for {num_groups} experts: one count per expert")
     if not host or min(host) < 0 or sum(host) != num_tokens:
         raise ValueError(f"counts {list(host)[:8]}{'...' if len(host) > 8 else ''} must be >= 0 and sum to the "
                          f"number of tokens {num_tokens} (they sum to {sum(host)}), one count per expert")  # fmt: skip
-    offsets, padded = [0], [0]
-    for v in host:
-        offsets.append(offsets[-1] + v)
-        padded.append(padded[-1] + ceil_div(v, BLOCK) * BLOCK)
     e = len(host)
-    packed = torch.tensor([*host, *offsets, *padded], dtype=COUNT_DTYPE)
+    packed = torch.zeros(3 * e + 2, dtype=torch.int64)
+    c = torch.tensor(host, dtype=torch.int64)
+    packed[:e] = c
+    torch.cumsum(c, 0, out=packed[e + 1 : 2 * e + 1])
+    torch.cumsum((c + (BLOCK - 1)) // BLOCK * BLOCK, 0, out=packed[2 * e + 2 :])
+    capacity = int(packed[-1])  # a CPU tensor: no device synchronisation
+    packed = packed.to(COUNT_DTYPE)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         if _is_capturing():
@@ -129,7 +131,7 @@ def group_layout(
     elif dev.type != "cpu":
         packed = packed.to(dev)
     c, o, p = packed[:e], packed[e : 2 * e + 1], packed[2 * e + 1 :]
-    return GroupLayout(c, o, p, int(num_tokens), padded[-1], host)
+    return GroupLayout(c, o, p, int(num_tokens), capacity, host)
 
 
 def _device_layout(counts: torch.Tensor, num_tokens: int) -> GroupLayout:

@@ -76,6 +76,17 @@ def check_backend(backend: str, weight: torch.Tensor) -> None:
         get_backend(backend, weight.device if weight.device.type != "meta" else None)
 
 
+def expert_parameter_names(num_experts: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The names of a grouped layer's parameters, TE's: ``weight0..``, ``bias0..``."""
+    return tuple(f"weight{i}" for i in range(num_experts)), tuple(f"bias{i}" for i in range(num_experts))
+
+
+def expert_parameters(module: nn.Module, names: tuple[str, ...]) -> list:
+    """The module's parameters of these names, as they are now (a replaced parameter is the new one), in one
+    C-level pass (``getattr`` would run ``nn.Module.__getattr__``, a Python call per expert)."""
+    return list(map(module._parameters.__getitem__, names))
+
+
 class Fp8BlockwiseLinear(HoldsWeightCache, nn.Module):
     """``y = x W^T + b`` like ``nn.Linear``, with TE ``Float8BlockScaling`` numerics.
 
@@ -207,6 +218,7 @@ class Fp8GroupedLinear(HoldsWeightCache, nn.Module):
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", make(out_features, in_features))
             self.register_parameter(f"bias{i}", make(out_features) if bias else None)
+        self.weight_names, self.bias_names = expert_parameter_names(num_gemms)
         self.recipe = recipe or BlockwiseRecipe()
         self.backend = backend
         check_backend(backend, self.weight0)
@@ -216,11 +228,11 @@ class Fp8GroupedLinear(HoldsWeightCache, nn.Module):
 
     @property
     def weights(self) -> list[nn.Parameter]:
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        return expert_parameters(self, self.weight_names)
 
     @property
     def biases(self) -> list[nn.Parameter] | None:
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+        return expert_parameters(self, self.bias_names) if self.use_bias else None
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialisation for every expert."""

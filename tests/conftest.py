@@ -41,3 +41,16 @@ def make_input(shape, dtype=torch.bfloat16, seed=0, device="cpu", spread=True) -
         rows = torch.exp2(torch.randint(-20, 20, (shape[0],) + (1,) * (len(shape) - 1), generator=g).float())
         x = x * rows
     return x.to(dtype).to(device)
+
+
+def row_sums_in_order(dy2d: torch.Tensor, counts) -> list[torch.Tensor]:
+    """Each expert's rows of ``dy2d`` added one after another in fp32 from 0, rounded once to dY's dtype: the grouped
+    bias gradient's rule (``ops/layouts.segment_sums``), computed independently by a Python loop over the rows."""
+    out, start = [], 0
+    for c in counts:
+        acc = torch.zeros(dy2d.shape[1], dtype=torch.float32, device=dy2d.device)
+        for r in range(start, start + int(c)):
+            acc = acc + dy2d[r].float()
+        out.append(acc.to(dy2d.dtype))
+        start += int(c)
+    return out

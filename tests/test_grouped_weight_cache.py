@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.weight_cache import StaleWeightCacheError, WeightCache, mark_weights_changed
 
 from .conftest import make_input
+from .host_calls import python_calls
 
 E, K, N = 4, 128, 128
 COUNTS = [40, 0, 130, 30]
@@ -181,23 +181,6 @@ def test_a_refresh_releases_the_old_buffers_before_making_new_ones():
     assert alive_at_quantize == [False]
 
 
-def _python_calls(fn) -> int:
-    """How many Python-level function calls ``fn()`` makes (``sys.setprofile``'s "call" events; C functions such
-    as ``map`` and ``operator`` getters report "c_call" instead)."""
-    calls = 0
-
-    def count(frame, event, arg):
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls
-
-
 def test_the_check_runs_no_per_expert_python():
     """A served ``get`` makes as many Python calls at 128 experts as at 2 (its passes over the experts are C-level
     ``map``s), where checking each expert with a dense ``WeightCache`` makes Python calls per expert. Counted,
@@ -208,12 +191,12 @@ def test_the_check_runs_no_per_expert_python():
         ws = [nn.Parameter(torch.randn(8, 128, dtype=torch.bfloat16)) for _ in range(e)]
         cache = GroupedWeightCache()
         cache.get(ws, p, be)
-        served[e] = _python_calls(lambda: cache.get(ws, p, be))  # noqa: B023 - called within the iteration
+        served[e] = python_calls(lambda: cache.get(ws, p, be))  # noqa: B023 - called within the iteration
         assert cache.refreshes == 1
         dense = [WeightCache() for _ in ws]
         for c, w in zip(dense, ws):
             c.get(w, p, be)
-        per_expert = _python_calls(lambda: [c.get(w, p, be) for c, w in zip(dense, ws)])  # noqa: B023
+        per_expert = python_calls(lambda: [c.get(w, p, be) for c, w in zip(dense, ws)])  # noqa: B023
         assert per_expert >= e, (e, per_expert)  # the alternative: at least one Python call per expert
     assert served[2] == served[128], served
 

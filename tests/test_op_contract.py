@@ -24,7 +24,7 @@ from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.tensor import HIGH_PRECISION_DTYPES
 from primus_fp8_plugin.weight_cache import GroupedWeightCache, WeightCache
 
-from .conftest import make_input
+from .conftest import make_input, row_sums_in_order
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: every GPU backend
 BACKENDS = [n for n, a in available_backends(DEVICE).items() if a]
@@ -161,14 +161,15 @@ def test_backward_twice_with_retain_graph(op, backend):
 
 
 def test_bias_only_training(op, backend):
-    """Frozen input, norm and weights, trainable bias: the bias gradient is the sum of dY over rows (per expert)."""
+    """Frozen input, norm and weights, trainable bias: the bias gradient is the sum of dY over rows (per expert, in
+    token order: ``ops/layouts.segment_sums``)."""
     t = requires(op.leaves(ROWS, 128, N, seed=2), x=False, norm=False, w=False, b=True)
     y = op(t, backend)
     dy = make_input(tuple(y.shape), seed=6, device=DEVICE)
     y.backward(dy)
     dy2d = dy.reshape(-1, dy.shape[-1])
-    parts = torch.split(dy2d, t["counts"]) if op.grouped else [dy2d]
-    assert all(same(b.grad, part.sum(0)) for b, part in zip(t["b"], parts))
+    want = row_sums_in_order(dy2d, t["counts"]) if op.grouped else [dy2d.sum(0)]
+    assert all(same(b.grad, w) for b, w in zip(t["b"], want))
     assert all(p.grad is None for p in params_of(t)[: -len(t["b"])])
 
 

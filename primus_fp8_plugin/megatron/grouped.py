@@ -44,7 +44,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
 from .. import env
-from ..modules import HoldsWeightCache, take_first_microbatch
+from ..modules import HoldsWeightCache, expert_parameter_names, expert_parameters, take_first_microbatch
 from ..ops import fp8_grouped_linear
 from ..recipe import BlockwiseRecipe
 from ..weight_cache import GroupedWeightCache
@@ -130,6 +130,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
                 self.register_parameter(f"bias{i}", b)
             else:
                 self.register_parameter(f"bias{i}", None)
+        self.weight_names, self.bias_names = expert_parameter_names(num_gemms)
         self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
         self.fp8_backend = fp8_backend
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
@@ -157,11 +158,11 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
 
     @property
     def weights(self) -> list[torch.nn.Parameter]:
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        return expert_parameters(self, self.weight_names)
 
     @property
     def biases(self) -> list[torch.nn.Parameter] | None:
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+        return expert_parameters(self, self.bias_names) if self.use_bias else None
 
     def fp8_weight_source(self):
         return self.weights, self.fp8_recipe, self.fp8_backend

@@ -132,7 +132,7 @@ def _backward(ctx, dy):
     d_stage = stage.backward(backend, dx2d, stage_saved, in_shape, need_stage)
     if not keeps_graph():
         ctx.wq = None  # the graph is freed after this backward: so is the quantized weight
-    return None, *d_stage, *dws, *(d if nb else None for d, nb in zip(dbs, need_b))
+    return None, *d_stage, *dws, *[d if nb else None for d, nb in zip(dbs, need_b)]
 
 
 def _zero_rows_backward(ctx) -> tuple:

@@ -8,7 +8,7 @@ weights, run the three GEMMs and sum the bias gradients. The core (``core.py``) 
 activations            ``BlockwiseFp8Tensor`` ``[M, K]``       ``GroupedFp8Tensor`` ``[T, K]`` (``grouped_tensor.py``)
 weights                one ``[N, K]``, ``WeightCache``         ``E`` x ``[N, K]``, ``GroupedWeightCache``
 W^T for dgrad          held, or ``transpose_weight``           held, or ``transpose_weight_grouped``
-bias gradient          ``dY`` summed over rows                 each expert's rows of ``dY`` summed (counts on host)
+bias gradient          ``dY`` summed over rows (torch's sum)   each expert's rows of ``dY`` summed in row order (device)
 =====================  ======================================  =====================================================
 """
 
@@ -79,7 +79,7 @@ class Grouped:
         return wq if wq.has_columnwise else backend.transpose_weight_grouped(wq)
 
     def gemm_fwd(self, backend: Backend, xq, wq, biases, out_dtype: torch.dtype) -> torch.Tensor:
-        bias = torch.stack([b.detach() for b in biases]) if biases else None
+        bias = torch.stack(biases) if biases else None  # one C-level call (grad mode is off in the op's forward)
         return backend.gemm_fwd_grouped(xq, wq, bias, out_dtype)
 
     def gemm_dgrad(self, backend: Backend, dyq, wq, out_dtype: torch.dtype) -> torch.Tensor:
@@ -92,5 +92,16 @@ class Grouped:
         return GroupedFp8Tensor(self.layout, shape, fp8_dtype, orig_dtype, columnwise_data=data, columnwise_scale_inv=scale_inv)
 
     def bias_grads(self, dy2d: torch.Tensor) -> list[torch.Tensor]:
-        # the dense layer's bias gradient per expert: a sum of its rows of dY in dY's dtype (reads the counts)
-        return [part.sum(0) for part in torch.split(dy2d, self.layout.counts_list())]
+        return list(segment_sums(dy2d, self.layout).unbind(0))
+
+
+def segment_sums(dy2d: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    """``[E, N]`` in dY's dtype: row ``e`` is the sum of expert ``e``'s rows of ``dy2d [T, N]`` (0 for an expert
+    without tokens), on the device, without a host synchronisation and without a call per expert.
+
+    Rounding rule (``docs/NUMERICS.md``): the rows are added one after another in token order in fp32, starting from
+    0, and the sum is rounded once to dY's dtype (``torch.segment_reduce`` over fp32 rows at the layout's device
+    offsets: one thread per expert and column walks the rows in order, on every device). torch's ``dY_e.sum(0)``
+    (the dense layer's rule, TE's) also accumulates in fp32 and rounds once, in another order: the two differ
+    by the fp32 rounding of the two orders, which the final rounding to bf16 or fp16 mostly hides."""
+    return torch.segment_reduce(dy2d.float(), "sum", offsets=layout.offsets, axis=0, unsafe=True).to(dy2d.dtype)

@@ -180,3 +180,40 @@ def test_delayed_wgrad_is_refused():
     with pytest.raises(NotImplementedError, match="delayed expert wgrad"):
         Fp8RowParallelGroupedLinear(2, 384, 256, config=cfg, init_method=torch.nn.init.zeros_, bias=False,
                                     skip_bias_add=True, is_expert=True)  # fmt: skip
+
+
+def test_the_grouped_experts_host_work_does_not_grow_with_the_experts():
+    """Megatron's grouped experts (``TEGroupedMLP`` with the plugin's grouped linears, ``triton`` backend through
+    the interpreter, Megatron's DDP protocol on every weight): a steady-state forward + backward makes as many
+    Python-level calls with 128 local experts as with 2 (``tests/host_calls.py`` says what is counted)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from primus_fp8_plugin import backend_availability
+    from primus_fp8_plugin.megatron.grouped import grouped_mlp
+
+    from ..host_calls import python_calls
+
+    if not backend_availability("triton", "cpu"):
+        pytest.skip(backend_availability("triton", "cpu").reason)
+    calls = {}
+    for e in (2, 128):
+        cfg = moe_config(num_moe_experts=e, hidden_size=128, moe_ffn_hidden_size=128)
+        torch.manual_seed(0)
+        experts = grouped_mlp(backend="triton")(e, cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        for p in experts.parameters():
+            p.main_grad, p.grad_added_to_main_grad = torch.zeros(p.shape), False
+        counts = torch.zeros(e, dtype=torch.int64)
+        counts[0], counts[-1] = 70, 130
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(200, 128, generator=g).to(torch.bfloat16).requires_grad_(True)
+        probs = torch.rand(200, generator=g)
+        dy = torch.randn(200, 128, generator=g).to(torch.bfloat16)
+
+        def step():
+            out, _ = experts(x, counts, probs)
+            out.backward(dy)
+
+        step()
+        calls[e] = python_calls(step)
+        assert all(p.grad_added_to_main_grad and p.main_grad.abs().sum() > 0 for p in experts.linear_fc1.weights[:: e - 1])
+    assert calls[2] == calls[128], calls

@@ -10,6 +10,7 @@ memory without a synchronisation; the pinned buffer is kept alive with the table
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -23,9 +24,9 @@ _TABLES: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 def pointer_table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """int64 ``[len(tensors)]`` table of the tensors' addresses, on their device (one device for all)."""
     device = tensors[0].device
-    if any(t.device != device for t in tensors):
+    if set(map(operator.attrgetter("device"), tensors)) != {device}:
         raise ValueError("a pointer table's tensors must all be on one device")
-    key = (device, tuple(t.data_ptr() for t in tensors))
+    key = (device, tuple(map(torch.Tensor.data_ptr, tensors)))  # C-level passes: no Python call per tensor
     entry = _TABLES.get(key)
     if entry is not None:
         _TABLES.move_to_end(key)
