@@ -9,7 +9,7 @@ from .backends import (
 from .convert import convert_to_fp8_blockwise
 from .gemm import gemm_dgrad, gemm_fwd, gemm_wgrad
 from .modules import Fp8BlockwiseLinear, Fp8GroupedLinear
-from .ops import fp8_blockwise_linear, fp8_grouped_linear, fp8_norm_linear, fp8_swiglu_linear
+from .ops import fp8_blockwise_linear, fp8_grouped_linear, fp8_grouped_swiglu_linear, fp8_norm_linear, fp8_swiglu_linear
 from .quantize import quantize_activation, quantize_weight
 from .recipe import BlockwiseRecipe, Fp8Format, QuantParams, TensorRole
 from .tensor import BlockwiseFp8Tensor
@@ -33,6 +33,7 @@ __all__ = [
     "convert_to_fp8_blockwise",
     "fp8_blockwise_linear",
     "fp8_grouped_linear",
+    "fp8_grouped_swiglu_linear",
     "fp8_norm_linear",
     "fp8_swiglu_linear",
     "gemm_dgrad",

@@ -10,14 +10,15 @@ op taking ``E`` weights as autograd inputs pays, TE's ``GroupedLinear`` too)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
-import triton
 
-TRITON = str(Path(triton.__file__).resolve().parent)
+_triton = importlib.util.find_spec("triton")  # absent where only the reference backend is installed
+TRITON = str(Path(_triton.origin).resolve().parent) if _triton is not None else "<no triton>"
 TORCH_APPLY_INPUTS = (str(Path(torch.__file__).resolve().parent / "_functorch" / "utils.py"), "<genexpr>")
 
 

@@ -225,3 +225,52 @@ def test_fused_wgrad_returns_one_shared_placeholder_not_one_per_expert(backend):
 def test_a_layer_of_other_weight_dtypes_is_refused_with_the_fix(dtype):
     with pytest.raises(TypeError, match=r"Fp8GroupedLinear keeps bfloat16, float16 or float32 weights \(pass dtype"):
         Fp8GroupedLinear(2, 128, 128, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "counts, f, n, probs_dtype, fmt",
+    [([0, 70, 129, 1], 144, 136, torch.float32, "E4M3"), ([200, 0, 33], 128, 128, torch.bfloat16, "HYBRID"),
+     ([40, 90], 256, 128, None, "E4M3")],
+)  # fmt: skip
+def test_grouped_swiglu_linear_equals_megatrons_activation_then_the_grouped_linear(backend, counts, f, n, probs_dtype, fmt):
+    """``fp8_grouped_swiglu_linear(h, probs=p)`` against what Megatron's grouped experts compute between fc1 and
+    fc2 (``(F.silu(gate) * up * p[:, None]).to(h.dtype)``, torch's own ops) followed by ``fp8_grouped_linear``: the
+    same output, and the same gradients of h, probs, the weights (into ``main_grad``) and the biases, bit for bit."""
+    import torch.nn.functional as F
+
+    from primus_fp8_plugin import fp8_grouped_swiglu_linear
+
+    recipe = BlockwiseRecipe(fp8_format=fmt)
+    t = sum(counts)
+    g = torch.Generator().manual_seed(f)
+    h0 = make_input((t, 2 * f), seed=5, spread=False) * 3
+    p0 = None if probs_dtype is None else torch.rand(t, generator=g).to(probs_dtype)
+    ws0 = [(0.05 * make_input((n, f), seed=20 + e, spread=False)) for e in range(len(counts))]
+    bs0 = [(0.1 * make_input((n,), seed=40 + e, spread=False)) for e in range(len(counts))]
+    dy = make_input((t, n), seed=6)
+
+    def leaves():
+        h = h0.clone().requires_grad_(True)
+        p = None if p0 is None else p0.clone().requires_grad_(True)
+        ws = [w.clone().requires_grad_(True) for w in ws0]
+        for w in ws:
+            w.main_grad, w.grad_added_to_main_grad = torch.zeros(n, f), False
+        return h, p, ws, [b.clone().requires_grad_(True) for b in bs0]
+
+    h, p, ws, bs = leaves()
+    gate, up = torch.chunk(h, 2, dim=-1)
+    act = F.silu(gate) * up
+    if p is not None:
+        act = (act * p.unsqueeze(-1)).to(h.dtype)
+    y_ref = fp8_grouped_linear(act, counts, ws, bs, recipe=recipe, backend=backend)
+    y_ref.backward(dy)
+    ref = [h.grad, None if p is None else p.grad, *[w.main_grad for w in ws], *[b.grad for b in bs]]
+
+    h, p, ws, bs = leaves()
+    y = fp8_grouped_swiglu_linear(h, torch.tensor(counts), ws, bs, probs=p, recipe=recipe, backend=backend)
+    y.backward(dy)
+    got = [h.grad, None if p is None else p.grad, *[w.main_grad for w in ws], *[b.grad for b in bs]]
+    assert same(y, y_ref)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert (a is None and b is None) or same(a, b), f"gradient {i}"
+    assert h.grad.abs().sum() > 0 and (p is None or p.grad.abs().sum() > 0)

@@ -1,7 +1,8 @@
 """The contract every FP8 op of the package keeps, on every backend this machine has.
 
-Ops: the plain, norm and SwiGLU linears, the grouped (MoE) linear, and the plain and norm linears under sequence
-parallelism (a one-rank gloo group here: the exchange's code runs; tests/test_sequence_parallel.py runs two ranks).
+Ops: the plain, norm and SwiGLU linears, the grouped (MoE) linear, the grouped SwiGLU linear (rows weighted by
+routing probabilities, a differentiable input), and the plain and norm linears under sequence parallelism (a
+one-rank gloo group here: the exchange's code runs; tests/test_sequence_parallel.py runs two ranks).
 Weight sources: quantized per call, and (``*_held``) FP8 primary weights: a weight cache holding W only as the
 weights' primary form (``WeightCache.own``), the weights' high-precision data then replaced by NaN, so that any read
 of them would show, and dgrad's W^T made on demand.
@@ -18,7 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from primus_fp8_plugin import available_backends, fp8_blockwise_linear, fp8_grouped_linear, fp8_norm_linear, fp8_swiglu_linear
+from primus_fp8_plugin import (
+    available_backends,
+    fp8_blockwise_linear,
+    fp8_grouped_linear,
+    fp8_grouped_swiglu_linear,
+    fp8_norm_linear,
+    fp8_swiglu_linear,
+)
 from primus_fp8_plugin.backends import get_backend
 from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.tensor import HIGH_PRECISION_DTYPES
@@ -65,6 +73,8 @@ class Op:
         if self.grouped:
             cut = [rows // 3, 0, rows - rows // 3]  # an expert with no tokens
             t["counts"] = cut
+        if self.grouped and self.swiglu:  # routing probabilities, one per token (fp32, as Megatron's router gives)
+            t["probs"] = torch.rand(lead, generator=torch.Generator().manual_seed(seed + 3)).to(DEVICE)
         return t
 
     def hold(self, t: dict, backend: str) -> None:
@@ -86,6 +96,8 @@ class Op:
         b = t["b"]
         if self.sequence_parallel:
             kw["sequence_parallel_group"] = _group()
+        if self.grouped and self.swiglu:
+            return fp8_grouped_swiglu_linear(t["x"], t["counts"], t["w"], b, probs=t["probs"], backend=backend, **kw)
         if self.grouped:
             return fp8_grouped_linear(t["x"], t["counts"], t["w"], b, backend=backend, **kw)
         bias = None if b is None else b[0]
@@ -101,6 +113,7 @@ OPS = [
     Op("norm_linear", norm=True),
     Op("swiglu_linear", swiglu=True),
     Op("grouped_linear", grouped=True),
+    Op("grouped_swiglu_linear", grouped=True, swiglu=True),
     Op("sp_linear", sequence_parallel=True),
     Op("sp_norm_linear", norm=True, sequence_parallel=True),
     Op("linear_held", held=True),
@@ -119,7 +132,7 @@ def backend(request):
 
 
 def params_of(t: dict) -> list[torch.Tensor]:
-    out = [t["x"]] + [t[k] for k in ("gamma", "beta") if k in t] + t["w"]
+    out = [t["x"]] + [t[k] for k in ("gamma", "beta", "probs") if k in t] + t["w"]
     return out + (t["b"] or [])
 
 
@@ -132,7 +145,7 @@ def train(op: Op, t: dict, backend: str, dy_seed: int = 99, **kw):
 
 def requires(t: dict, *, x=True, norm=True, w=True, b=True) -> dict:
     t["x"].requires_grad_(x)
-    for k in ("gamma", "beta"):
+    for k in ("gamma", "beta", "probs"):  # the stage's other inputs
         if k in t:
             t[k].requires_grad_(norm)
     for p in t["w"]:
@@ -326,6 +339,7 @@ def test_every_public_op_is_in_the_matrix():
     import primus_fp8_plugin
 
     public = {n for n in primus_fp8_plugin.__all__ if n.startswith("fp8_") and n.endswith("linear")}
-    covered = {"fp8_blockwise_linear", "fp8_norm_linear", "fp8_swiglu_linear", "fp8_grouped_linear"}
+    covered = {"fp8_blockwise_linear", "fp8_norm_linear", "fp8_swiglu_linear", "fp8_grouped_linear",
+               "fp8_grouped_swiglu_linear"}  # fmt: skip
     assert public == covered, f"an FP8 op outside the contract matrix: {public - covered}"
 

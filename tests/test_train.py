@@ -153,7 +153,7 @@ def test_moe_run_with_grouped_experts(tmp_path):
            "train.micro_batch_size=2", "train.global_batch_size=2"]  # fmt: skip
     proc, records = train(tmp_path, *moe, "model.moe_grouped_gemm=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert next(r for r in records if r.get("event") == "start")["experts"] == "TEGroupedMLP"
+    assert next(r for r in records if r.get("event") == "start")["experts"] == "Fp8GroupedMLP"  # TEGroupedMLP, fused SwiGLU
     loss = losses(records)
     assert sorted(loss) == [1, 2, 3, 4, 5, 6] and loss[6] < loss[1]
 

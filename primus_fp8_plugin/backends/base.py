@@ -104,6 +104,14 @@ class Backend(abc.ABC):
         each expert's tokens zero-padded to a multiple of 128 (``grouped_tensor.py``)."""
         raise self._no_grouped("quantize_act_grouped")
 
+    def quantize_swiglu_act_grouped(
+        self, h: torch.Tensor, layout: GroupLayout, params: QuantParams, *, rowwise: bool, columnwise: bool,
+        probs: torch.Tensor | None = None,
+    ) -> GroupedFp8Tensor:  # fmt: skip
+        """``quantize_act_grouped`` of ``swiglu_fwd(h)`` (fc1's output ``h [T, 2K]``, contiguous), each row times
+        ``probs [T]`` (``reference_fused.weight_rows``) where given, without writing the activation (same bits)."""
+        raise self._no_grouped("quantize_swiglu_act_grouped")
+
     def quantize_weight_grouped(
         self, weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, out: GroupedFp8Weight | None = None
     ) -> GroupedFp8Weight:
@@ -175,6 +183,7 @@ class Backend(abc.ABC):
 FUSED_OPS = ("norm_fwd", "quantize_norm_act", "norm_bwd", "swiglu_fwd", "quantize_swiglu_act", "swiglu_bwd", "rope")
 GROUPED_OPS = (
     "quantize_act_grouped",
+    "quantize_swiglu_act_grouped",
     "quantize_weight_grouped",
     "gemm_fwd_grouped",
     "gemm_dgrad_grouped",

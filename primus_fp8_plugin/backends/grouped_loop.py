@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight
+from .reference_fused import weight_rows
 
 
 def _segments(layout):
@@ -21,11 +22,20 @@ def _segments(layout):
 
 
 class DenseLoopGrouped:
-    """Mixin for a ``Backend``: the five grouped operations by looping its dense ones over the experts."""
+    """Mixin for a ``Backend``: the grouped operations by looping its dense ones over the experts."""
 
     def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise):
         parts = [self.quantize_act(x[o : o + c], params, rowwise=rowwise, columnwise=columnwise) for o, c in _segments(layout)]
         return GroupedFp8Tensor.from_experts(parts, layout, x.shape[1])
+
+    def quantize_swiglu_act_grouped(self, h, layout, params, *, rowwise, columnwise, probs=None):
+        parts = []
+        for o, c in _segments(layout):
+            act = self.swiglu_fwd(h[o : o + c])
+            if probs is not None:
+                act = weight_rows(act, probs[o : o + c])
+            parts.append(self.quantize_act(act, params, rowwise=rowwise, columnwise=columnwise))
+        return GroupedFp8Tensor.from_experts(parts, layout, h.shape[1] // 2)
 
     def quantize_weight_grouped(self, weights, params, out=None):
         value = GroupedFp8Weight.from_experts([self.quantize_weight(w.contiguous(), params) for w in weights])

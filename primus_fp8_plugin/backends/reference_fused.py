@@ -230,6 +230,16 @@ def _halves(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a, b
 
 
+ROW_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def weight_rows(a: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``a [M, F]`` scaled by per-row weights ``probs [M]`` (fp32, bf16 or fp16): the fp32 product rounded once
+    to a's dtype, the bits of Megatron's ``(a * probs[:, None]).to(a.dtype)`` for these dtypes (torch computes a
+    product of two such tensors in fp32 and rounds it to the result dtype)."""
+    return (a.float() * probs.float()[:, None]).to(a.dtype)
+
+
 def swiglu_fwd(h: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` of ``h [M, 2F] = [a | b]`` (Megatron's gated layout: gate first), each of the
     two steps rounded to h's dtype (torch's ``F.silu(a) * b`` in h's dtype) -> ``[M, F]``."""

@@ -155,6 +155,9 @@ class TritonBackend(Backend):
     def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise):
         return quantize_grouped_1x128(x, layout, params, rowwise=rowwise, columnwise=columnwise)
 
+    def quantize_swiglu_act_grouped(self, h, layout, params, *, rowwise, columnwise, probs=None):
+        return quantize_grouped_1x128(h, layout, params, rowwise=rowwise, columnwise=columnwise, swiglu=True, probs=probs)
+
     def quantize_weight_grouped(self, weights, params, out=None):
         if sm90.weight_quant_per_expert(weights, params):
             return quantize_128x128_per_expert_gluon(weights, params, out)

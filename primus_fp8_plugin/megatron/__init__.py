@@ -14,7 +14,7 @@ try:
         fp8_gpt_fast_moe_spec,
         fp8_te_gpt_layer_spec,
     )
-    from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8RowParallelGroupedLinear
+    from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8GroupedMLP, Fp8RowParallelGroupedLinear
     from .layers import (
         Fp8ColumnParallelLinear,
         Fp8LayerNormColumnParallelLinear,
@@ -70,6 +70,7 @@ __all__ = [
     "Fp8ColumnParallelGroupedLinear",
     "Fp8ColumnParallelLinear",
     "Fp8Experts",
+    "Fp8GroupedMLP",
     "Fp8LayerNormColumnParallelLinear",
     "Fp8RowParallelGroupedLinear",
     "Fp8RowParallelLinear",

@@ -14,19 +14,29 @@
   not partitioned. The local shard is ``output_size / expert_tp`` (column) or ``input_size / expert_tp`` (row):
   the token dispatcher does all communication;
 * ``forward(x, m_splits)`` -> ``(y, None)``, or ``(y, [bias0, ..])`` with ``skip_bias_add`` (TEGroupedMLP scales
-  fc2's biases by the routing probabilities); ``m_splits`` a list or an integer device tensor;
+  fc2's biases by the routing probabilities); ``m_splits`` a list, an integer device tensor or a ``GroupLayout``;
+  ``input_stage="swiglu"`` (row-parallel only): ``x`` is fc1's ``[gate | up]`` output and ``forward(x, m_splits,
+  probs)`` computes SwiGLU, times each token's routing probability, quantized straight into the grouped layout
+  (``ops.fp8_grouped_swiglu_linear``);
 * ``backward_dw()`` (a no-op: weight gradients are computed in backward; delayed wgrad is refused);
 * ``sharded_state_dict``: one key per linear with an expert axis (``...experts.linear_fc1.weight``, sharded
   over the global experts), the keys of ``SequentialMLP`` and of TE's grouped experts, so distributed
   checkpoints move between the three.
 
-``Fp8Experts`` is an experts builder for ``MoESubmodules.experts``: ``TEGroupedMLP`` with these linears, or
+``Fp8GroupedMLP`` is Megatron's ``TEGroupedMLP`` (same constructor, parameters and checkpoint keys) that, where the
+activation is plain SwiGLU (``grouped_swiglu_fusable``), runs fc1 -> fc2 with SwiGLU and the routing probabilities
+fused into fc2's input quantization (the bf16 activation is never written) and the token counts kept on the device
+(``TEGroupedMLP`` reads them on the host); the same bits, outputs and gradients (the router's included), as
+Megatron's unfused composition (``act(fc1) * probs``, then fc2). Elsewhere it is exactly ``TEGroupedMLP``.
+
+``Fp8Experts`` is an experts builder for ``MoESubmodules.experts``: ``Fp8GroupedMLP`` with these linears, or
 ``SequentialMLP`` with the dense FP8 linears, chosen by ``grouped`` or (None) by ``config.moe_grouped_gemm``
 when the layer is built (Megatron-LM's ``--moe-grouped-gemm``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -44,13 +54,15 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
 from .. import env
+from ..grouped_tensor import group_layout
 from ..modules import HoldsWeightCache, expert_parameter_names, expert_parameters, take_first_microbatch
-from ..ops import fp8_grouped_linear
+from ..ops import fp8_grouped_linear, fp8_grouped_swiglu_linear
 from ..recipe import BlockwiseRecipe
 from ..weight_cache import GroupedWeightCache
 from .compat import GroupedMLPSubmodules, grouped_linear
 from .fp8_params import install_hooks
 from .layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear, fuse_into_main_grad
+from .mlp import swiglu_fusable
 
 
 def _device(config):
@@ -81,6 +93,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         fp8_recipe: BlockwiseRecipe | None = None,
         fp8_backend: str = "auto",
         fuse_wgrad_accumulation: bool = True,
+        input_stage: str = "plain",
     ) -> None:
         super().__init__()
         if not is_expert:
@@ -91,6 +104,10 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
                                       "is not supported by the plugin's grouped experts: turn it off")  # fmt: skip
         if parallel_mode not in ("column", "row"):
             raise ValueError(f"parallel_mode must be 'column' or 'row', got {parallel_mode!r}")
+        stages = ("plain", "swiglu") if parallel_mode == "row" else ("plain",)
+        if input_stage not in stages:
+            raise ValueError(f"a {parallel_mode}-parallel grouped linear takes input_stage {stages}, got {input_stage!r}")
+        self.input_stage = input_stage
         self.config = config
         self._pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
         self._tp_group = self._pg_collection.expt_tp
@@ -167,10 +184,16 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
     def fp8_weight_source(self):
         return self.weights, self.fp8_recipe, self.fp8_backend
 
-    def forward(self, x: torch.Tensor, m_splits):
+    def forward(self, x: torch.Tensor, m_splits, probs: torch.Tensor | None = None):
         biases = None if self.te_return_bias else self.biases
-        out = fp8_grouped_linear(x, m_splits, self.weights, biases, recipe=self.fp8_recipe, backend=self.fp8_backend,
-                                 weight_cache=self.weight_cache, refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
+        kw = dict(recipe=self.fp8_recipe, backend=self.fp8_backend, weight_cache=self.weight_cache,
+                  refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
+        if self.input_stage == "swiglu":
+            out = fp8_grouped_swiglu_linear(x, m_splits, self.weights, biases, probs=probs, **kw)
+        elif probs is not None:
+            raise ValueError("routing probabilities (probs) are an input of the swiglu stage only (input_stage='swiglu')")
+        else:
+            out = fp8_grouped_linear(x, m_splits, self.weights, biases, **kw)
         return (out, self.biases) if self.te_return_bias else (out, None)
 
     def backward_dw(self) -> None:
@@ -211,7 +234,8 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_gemms={self.num_gemms}, in={self.in_features}, out={self.out_features} (per expert, local shard), "
-            f"bias={self.use_bias}, parallel_mode={self.parallel_mode}, backend={self.fp8_backend}"
+            f"bias={self.use_bias}, parallel_mode={self.parallel_mode}, input_stage={self.input_stage}, "
+            f"backend={self.fp8_backend}"
         )
 
 
@@ -229,12 +253,69 @@ class Fp8RowParallelGroupedLinear(Fp8GroupedLinearBase):
         super().__init__(num_gemms, input_size, output_size, parallel_mode="row", **kwargs)
 
 
+def grouped_swiglu_fusable(config) -> bool:
+    """Whether ``Fp8GroupedMLP`` fuses SwiGLU into fc2 for ``config``: a plain SwiGLU activation
+    (``mlp.swiglu_fusable``), no expert biases (TEGroupedMLP adds fc2's scaled by the probabilities), no GLU
+    interleaving, no fine-grained offloading of the expert activations, no TE op fuser, no TE FP8/FP4 padding."""
+    offloaded = getattr(config, "fine_grained_activation_offloading", False) and bool(
+        {"expert_fc1", "moe_act", "fused_group_mlp"} & set(getattr(config, "offload_modules", None) or ())
+    )
+    return (
+        swiglu_fusable(config)
+        and not config.add_bias_linear
+        and getattr(config, "moe_mlp_glu_interleave_size", None) is None
+        and not offloaded
+        and not getattr(config, "use_transformer_engine_op_fuser", False)
+        and not (getattr(config, "fp8", None) or getattr(config, "fp4", None))
+    )
+
+
+def _with_swiglu_stage(fc2):
+    """fc2's entry (a builder ``partial`` or a ``ModuleSpec``, as ``compat.grouped_linear`` makes them) building a
+    ``Fp8RowParallelGroupedLinear`` with the swiglu input stage, or None where fc2 is another module."""
+    if isinstance(fc2, partial):
+        cls, params = fc2.func, dict(fc2.keywords)
+    elif isinstance(fc2, ModuleSpec):
+        cls, params = fc2.module, dict(fc2.params or {})
+    else:
+        cls, params = fc2, {}
+    if not (isinstance(cls, type) and issubclass(cls, Fp8RowParallelGroupedLinear)):
+        return None
+    return grouped_linear(cls, **{**params, "input_stage": "swiglu"})
+
+
+class Fp8GroupedMLP(TEGroupedMLP):
+    """Megatron's ``TEGroupedMLP`` with SwiGLU and the routing probabilities fused into fc2's input quantization
+    where ``grouped_swiglu_fusable(config)`` and fc2 is the plugin's (module docstring); ``fused_swiglu`` says
+    which. Constructor and checkpoints: ``TEGroupedMLP``'s."""
+
+    def __init__(self, num_local_experts, config, submodules, *args, **kwargs):
+        fc2 = _with_swiglu_stage(submodules.linear_fc2) if grouped_swiglu_fusable(config) else None
+        if fc2 is not None:
+            submodules = dataclasses.replace(submodules, linear_fc2=fc2)
+        super().__init__(num_local_experts, config, submodules, *args, **kwargs)
+        self.fused_swiglu = fc2 is not None
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
+        if not self.fused_swiglu or any(a is not None for a in (*args, *kwargs.values())):  # output buffers (TE)
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
+        x, probs = permuted_local_hidden_states, permuted_probs
+        # one layout for fc1 and fc2, the counts kept where they are (no host read)
+        layout = group_layout(tokens_per_expert, x.shape[0], x.device, num_groups=self.num_local_experts)
+        if self.config.moe_apply_probs_on_input:  # as TEGroupedMLP: the input scaled, the activation by ones
+            x, probs = (probs.unsqueeze(-1) * x).to(x.dtype), None
+        h, _ = self.linear_fc1(x, layout)
+        out, _ = self.linear_fc2(h, layout, probs)
+        return out, None
+
+
 def grouped_mlp(recipe: BlockwiseRecipe | None = None, backend: str = "auto"):
-    """Experts builder: Megatron's ``TEGroupedMLP`` with the plugin's grouped FP8 linears (no TE needed)."""
+    """Experts builder: ``Fp8GroupedMLP`` (Megatron's ``TEGroupedMLP``, SwiGLU fused into fc2 where it can be) with
+    the plugin's grouped FP8 linears (no TE needed)."""
     kw = {"fp8_recipe": recipe, "fp8_backend": backend}
     sub = GroupedMLPSubmodules(linear_fc1=grouped_linear(Fp8ColumnParallelGroupedLinear, **kw),
                                linear_fc2=grouped_linear(Fp8RowParallelGroupedLinear, **kw))  # fmt: skip
-    return partial(TEGroupedMLP, submodules=sub)
+    return partial(Fp8GroupedMLP, submodules=sub)
 
 
 def sequential_mlp(recipe: BlockwiseRecipe | None = None, backend: str = "auto"):

@@ -5,7 +5,8 @@ into it with one tree walker (``_swap``: the linears by class name) and direct r
 * ``get_gpt_layer_spec(...)``: a GPT layer (dense or MoE), TE-style with the norm fused into
   ``linear_qkv`` / ``linear_fc1`` (``fused_norm=True``), or local-style with separate norms.
 * ``apply_fp8_blockwise(spec, ...)``: swaps every linear of an existing spec (local or TE) for its
-  FP8 counterpart; ``fp8_block_spec`` keeps chosen layers (e.g. first and last) in BF16.
+  FP8 counterpart (and Megatron's ``TEGroupedMLP`` for ``Fp8GroupedMLP``, which fuses SwiGLU into fc2);
+  ``fp8_block_spec`` keeps chosen layers (e.g. first and last) in BF16.
 * ``get_gpt_block_spec(num_layers, ...)``: a whole decoder block (with a sequence-parallel capable
   final norm), optionally with BF16 layers (e.g. first and last).
 * ``get_gpt_fast_layer_spec(...)``: the TE-free fast layer: the fused-norm layer with SDPA attention, the plugin's
@@ -37,7 +38,14 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from ..recipe import BlockwiseRecipe
 from .compat import grouped_linear, moe_experts, provider_experts
 from .fast_attention import Fp8FastSelfAttention
-from .grouped import Fp8ColumnParallelGroupedLinear, Fp8Experts, Fp8RowParallelGroupedLinear, grouped_mlp, sequential_mlp
+from .grouped import (
+    Fp8ColumnParallelGroupedLinear,
+    Fp8Experts,
+    Fp8GroupedMLP,
+    Fp8RowParallelGroupedLinear,
+    grouped_mlp,
+    sequential_mlp,
+)
 from .layers import Fp8ColumnParallelLinear, Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
 from .mlp import Fp8SwigluMLP
 from .norm import TorchNorm
@@ -63,6 +71,8 @@ _SWAP_GROUPED = {
     "TEColumnParallelGroupedLinear": Fp8ColumnParallelGroupedLinear,
     "TERowParallelGroupedLinear": Fp8RowParallelGroupedLinear,
 }
+# Megatron's grouped experts module, with the plugin's linears: the one that fuses SwiGLU into fc2 (grouped.py)
+_SWAP_EXPERTS = {"TEGroupedMLP": Fp8GroupedMLP}
 _FP8_CLASSES = (Fp8ColumnParallelLinear, Fp8RowParallelLinear, Fp8LayerNormColumnParallelLinear,
                 Fp8ColumnParallelGroupedLinear, Fp8RowParallelGroupedLinear)  # fmt: skip
 
@@ -74,6 +84,8 @@ def _fp8_module(cls: type, recipe: BlockwiseRecipe | None, backend: str) -> Modu
 def _swap(node, recipe, backend):
     """Recursively replace linear classes in a spec tree (ModuleSpec, submodule dataclasses, partials)."""
     if isinstance(node, type):
+        if node.__name__ in _SWAP_EXPERTS:
+            return _SWAP_EXPERTS[node.__name__]
         if node.__name__ in _SWAP_GROUPED:
             return grouped_linear(_SWAP_GROUPED[node.__name__], fp8_recipe=recipe, fp8_backend=backend)
         new = _SWAP.get(node.__name__)
@@ -84,6 +96,8 @@ def _swap(node, recipe, backend):
             params = dict(node.params or {})
             params.update(fp8_recipe=recipe, fp8_backend=backend)
             node.module, node.params = _SWAP[node.module.__name__], params
+        elif isinstance(node.module, type) and node.module.__name__ in _SWAP_EXPERTS:
+            node.module = _SWAP_EXPERTS[node.module.__name__]
         if node.submodules is not None:
             node.submodules = _swap(node.submodules, recipe, backend)
         return node

@@ -1,13 +1,14 @@
 """The public FP8 linear ops: each is the one core (``core.py``) with an input stage, a token exchange and a layout.
 
-=========================  =========  ============================================  ========
-op                         stage      exchange                                      layout
-=========================  =========  ============================================  ========
-``fp8_blockwise_linear``   Plain      Local, or SequenceParallel(``sequence_parallel_group``)  Dense
-``fp8_norm_linear``        Norm       Local, or SequenceParallel(``sequence_parallel_group``)  Dense
-``fp8_swiglu_linear``      Swiglu     Local                                         Dense
-``fp8_grouped_linear``     Plain      Local                                         Grouped
-=========================  =========  ============================================  ========
+=============================  =================  ============================================  ========
+op                             stage              exchange                                      layout
+=============================  =================  ============================================  ========
+``fp8_blockwise_linear``       Plain              Local, or SequenceParallel(``sequence_parallel_group``)  Dense
+``fp8_norm_linear``            Norm               Local, or SequenceParallel(``sequence_parallel_group``)  Dense
+``fp8_swiglu_linear``          Swiglu             Local                                         Dense
+``fp8_grouped_linear``         Plain              Local                                         Grouped
+``fp8_grouped_swiglu_linear``  Swiglu (weighted)  Local                                         Grouped
+=============================  =================  ============================================  ========
 
 What every op does the same way (written here once): inputs checked at the boundary; ``torch.autocast`` casts the
 input to the autocast dtype (as ``F.linear`` under autocast) and the op runs in that dtype; inside ``torch.compile``
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..backends import Backend, get_backend
+from ..backends.reference_fused import ROW_WEIGHT_DTYPES, weight_rows
 from ..grouped_tensor import GroupLayout, group_layout
 from ..normalization import check_norm_inputs, norm, norm_gamma
 from ..recipe import BlockwiseRecipe
@@ -37,6 +40,7 @@ from .layouts import Dense, Grouped
 from .stages import Norm, Plain, Swiglu
 
 SAVED_ELSEWHERE = "_primus_fp8_saved_elsewhere"
+_requires_grad = operator.attrgetter("requires_grad")
 _LOCAL, _DENSE, _PLAIN, _PLAIN_KEPT = Local(), Dense(), Plain(), Plain(keep_input=True)
 
 
@@ -75,7 +79,7 @@ def eager_under_compile(op):
 
 def _run(stage, exchange, layout, inputs, weights, biases, recipe, backend, cache, refresh) -> torch.Tensor:
     impl = backend if isinstance(backend, Backend) else get_backend(backend, inputs[0].device)
-    need_wgrad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+    need_wgrad = torch.is_grad_enabled() and any(map(_requires_grad, weights))
     plan = LinearPlan(stage, exchange, layout, recipe or BlockwiseRecipe(), impl, cache, bool(refresh), len(weights),
                       biases is not None, need_wgrad)  # fmt: skip
     return apply_linear(plan, inputs, weights, biases)
@@ -299,17 +303,89 @@ def fp8_grouped_linear(
     checks.check_weights(weights, x.shape[-1], x.device, each=weight_cache is None)
     checks.check_biases(biases, len(weights), weights[0].shape[0], x.device)
     x = _autocast(x)
-    rows = math.prod(x.shape[:-1])
-    if isinstance(m_splits, GroupLayout):
-        layout = m_splits
-        if layout.num_groups != len(weights) or layout.num_tokens != rows or layout.device != x.device:
-            raise ValueError(f"the layout describes {layout.num_groups} experts and {layout.num_tokens} tokens on "
-                             f"{layout.device}; the layer has {len(weights)} experts and the input {rows} tokens on "
-                             f"{x.device}")  # fmt: skip
-    else:
-        layout = group_layout(m_splits, rows, x.device, num_groups=len(weights))
-    grouped = Grouped(layout)
+    grouped = _grouped_layout(x, m_splits, len(weights))
     if 0 in weights[0].shape:
         return _exact(x, weights, biases, grouped)
     checks.check_trainable_weights([x], weights, biases)
     return _run(_PLAIN, _LOCAL, grouped, (x,), weights, biases, recipe, backend, weight_cache, refresh_weight_cache)
+
+
+def _grouped_layout(x: torch.Tensor, m_splits, num_experts: int) -> Grouped:
+    """The grouped layout of ``x``'s rows split as ``m_splits`` says (a ``GroupLayout`` checked against them)."""
+    rows = math.prod(x.shape[:-1])
+    if isinstance(m_splits, GroupLayout):
+        layout = m_splits
+        if layout.num_groups != num_experts or layout.num_tokens != rows or layout.device != x.device:
+            raise ValueError(f"the layout describes {layout.num_groups} experts and {layout.num_tokens} tokens on "
+                             f"{layout.device}; the layer has {num_experts} experts and the input {rows} tokens on "
+                             f"{x.device}")  # fmt: skip
+        return Grouped(layout)
+    return Grouped(group_layout(m_splits, rows, x.device, num_groups=num_experts))
+
+
+_SWIGLU, _WEIGHTED_SWIGLU = Swiglu(), Swiglu(weighted=True)
+
+
+@eager_under_compile
+def fp8_grouped_swiglu_linear(
+    h: torch.Tensor,
+    m_splits: GroupLayout | torch.Tensor | Sequence[int],
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor] | None = None,
+    *,
+    probs: torch.Tensor | None = None,
+    recipe: BlockwiseRecipe | None = None,
+    backend: str | Backend = "auto",
+    weight_cache=None,
+    refresh_weight_cache: bool = False,
+) -> torch.Tensor:
+    """``y_e = swiglu(h_e) W_e^T + b_e`` for each expert's tokens, SwiGLU of fc1's output quantized straight into
+    the grouped FP8 layout (the activation is never written); each row of the activation times its ``probs`` entry
+    where given (Megatron's grouped experts: ``act(fc1) * permuted_probs``, rounded to h's dtype).
+
+    Args:
+        h: fc1's output ``[..., 2 * in_features]`` = ``[gate | up]`` (Megatron's gated layout), bf16/fp16/fp32; the
+            flattened rows are the permuted tokens (expert 0's first).
+        m_splits, weights, biases, recipe, backend, weight_cache, refresh_weight_cache: as for
+            ``fp8_grouped_linear``.
+        probs: one weight per token (``h.shape[:-1]``), fp32, bf16 or fp16, or None; differentiable.
+
+    Returns:
+        ``[..., out_features]`` in h's dtype: the same bits as ``fp8_grouped_linear(a, ...)`` with ``a =
+        swiglu(h)``, or ``a = (swiglu(h) * probs[..., None]).to(h.dtype)``, and the same gradients (h's and probs',
+        as autograd gives them for that composition).
+    """
+    weights = list(weights)
+    biases = None if biases is None else list(biases)
+    checks.check_input(h)
+    check_swiglu_input(h)
+    checks.check_weights(weights, h.shape[-1] // 2, h.device, each=weight_cache is None)
+    checks.check_biases(biases, len(weights), weights[0].shape[0], h.device)
+    if probs is not None:
+        check_row_weights(probs, h)
+    h = _autocast(h)
+    grouped = _grouped_layout(h, m_splits, len(weights))
+    if 0 in weights[0].shape:
+        act = swiglu(h, backend=backend)
+        return _exact(act if probs is None else weighted(act, probs), weights, biases, grouped)
+    inputs = (h,) if probs is None else (h, probs)
+    checks.check_trainable_weights(inputs, weights, biases)
+    stage = _SWIGLU if probs is None else _WEIGHTED_SWIGLU
+    return _run(stage, _LOCAL, grouped, inputs, weights, biases, recipe, backend, weight_cache, refresh_weight_cache)
+
+
+def check_row_weights(probs, h: torch.Tensor) -> None:
+    """``probs``: one fp32/bf16/fp16 weight per row of ``h [..., 2K]``, on h's device."""
+    if not isinstance(probs, torch.Tensor):
+        raise TypeError(f"probs must be a tensor, got {type(probs).__name__}")
+    if probs.dtype not in ROW_WEIGHT_DTYPES:
+        raise TypeError(f"probs has dtype {probs.dtype}; it takes {', '.join(map(str, ROW_WEIGHT_DTYPES))}")
+    if probs.numel() != math.prod(h.shape[:-1]) or probs.device != h.device:
+        raise ValueError(f"probs must hold one weight per token of h {tuple(h.shape[:-1])} on {h.device}, got "
+                         f"{tuple(probs.shape)} on {probs.device}")  # fmt: skip
+
+
+def weighted(act: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``act [..., F]`` scaled per row by ``probs`` (differentiable; ``reference_fused.weight_rows``'s bits)."""
+    rows = act.reshape(-1, act.shape[-1])
+    return weight_rows(rows, probs.reshape(-1)).view(act.shape)

@@ -1,6 +1,7 @@
 """The two layouts of the FP8 linear core: one weight (``Dense``) or ``E`` experts' weights over permuted tokens
-(``Grouped``). A layout owns what differs between them: which backend operations quantize the activations and the
-weights, run the three GEMMs and sum the bias gradients. The core (``core.py``) is written once over this interface.
+(``Grouped``). A layout owns what differs between them: which backend operations quantize the activations (plain or
+SwiGLU of fc1's output) and the weights, run the three GEMMs and sum the bias gradients. The core (``core.py``) is
+written once over this interface.
 
 =====================  ======================================  =====================================================
                        ``Dense``                               ``Grouped(layout)``
@@ -29,6 +30,11 @@ class Dense:
 
     def quantize_act(self, backend: Backend, x2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
         return backend.quantize_act(x2d, params, rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_swiglu_act(self, backend: Backend, h2d, params: QuantParams, *, rowwise: bool, columnwise: bool, probs):
+        if probs is not None:
+            raise NotImplementedError("row-weighted SwiGLU (probs) has a grouped form only")
+        return backend.quantize_swiglu_act(h2d, params, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_weights(self, backend: Backend, weights, params: QuantParams, cache, refresh: bool):
         if cache is not None:
@@ -68,6 +74,10 @@ class Grouped:
 
     def quantize_act(self, backend: Backend, x2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
         return backend.quantize_act_grouped(x2d, self.layout, params, rowwise=rowwise, columnwise=columnwise)
+
+    def quantize_swiglu_act(self, backend: Backend, h2d, params: QuantParams, *, rowwise: bool, columnwise: bool, probs):
+        return backend.quantize_swiglu_act_grouped(h2d, self.layout, params, rowwise=rowwise, columnwise=columnwise,
+                                                   probs=probs)  # fmt: skip
 
     def quantize_weights(self, backend: Backend, weights, params: QuantParams, cache, refresh: bool):
         if cache is not None:

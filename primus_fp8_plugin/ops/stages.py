@@ -8,7 +8,11 @@ stage        inputs                           X (quantized in one kernel)     sa
 ``Plain``    ``x [..., K]``                   ``x``                           nothing (or ``x``: ``keep_input``)
 ``Norm``     ``x [..., K]``, gamma, beta      ``norm(x)``, never written      ``x``, gamma, row mean / rstd
 ``Swiglu``   ``h [..., 2K]`` = ``[gate|up]``  ``silu(gate) * up``             ``h``
+            (weighted: and ``probs [...]``)   (weighted: ``* probs`` per row)  (weighted: and ``probs``)
 ===========  ===============================  ==============================  ===============================
+
+Every stage runs with either layout (``layouts.py``), except ``Norm`` (dense only) and the weighted ``Swiglu``
+(grouped only: Megatron's grouped experts scale each token's activation by its routing probability).
 
 ``Norm`` and ``Swiglu`` give the same bits, outputs and gradients, as ``normalization.norm`` or
 ``swiglu.swiglu`` followed by the plain op (their kernels compute the same fp32 math, ``docs/NUMERICS.md``).
@@ -96,9 +100,17 @@ class Norm:
 
 class Swiglu:
     """X = ``silu(gate) * up`` of fc1's output ``h [..., 2K] = [gate | up]`` (Megatron's gated layout), computed and
-    quantized in one kernel (the activation is never written); its backward is recomputed from ``h``."""
+    quantized in one kernel (the activation is never written); its backward is recomputed from ``h``.
 
-    num_inputs = 1
+    ``weighted=True``: a second input ``probs`` (one weight per row of ``h``, any shape of that many elements; fp32,
+    bf16 or fp16) scales each row: X = ``(act * probs[:, None]).to(h.dtype)`` (``reference_fused.weight_rows``),
+    what Megatron's ``TEGroupedMLP`` feeds fc2 (``act(fc1) * permuted_probs``). Its backward gives what autograd
+    gives for that composition: ``g = dX`` in the product's dtype, ``d_act = (g * probs).to(h.dtype)``, ``d_probs =
+    (g * act).sum(-1)`` (torch's reduction, on ``act`` recomputed from ``h``) in probs' dtype."""
+
+    def __init__(self, weighted: bool = False) -> None:
+        self.weighted = weighted
+        self.num_inputs = 2 if weighted else 1
 
     def input_features(self, inputs) -> int:
         return inputs[0].shape[-1] // 2
@@ -107,12 +119,22 @@ class Swiglu:
         return False
 
     def forward(self, backend: Backend, layout, params: QuantParams, inputs, *, columnwise: bool, requantize: bool):
-        if layout.grouped:
-            raise NotImplementedError("the fused SwiGLU stage has no grouped (mixture-of-experts) form")
         h = inputs[0]
         h2d = as_rows(h, h.shape[-1])
-        xq = backend.quantize_swiglu_act(h2d, params, rowwise=True, columnwise=columnwise)
-        return xq, (h2d,), h.shape
+        probs = as_rows(inputs[1], 1).view(-1) if self.weighted else None
+        xq = layout.quantize_swiglu_act(backend, h2d, params, rowwise=True, columnwise=columnwise, probs=probs)
+        return xq, ((h2d, inputs[1]) if self.weighted else (h2d,)), h.shape
 
     def backward(self, backend: Backend, d_act, saved, shape, needs) -> tuple:
-        return (None if d_act is None else backend.swiglu_bwd(d_act, saved[0]).view(shape),)
+        if d_act is None:
+            return (None,) * self.num_inputs
+        h2d = saved[0]
+        if not self.weighted:
+            return (backend.swiglu_bwd(d_act, h2d).view(shape),)
+        probs = saved[1].reshape(-1, 1)
+        g = d_act.to(torch.promote_types(h2d.dtype, probs.dtype))  # the gradient of Megatron's ``.to(h.dtype)``
+        dh = backend.swiglu_bwd((g * probs).to(h2d.dtype), h2d).view(shape) if needs[0] else None
+        d_probs = None
+        if needs[1]:
+            d_probs = (g * backend.swiglu_fwd(h2d)).sum(-1, keepdim=True).to(probs.dtype).view(saved[1].shape)
+        return dh, d_probs

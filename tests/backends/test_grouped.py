@@ -340,3 +340,40 @@ def test_per_expert_gluon_path_refuses_before_launching():
     assert "sm_90" in unsupported_reason(ws, p) and not H.weight_quant_per_expert(ws, p)
     with pytest.raises(GluonUnsupported, match="expert 0: .*sm_90"):
         quantize_128x128_per_expert_gluon(ws, p)
+
+
+@pytest.mark.parametrize("probs_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h_dtype, f, device_counts", [(torch.bfloat16, 144, False), (torch.float16, 200, True)])
+def test_grouped_swiglu_quantization_equals_swiglu_then_the_grouped_quantizer(h_dtype, f, device_counts, probs_dtype):
+    """``quantize_swiglu_act_grouped`` (SwiGLU of fc1's ``[gate | up]``, each row times its routing probability, made
+    inside the grouped quantizer) on both backends against the unfused composition: the backend's ``swiglu_fwd``,
+    ``reference_fused.weight_rows``, then ``quantize_act_grouped`` (the reference backend's: a loop of the dense
+    quantizer); fresh random ragged counts with empty experts and a NaN gate."""
+    from primus_fp8_plugin.backends import get_backend
+    from primus_fp8_plugin.backends.reference_fused import weight_rows
+
+    g = torch.Generator().manual_seed(f)
+    counts = torch.randint(0, 150, (7,), generator=g)
+    counts[torch.randperm(7, generator=g)[:2]] = 0
+    t = int(counts.sum())
+    h = make_input((t, 2 * f), dtype=h_dtype, seed=f, spread=h_dtype != torch.float16)
+    h[min(3, t - 1), 5] = float("nan")
+    probs = None if probs_dtype is None else torch.rand(t, generator=g).to(probs_dtype)
+    layout = group_layout(counts if device_counts else counts.tolist(), t)
+    params = BlockwiseRecipe().params(TensorRole.INPUT)
+    ref = get_backend("reference", "cpu")
+    for name in ("reference", "triton"):
+        if not backend_availability(name, "cpu"):
+            continue
+        be = get_backend(name, "cpu")
+        act = be.swiglu_fwd(h)
+        if probs is not None:
+            act = weight_rows(act, probs)
+        want = ref.quantize_act_grouped(act, layout, params, rowwise=True, columnwise=True)
+        got = be.quantize_swiglu_act_grouped(h, layout, params, rowwise=True, columnwise=True, probs=probs)
+        cut = int(layout.padded_offsets[-1])  # device counts: the columns past the experts' are unspecified
+        parts = {"columnwise_data": (slice(None), slice(0, cut)), "columnwise_scale_inv": (slice(0, cut // 128),)}
+        for copy in COPIES:
+            where = parts.get(copy, (slice(None),))
+            assert same(getattr(got, copy)[where], getattr(want, copy)[where]), f"{name}: {copy}"
+        assert got.shape == (t, f) and got.orig_dtype == h_dtype

@@ -54,10 +54,11 @@ def test_specs_put_the_grouped_experts_where_te_grouped_mlp_stands():
         Fp8SpecProvider,
         fp8_gpt_moe_layer_spec,
     )
+    from primus_fp8_plugin.megatron.grouped import Fp8GroupedMLP
 
     # the provider through Megatron's own MoE spec builder (its return type differs by version: compat.py)
     provider = Fp8SpecProvider(backend="reference")
-    for grouped, kind, linear in ((True, TEGroupedMLP, Fp8ColumnParallelGroupedLinear), (False, SequentialMLP, None)):
+    for grouped, kind, linear in ((True, Fp8GroupedMLP, Fp8ColumnParallelGroupedLinear), (False, SequentialMLP, None)):
         moe = get_moe_module_spec_for_backend(backend=provider, num_experts=NUM_EXPERTS, moe_grouped_gemm=grouped)
         layer = moe_spec(False)
         layer = ModuleSpec(module=layer.module, params=layer.params,
@@ -69,6 +70,7 @@ def test_specs_put_the_grouped_experts_where_te_grouped_mlp_stands():
     model = build_gpt(moe_spec(True), moe_config())
     experts = model.module.decoder.layers[0].mlp.experts
     assert isinstance(experts, TEGroupedMLP) and isinstance(experts.linear_fc2, Fp8RowParallelGroupedLinear)
+    assert experts.fused_swiglu and experts.linear_fc2.input_stage == "swiglu"
     fc1 = experts.linear_fc1
     assert fc1.num_gemms == NUM_EXPERTS and fc1.weight3.shape == (768, 256) and experts.linear_fc2.weight0.shape == (256, 384)
     # TE's parameter attributes (EP=1, expert TP = TP: reduced with the dense data-parallel group)
@@ -80,7 +82,7 @@ def test_specs_put_the_grouped_experts_where_te_grouped_mlp_stands():
     for flag in (True, False):
         m = build_gpt(fp8_gpt_moe_layer_spec, moe_config(moe_grouped_gemm=flag, num_moe_experts=8))
         kinds[flag] = type(m.module.decoder.layers[0].mlp.experts)
-    assert kinds == {True: TEGroupedMLP, False: SequentialMLP}
+    assert kinds == {True: Fp8GroupedMLP, False: SequentialMLP}
 
 
 def test_grouped_experts_equal_sequential_experts_and_share_their_checkpoints(tmp_path):
@@ -217,3 +219,65 @@ def test_the_grouped_experts_host_work_does_not_grow_with_the_experts():
         calls[e] = python_calls(step)
         assert all(p.grad_added_to_main_grad and p.main_grad.abs().sum() > 0 for p in experts.linear_fc1.weights[:: e - 1])
     assert calls[2] == calls[128], calls
+
+
+@pytest.mark.parametrize("probs_on_input", [False, True], ids=["probs_on_activation", "probs_on_input"])
+def test_fused_grouped_swiglu_equals_te_grouped_mlps_own_forward(probs_on_input):
+    """``Fp8GroupedMLP`` (SwiGLU and the routing probabilities fused into fc2's input quantization, device counts)
+    against Megatron's ``TEGroupedMLP.forward`` with the same grouped linears (counts read on the host, torch's
+    SwiGLU, ``* probs``, fc2): output and the gradients of the tokens, the probabilities and every weight, bit for
+    bit; also with ``moe_apply_probs_on_input`` (top-1 routing)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from primus_fp8_plugin.megatron.grouped import Fp8GroupedMLP, grouped_mlp
+
+    e = 3
+    top1 = dict(moe_router_topk=1, moe_router_pre_softmax=True, moe_apply_probs_on_input=True) if probs_on_input else {}
+    cfg = moe_config(num_moe_experts=e, **top1)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    fused_builder = grouped_mlp(backend="reference")
+    torch.manual_seed(0)
+    fused = fused_builder(e, cfg, pg_collection=pgs)
+    torch.manual_seed(0)
+    plain = TEGroupedMLP(e, cfg, fused_builder.keywords["submodules"], pg_collection=pgs)
+    assert isinstance(fused, Fp8GroupedMLP) and fused.fused_swiglu and type(plain) is TEGroupedMLP
+    plain.load_state_dict(fused.state_dict())
+    counts = torch.tensor([70, 0, 133])
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.randn(203, 256, generator=g).to(torch.bfloat16)
+    p0 = torch.rand(203, generator=g)
+    dy = torch.randn(203, 256, generator=g).to(torch.bfloat16)
+    results = []
+    for experts in (plain, fused):
+        x, p = x0.clone().requires_grad_(True), p0.clone().requires_grad_(True)
+        out, bias = experts(x, counts, p)
+        assert bias is None
+        out.backward(dy)
+        results.append([out, x.grad, p.grad, *[w.grad for w in experts.parameters()]])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"result {i}"
+    assert results[1][2].abs().sum() > 0  # the probabilities got a gradient
+
+
+def test_apply_fp8_blockwise_turns_te_grouped_mlp_into_the_fusing_experts():
+    """A TE-style experts spec (``TEGroupedMLP`` with TE's grouped linears, matched by name) becomes
+    ``Fp8GroupedMLP`` with the plugin's linears, and builds with SwiGLU fused into fc2."""
+    from functools import partial
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    from primus_fp8_plugin.megatron import Fp8GroupedMLP, Fp8RowParallelGroupedLinear, apply_fp8_blockwise
+    from primus_fp8_plugin.megatron.compat import GroupedMLPSubmodules, moe_experts
+
+    te_like = {n: type(n, (), {}) for n in ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")}
+    sub = GroupedMLPSubmodules(linear_fc1=te_like["TEColumnParallelGroupedLinear"],
+                               linear_fc2=te_like["TERowParallelGroupedLinear"])  # fmt: skip
+    spec = apply_fp8_blockwise(moe_experts(partial(TEGroupedMLP, submodules=sub)), backend="reference")
+    cls = spec.func if isinstance(spec, partial) else spec.module
+    assert cls is Fp8GroupedMLP
+    build = spec if isinstance(spec, partial) else partial(spec.module, submodules=spec.submodules, **(spec.params or {}))
+    experts = build(4, moe_config(), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    assert experts.fused_swiglu and isinstance(experts.linear_fc2, Fp8RowParallelGroupedLinear)
+    assert experts.linear_fc2.fp8_backend == "reference"

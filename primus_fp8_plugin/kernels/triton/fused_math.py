@@ -89,6 +89,13 @@ def exp_fp32(v):
 
 
 @triton.jit
+def weight_rows(y, p, OUT_TY: tl.constexpr):
+    """``y [R, C] * p [R]`` in fp32, rounded to OUT_TY, returned in fp32 (``reference_fused.weight_rows``: an
+    activation of OUT_TY numbers scaled by per-row weights, as ``(y * p[:, None]).to(OUT_TY)`` rounds it)."""
+    return (y * p[:, None]).to(OUT_TY).to(tl.float32)
+
+
+@triton.jit
 def swiglu_value(a, b, OUT_TY: tl.constexpr):
     """``silu(a)`` rounded to OUT_TY, times ``b``, rounded to OUT_TY, returned in fp32 (a, b: fp32
     values of OUT_TY numbers)."""

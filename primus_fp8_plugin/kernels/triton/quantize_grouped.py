@@ -1,10 +1,12 @@
 """Grouped quantization for mixture-of-experts layers: one launch for all experts, no host synchronisation.
 
 Activations / output gradients (``quantize_grouped_1x128``): the permuted tokens ``x [T, K]`` of ``E`` experts
-(layouts: ``grouped_tensor.py``). Programs run over 128-row tiles of the *padded* token axis (each expert's
-count rounded up to 128) times 128-column blocks of K; a program finds its expert from the device-side
-prefix sums of the ``GroupLayout`` (``padded_offsets``) and reads the expert's rows of that tile, masked at
-the expert's end. It writes
+(layouts: ``grouped_tensor.py``), or, with ``swiglu=True``, SwiGLU of fc1's output ``h [T, 2K] = [gate | up]``
+(``fused_math.swiglu_value``: the values ``swiglu_fwd`` writes; optionally times per-row weights, ``weight_rows``),
+produced in the kernel instead of loaded, as ``fused_act.py`` does for a dense tensor. Programs run over 128-row
+tiles of the *padded* token axis (each expert's count rounded up to 128) times 128-column blocks of K; a program
+finds its expert from the device-side prefix sums of the ``GroupLayout`` (``padded_offsets``) and reads the
+expert's rows of that tile, masked at the expert's end. It writes
 
 * the rowwise copy of those rows (``[T, K]``, scales ``[kb, t]``), as the dense kernel would;
 * the columnwise copy: the 128x1 column tiles of the expert's rows, transposed to ``[K, C]`` at the tile's
@@ -31,6 +33,7 @@ import triton.language as tl
 from ...grouped_tensor import GroupedFp8Tensor, GroupedFp8Weight, GroupLayout
 from ...recipe import BLOCK, QuantParams
 from ...tensor import ceil_div, pad4, scale_inv_shape
+from .fused_math import FP_OPTIONS, swiglu_value, weight_rows
 from .heuristics import QuantizeConfig, act_quant_config, weight_quant_config
 from .launch import FastLauncher
 from .pointer_table import pointer_table
@@ -60,6 +63,21 @@ def _rows(x_tile, r, c, stride_xm, mask, full):
         x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :]).to(tl.float32)
     else:
         x = tl.load(x_tile + r[:, None] * stride_xm + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _values(x_tile, r, c, stride_xm, mask, full, live, up_offset, probs_tile, SWIGLU: tl.constexpr,
+            HAS_PROBS: tl.constexpr):  # fmt: skip
+    """Rows ``r`` x columns ``c`` of the tile's values in fp32: ``x`` loaded, or SwiGLU of ``h``'s gate and up
+    halves (``up_offset`` elements apart) rounded to h's dtype, times the rows' weights (``probs_tile``) where
+    given; 0 outside the tile's live rows (a zero gate and up give 0)."""
+    x = _rows(x_tile, r, c, stride_xm, mask, full)
+    if SWIGLU:
+        ty = x_tile.dtype.element_ty
+        x = swiglu_value(x, _rows(x_tile + up_offset, r, c, stride_xm, mask, full), ty)
+        if HAS_PROBS:
+            x = weight_rows(x, tl.load(probs_tile + r, mask=r < live, other=0.0).to(tl.float32), ty)
     return x
 
 
@@ -94,10 +112,10 @@ def _column_scales(s_inv, cols, cs_tile, K, K_PAD):
 
 @triton.jit
 def quantize_grouped_1x128_kernel(
-    x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, offsets_ptr, padded_ptr, E, T, K, T_PAD, CAP, K_PAD,
-    stride_xm, fp8_max, amax_eps, in_max,
+    x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, offsets_ptr, padded_ptr, probs_ptr, E, T, K, T_PAD, CAP,
+    K_PAD, stride_xm, up_offset, fp8_max, amax_eps, in_max,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, SWIGLU: tl.constexpr, HAS_PROBS: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)  # 128-row tile of the padded token axis
     pid_k = tl.program_id(1)
@@ -121,9 +139,10 @@ def quantize_grouped_1x128_kernel(
         rs_tile = row_s_ptr + pid_k.to(tl.int64) * T_PAD + row0
         cq_tile = col_q_ptr + k0.to(tl.int64) * CAP + p0
         cs_tile = col_s_ptr + pid_t.to(tl.int64) * K_PAD
+        probs_tile = probs_ptr + row0
         if SUB_M == BLOCK:  # the whole tile in registers, both copies from it
             mask = (blk < live)[:, None] & kmask[None, :]
-            x = _rows(x_tile, blk, blk, stride_xm, mask, full)
+            x = _values(x_tile, blk, blk, stride_xm, mask, full, live, up_offset, probs_tile, SWIGLU, HAS_PROBS)
             if ROWWISE:
                 _rowwise(x, blk, blk, rq_tile, rs_tile, K, mask, live, full, fp8_max, amax_eps, in_max, POW2)
             if COLWISE:
@@ -136,7 +155,7 @@ def quantize_grouped_1x128_kernel(
             for c in tl.range(0, BLOCK // SUB_M):
                 r = c * SUB_M + sub
                 mask = (r < live)[:, None] & kmask[None, :]
-                x = _rows(x_tile, r, blk, stride_xm, mask, full)
+                x = _values(x_tile, r, blk, stride_xm, mask, full, live, up_offset, probs_tile, SWIGLU, HAS_PROBS)
                 if ROWWISE:
                     _rowwise(x, r, blk, rq_tile, rs_tile, K, mask, live, full, fp8_max, amax_eps, in_max, POW2)
                 if COLWISE:
@@ -146,7 +165,8 @@ def quantize_grouped_1x128_kernel(
                 for c in tl.range(0, BLOCK // SUB_M):
                     r = c * SUB_M + sub
                     mask = (r < live)[:, None] & kmask[None, :]
-                    _columnwise(_rows(x_tile, r, blk, stride_xm, mask, full), scale, r, blk, cq_tile, CAP, live, kmask, full)
+                    x = _values(x_tile, r, blk, stride_xm, mask, full, live, up_offset, probs_tile, SWIGLU, HAS_PROBS)
+                    _columnwise(x, scale, r, blk, cq_tile, CAP, live, kmask, full)
                 _column_scales(s_inv, k0 + blk, cs_tile, K, K_PAD)
 
 
@@ -155,13 +175,17 @@ _launch_act = FastLauncher(quantize_grouped_1x128_kernel)
 
 def quantize_grouped_1x128(
     x: torch.Tensor, layout: GroupLayout, params: QuantParams, *, rowwise: bool, columnwise: bool,
-    config: QuantizeConfig | None = None,
+    config: QuantizeConfig | None = None, swiglu: bool = False, probs: torch.Tensor | None = None,
 ) -> GroupedFp8Tensor:  # fmt: skip
-    """Rowwise and/or padded columnwise 1x128 quantization of the permuted tokens ``x [T, K]`` (contiguous).
-    ``config``: the launch (default: ``heuristics.act_quant_config`` for 16 rows: only K decides the
+    """Rowwise and/or padded columnwise 1x128 quantization of the permuted tokens ``x [T, K]`` (contiguous), or,
+    with ``swiglu``, of SwiGLU of ``x [T, 2K]`` (fc1's ``[gate | up]``), each row times ``probs [T]`` where given:
+    the same bits as this quantization of ``swiglu_fwd(x)`` (and ``reference_fused.weight_rows``), which is never
+    written. ``config``: the launch (default: ``heuristics.act_quant_config`` for 16 rows: only K decides the
     alignment, as token rows start anywhere)."""
-    assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1
-    t, k = x.shape
+    assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1 and (swiglu or probs is None)
+    t, k = x.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
+    if probs is not None and (probs.shape != (t,) or not probs.is_contiguous()):
+        raise ValueError(f"probs must be a contiguous [{t}] tensor (one weight per token), got {tuple(probs.shape)}")
     e, cap = layout.num_groups, layout.capacity
     cfg = config or act_quant_config(16, k)
     if max(t, k, cap) >= MAX_DIM:
@@ -184,10 +208,10 @@ def quantize_grouped_1x128(
         _launch_act(
             (cap // BLOCK, ceil_div(k, BLOCK)), x, parts.get("rowwise_data", q_any), parts.get("rowwise_scale_inv", s_any),
             parts.get("columnwise_data", q_any), parts.get("columnwise_scale_inv", s_any), layout.offsets,
-            layout.padded_offsets, e, t, k, pad4(t), cap, pad4(k), x.stride(0),
+            layout.padded_offsets, probs if probs is not None else x, e, t, k, pad4(t), cap, pad4(k), x.stride(0), k,
             params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
-            rowwise, columnwise, params.pow2_scales, BLOCK, cfg.sub_m, block_e(e),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            rowwise, columnwise, params.pow2_scales, BLOCK, cfg.sub_m, block_e(e), swiglu, probs is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(FP_OPTIONS if swiglu else {}),
         )  # fmt: skip
     return GroupedFp8Tensor(layout, (t, k), f8, x.dtype, **parts)
 
