@@ -6,13 +6,20 @@
     python benchmarks/bench_grouped.py [--models mixtral qwen3 dsv3] [--tokens 8192 32768]
         [--routing balanced skewed] [--backends triton] [--sustained S] [--json out.json] [--plot out.png]
 
+Fine-grained experts (128 and 256 of them, 128 to 2048 tokens each, gradients into fp32 ``main_grad`` as in
+training)::
+
+    python benchmarks/bench_grouped.py --models qwen3 e256 --tokens-per-expert 128 256 512 1024 2048 \
+        --routing balanced --no-sequential --main-grad
+
 Models (one row per expert linear, SwiGLU experts: fc1 is [hidden -> 2 x ffn], fc2 [ffn -> hidden]):
 ``mixtral`` (Mixtral-8x7B-like: 8 experts, top-2, hidden 4096, ffn 14336), ``qwen3`` (Qwen3-30B-A3B-like: 128
 experts, top-8, hidden 2048, ffn 768), ``dsv3`` (DeepSeek-V3's local experts at EP=8: 32 experts, hidden 7168,
 ffn 2048); ``moe_proxy`` (16 experts, hidden 2048, ffn 1408: the Megatron-LM MoE proxy of docs/PERFORMANCE.md,
-only when asked for). ``--tokens`` are routed tokens (tokens x top-k) per step; ``balanced`` gives every expert the same
-count, ``skewed`` a Zipf (exponent 1.2) share, randomly permuted over the experts; counts are multiples of
-``--align`` (16: what Megatron pads to for TE's FP8 grouped GEMM).
+only when asked for); ``e256`` (256 experts at Qwen3-30B-A3B's width, only when asked for). ``--tokens`` are
+routed tokens (tokens x top-k) per step, or ``--tokens-per-expert`` each model's experts times that many;
+``balanced`` gives every expert the same count, ``skewed`` a Zipf (exponent 1.2) share, randomly permuted over the
+experts; counts are multiples of ``--align`` (16: what Megatron pads to for TE's FP8 grouped GEMM).
 
 Columns: ``step ms`` one forward+backward with a freshly quantized weight (ours ``is_first_microbatch=True``,
 TE ``is_first_microbatch=None``, the sequential path ``True`` on every expert); ``cached ms`` the same with the
@@ -20,7 +27,12 @@ quantized weights reused (ours and the sequential path ``False`` after a ``True`
 ``True``); ``TF`` 6 x tokens x N x K / step time; ``vs TE`` / ``vs bf16`` that contender's time over this one's
 (above 1: faster), for the step and the cached step; ``peak MiB`` the most memory one fresh step allocates
 above what was allocated before it (``torch.cuda.max_memory_allocated``; activations, quantized copies, weight
-gradients and temporaries). Geometric means over the shapes end the table.
+gradients and temporaries); ``floor ms`` the shape's memory floor: the bytes a cached step must move at the least
+(``memory_floor_bytes``: the bf16 activations and gradients in and out once, both FP8 weight copies read once, the
+weight gradient written, or ``main_grad`` read and written in fp32) over the GPU's HBM bandwidth (``HBM_TBPS``,
+``--hbm-tbps``), and ``x floor`` the cached step over it. ``--main-grad``: ours and TE accumulate the weight
+gradients into fp32 ``main_grad`` (Megatron's training path; the BF16 and sequential contenders write ``.grad``).
+Geometric means over the shapes end the table.
 
 Timing (default): each contender run back to back for ``--sustained`` seconds (0.75) after an untimed settle,
 the contenders' order reversed on every other shape (benchlib.Timing: the power-limited clock of training,
@@ -51,7 +63,26 @@ MODELS = {  # name: (experts, hidden, ffn)
     "qwen3": (128, 2048, 768),
     "dsv3": (32, 7168, 2048),
 }
-EXTRA_MODELS = {"moe_proxy": (16, 2048, 1408)}  # not in the default run: the Megatron-LM MoE proxy's experts
+# not in the default run: the Megatron-LM MoE proxy's experts; 256 experts at Qwen3-30B-A3B's width
+EXTRA_MODELS = {"moe_proxy": (16, 2048, 1408), "e256": (256, 2048, 768)}
+# HBM bandwidth by device name (TB/s, the vendors' figures): the memory floor's denominator
+HBM_TBPS = {"H200": 4.8, "H100": 3.35, "H20": 4.0, "B200": 8.0, "MI355X": 8.0, "MI300X": 5.3}
+
+
+def memory_floor_bytes(tokens: int, k: int, n: int, experts: int, main_grad: bool) -> int:
+    """Bytes one forward + backward of a grouped linear ``[K -> N]`` with cached FP8 weights must move at the
+    least: X read, Y written, dY read, dX written (bf16, once each), the FP8 W read in fprop and W^T in dgrad
+    (one byte per element; scales left out), and the weight gradient written in bf16, or with ``main_grad`` read and
+    written in fp32. The quantized activation copies a real implementation writes and reads are not counted."""
+    activations = 2 * tokens * (2 * k + 2 * n)
+    weights = 2 * experts * n * k
+    wgrad = experts * n * k * (8 if main_grad else 2)
+    return activations + weights + wgrad
+
+
+def hbm_tbps(device_name: str) -> float | None:
+    """The HBM bandwidth of a device by its name (``HBM_TBPS``), None where unknown."""
+    return next((bw for name, bw in sorted(HBM_TBPS.items(), key=lambda kv: -len(kv[0])) if name in device_name), None)
 
 
 def routing(kind: str, experts: int, tokens: int, align: int, seed: int = 0) -> list[int]:
@@ -107,6 +138,8 @@ def contenders(args, experts, k, n, counts, te):
         if not backend_availability(b, "cuda"):
             continue
         layer = Fp8GroupedLinear(experts, k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=b)
+        if args.main_grad:
+            give_main_grads(layer.weights)
 
         def call(m, x, first, split=counts_dev if args.device_counts else counts):
             m.is_first_microbatch = first
@@ -131,7 +164,10 @@ def contenders(args, experts, k, n, counts, te):
         from transformer_engine.common.recipe import Float8BlockScaling
 
         recipe = Float8BlockScaling()
-        te_layer = te.GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        te_layer = te.GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                                    fuse_wgrad_accumulation=args.main_grad)  # fmt: skip
+        if args.main_grad:
+            give_main_grads([getattr(te_layer, f"weight{i}") for i in range(experts)])
 
         def te_call(m, x, first):
             ctx = te.autocast(enabled=True, recipe=recipe) if hasattr(te, "autocast") else \
@@ -141,6 +177,13 @@ def contenders(args, experts, k, n, counts, te):
 
         out["TE"] = (te_layer, te_call)
     return out
+
+
+def give_main_grads(weights) -> None:
+    """An fp32 ``main_grad`` per weight, as Megatron's DDP gives them (with its hook's flag)."""
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        w.grad_added_to_main_grad = False
 
 
 def step_fns(module, call, x, dy, te_style: bool):
@@ -187,6 +230,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=[*MODELS, *EXTRA_MODELS])
     ap.add_argument("--linears", nargs="*", default=["fc1", "fc2"], choices=["fc1", "fc2"])
     ap.add_argument("--tokens", nargs="*", type=int, default=[8192, 32768], help="routed tokens per step")
+    ap.add_argument("--tokens-per-expert", nargs="*", type=int, metavar="T",
+                    help="instead of --tokens: each model's experts times T routed tokens")  # fmt: skip
+    ap.add_argument("--main-grad", action="store_true",
+                    help="ours and TE accumulate the weight gradients into fp32 main_grad (training's path)")
+    ap.add_argument("--hbm-tbps", type=float, help="HBM bandwidth for the memory floor (default: by the GPU's name)")
     ap.add_argument("--routing", nargs="*", default=["balanced", "skewed"], choices=["balanced", "skewed"])
     ap.add_argument("--align", type=int, default=16, help="counts are multiples of this")
     ap.add_argument("--backends", nargs="*", default=["triton"], help="the plugin's backends for the grouped layer")
@@ -205,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     te, why = try_import_te()
     args.bf16_grouped = grouped_mm_trains()
-    shapes = len(args.models) * len(args.linears) * len(args.tokens) * len(args.routing)
+    if args.hbm_tbps is None:
+        args.hbm_tbps = hbm_tbps(torch.cuda.get_device_name())
+    shapes = len(args.models) * len(args.linears) * len(args.tokens_per_expert or args.tokens) * len(args.routing)
     n_contenders = (
         1 + len([b for b in args.backends if backend_availability(b, "cuda")]) + (not args.no_sequential) + (te is not None)
     )
@@ -218,10 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     env["bf16"] = "torch._grouped_mm" if args.bf16_grouped else "loop of BF16 matmuls (no torch._grouped_mm backward here)"
     cols = [("model", ""), ("linear", ""), ("tokens", "d"), ("routing", ""), ("impl", ""), ("step ms", ".3f"), ("TF", ".0f"),
             ("vs TE", ".2f"), ("vs bf16", ".2f"), ("cached ms", ".3f"), ("cached vs TE", ".2f"), ("cached vs bf16", ".2f"),
-            ("peak MiB", ".0f")]  # fmt: skip
+            ("peak MiB", ".0f"), ("floor ms", ".3f"), ("x floor", ".2f")]  # fmt: skip
     if args.sustained > 0:
         cols += [("step MHz", ".0f"), ("step W", ".0f")]
     notes = ([] if te is not None else [f"(TE not installed: {why})"]) + geomean_notes(rows)
+    if args.hbm_tbps is None:
+        notes.append("(memory floor: this GPU's HBM bandwidth is unknown; give --hbm-tbps)")
+    else:
+        notes.append(f"(memory floor at {args.hbm_tbps} TB/s HBM, {'main_grad' if args.main_grad else 'bf16 dW'})")
     report("bench_grouped", env, rows, cols, args, plot, notes)
     return 0
 
@@ -233,7 +287,7 @@ def _run(args, te, timing) -> list[dict]:
         experts, hidden, ffn = {**MODELS, **EXTRA_MODELS}[model]
         for linear in args.linears:
             k, n = (hidden, 2 * ffn) if linear == "fc1" else (ffn, hidden)
-            for tokens in args.tokens:
+            for tokens in [experts * t for t in args.tokens_per_expert] if args.tokens_per_expert else args.tokens:
                 for kind in args.routing:
                     counts = routing(kind, experts, tokens, args.align)
                     t = sum(counts)
@@ -256,11 +310,14 @@ def _run(args, te, timing) -> list[dict]:
                         peaks[name] = step_peak_mib(fresh)
                     i_shape += 1
                     flops = 6 * t * n * k
+                    floor = memory_floor_bytes(t, k, n, experts, args.main_grad)
+                    floor_ms = floor / (args.hbm_tbps * 1e9) if args.hbm_tbps else None
                     bf16 = next(v for key, v in times.items() if key.startswith("bf16"))
                     for name, row in shape_rows.items():
                         t1, tc = times[name]
                         row.update({"step ms": t1, "TF": flops / t1 / 1e9, "vs bf16": bf16[0] / t1, "cached ms": tc,
-                                    "cached vs bf16": bf16[1] / tc, "peak MiB": peaks[name]})  # fmt: skip
+                                    "cached vs bf16": bf16[1] / tc, "peak MiB": peaks[name], "floor MB": floor / 1e6,
+                                    "floor ms": floor_ms, "x floor": tc / floor_ms if floor_ms else None})  # fmt: skip
                         if "TE" in times and name != "TE":
                             row.update({"vs TE": times["TE"][0] / t1, "cached vs TE": times["TE"][1] / tc})
                         rows.append(row)

@@ -43,7 +43,20 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
   TE (Megatron's own graph-safe RNG tracker). See docs/CUDA_GRAPHS.md.
 
 For MoE models the TE arms (``te_hybrid`` too) add ``--moe-grouped-gemm``; the plugin arms add it when
-``--plugin-grouped`` is given (the specs honour it).
+``--plugin-grouped`` is given (the specs honour it) and for the fine-grained MoE proxies, whose point is the grouped
+experts:
+
+* ``qwen3_30b_a3b_proxy``: Qwen3-30B-A3B's layer (hidden 2048, 32 query heads of 128 in 4 KV groups, q/k norms,
+  128 experts of FFN 768, top-8, aux loss), 4 layers, sequence 4096;
+* ``dsv3_proxy``: a DeepSeek-V3-like MoE (64 routed experts of FFN 2048, top-8, one shared expert of FFN 2048,
+  sigmoid router scores with an expert bias and top-k scaling 2.5, sequence aux loss) at hidden 2048 with GQA
+  attention instead of MLA, 4 layers, sequence 4096 (a single-GPU proxy of the expert shapes, not the model).
+
+``--profile`` profiles one iteration of every arm with Megatron-LM's own switch (``--profile
+--use-pytorch-profiler``: a PyTorch profiler chrome trace) and prints the share of that step in which a GPU kernel
+runs and the kernel time by category (GEMM, attention, quantization, permutation, elementwise, optimizer, ...;
+``kernel_profile.py``); the row and ``--json`` carry it. The profiled iteration runs with the profiler's overhead:
+put it after the timed ones' warm-up (``--profile-step``, default the last iteration).
 
 ``pretrain()`` runs ``make`` in ``megatron/core/datasets``, whose Makefile a wheel install lacks;
 when the compiled helper imports, the entry shim (``megatron_lm_entry.py``) skips that step and says
@@ -68,6 +81,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+import kernel_profile  # noqa: E402 - benchmarks/ on the path first
 
 # flags a run without TE and apex needs (Megatron's fused kernels come from them)
 TE_FREE = ("--transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion "
@@ -107,6 +124,31 @@ MODELS = {
         "--untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size 8",
         spec="fp8_gpt_layer_spec_rmsnorm",
         moe=False,
+    ),
+    "qwen3_30b_a3b_proxy": dict(
+        args="--num-layers 4 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32 "
+        "--group-query-attention --num-query-groups 4 --kv-channels 128 --qk-layernorm --seq-length 4096 "
+        "--max-position-embeddings 4096 --position-embedding-type rope --rotary-base 1000000 --swiglu "
+        "--normalization RMSNorm --disable-bias-linear --untie-embeddings-and-output-weights "
+        "--num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768 --moe-token-dispatcher-type alltoall "
+        "--moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 --micro-batch-size 1 "
+        "--global-batch-size 8",
+        spec="fp8_gpt_moe_layer_spec",
+        moe=True,
+        plugin_grouped=True,
+    ),
+    "dsv3_proxy": dict(
+        args="--num-layers 4 --hidden-size 2048 --ffn-hidden-size 10944 --num-attention-heads 16 "
+        "--group-query-attention --num-query-groups 4 --kv-channels 128 --seq-length 4096 "
+        "--max-position-embeddings 4096 --position-embedding-type rope --swiglu --normalization RMSNorm "
+        "--disable-bias-linear --untie-embeddings-and-output-weights --num-experts 64 --moe-router-topk 8 "
+        "--moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048 --moe-router-score-function sigmoid "
+        "--moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5 --moe-token-dispatcher-type alltoall "
+        "--moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --micro-batch-size 1 "
+        "--global-batch-size 8",
+        spec="fp8_gpt_moe_layer_spec",
+        moe=True,
+        plugin_grouped=True,
     ),
     "moe_proxy": dict(
         args="--num-layers 4 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 "
@@ -197,7 +239,7 @@ DIST_OPT = "--use-distributed-optimizer"
 def arm_args(arm: str, model: dict, plugin_grouped: bool) -> str:
     spec = f"--spec primus_fp8_plugin.megatron {model['spec']}"
     grouped = " --moe-grouped-gemm" if model["moe"] else ""
-    plugin_grouped = grouped if plugin_grouped else ""
+    plugin_grouped = grouped if plugin_grouped or model.get("plugin_grouped") else ""
     arms = {
         "plugin_fast": f"{TE_FREE} {NO_MASK} --spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec" + plugin_grouped,
         "plugin": f"{TE_FREE} {spec}" + plugin_grouped,
@@ -294,10 +336,19 @@ def combine_rounds(runs: list[dict]) -> dict:
     return row
 
 
+def profile_args(step: int, root: Path) -> str:
+    """Megatron-LM's flags that profile iteration ``step`` with the PyTorch profiler, its trace under ``root``."""
+    return (f"--profile --use-pytorch-profiler --profile-step-start {step} --profile-step-end {step + 1} "
+            f"--tensorboard-dir {root / 'tensorboard'}")  # fmt: skip
+
+
 def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = "") -> dict:
+    profile_root = log_dir / f"profile_{name}{tag}"
+    profiled = profile_args(args.profile_step, profile_root) if args.profile else ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(HERE / "megatron_lm_entry.py"), str(args.megatron_lm), *shlex.split(COMMON),
-           *shlex.split(model["args"]), "--train-iters", str(args.iters), *shlex.split(extra)]  # fmt: skip
+           *shlex.split(model["args"]), "--train-iters", str(args.iters), *shlex.split(extra),
+           *shlex.split(profiled)]  # fmt: skip
     env = arm_env(name)
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if (spec_of(extra) or ("",))[0].startswith("primus_fp8_plugin"):
@@ -315,6 +366,14 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
         return row
     seq = int(re.search(r"--seq-length (\d+)", model["args"]).group(1))
     row.update(summarize(parse_log(text), seq, args.warmup))
+    if args.profile:
+        trace = kernel_profile.find_trace(profile_root)
+        if trace is None:
+            print(f"[megatron_lm] {name}: --profile wrote no trace under {profile_root}", flush=True)
+        else:
+            row["profile"] = kernel_profile.step_profile(kernel_profile.load_trace(trace))
+            row["profile"]["trace"] = str(trace)
+            print(f"[megatron_lm] {name} profile ({trace}):\n{kernel_profile.format_profile(row['profile'])}", flush=True)
     print(f"[megatron_lm] {name}: {row['ms_per_iter']:.1f} ms/iter, first loss {row['first_loss']}, "
           f"last loss {row['last_loss']} ({row['wall_s']} s)", flush=True)  # fmt: skip
     return row
@@ -326,6 +385,9 @@ def print_table(rows: list[dict], ref: str) -> None:
     rounds = any(len(r.get("ms_rounds", ())) > 1 for r in rows)
     if rounds:
         cols.append("rounds ms/iter")
+    profiled = any("profile" in r for r in rows)
+    if profiled:
+        cols.append("GPU busy")
     print(" | ".join(cols))
     print(" | ".join("---" for _ in cols))
     for r in rows:
@@ -342,6 +404,8 @@ def print_table(rows: list[dict], ref: str) -> None:
                  fmt(r["max_allocated_mb"], ".0f"), fmt(r.get("fp8_layers"), "d")]  # fmt: skip
         if rounds:
             cells.append(" / ".join(f"{m:.1f}" for m in r.get("ms_rounds", [r["ms_per_iter"]])))
+        if profiled:
+            cells.append(f"{100 * r['profile']['busy_share']:.1f}%" if "profile" in r else "-")
         print(" | ".join(cells))
     print(f"(ratio = {ref}'s ms/iter over the arm's: above 1 is faster than {ref})")
 
@@ -384,6 +448,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every arm this many times, the order reversed every other round; median of the rounds")  # fmt: skip
     ap.add_argument("--log-dir", type=Path, default=Path("outputs/megatron_lm"))
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one iteration per arm: GPU-busy share and kernel time by category")  # fmt: skip
+    ap.add_argument("--profile-step", type=int, help="the iteration --profile records (default: the last)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
@@ -393,6 +460,10 @@ def main(argv=None) -> int:
         ap.error(f"--iters ({args.iters}) must exceed --warmup ({args.warmup})")
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.profile_step is None:
+        args.profile_step = args.iters - 1
+    if args.profile and not args.warmup < args.profile_step < args.iters:
+        ap.error(f"--profile-step ({args.profile_step}) must lie after the warm-up ({args.warmup}) and before --iters")
     model = MODELS[args.model]
     extra = {}
     for item in args.extra_arm:

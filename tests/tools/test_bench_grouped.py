@@ -73,3 +73,30 @@ def test_geomeans_are_over_the_shapes_of_each_contender(bench):
     assert f"ours-triton: vs TE geomean {want:.3f} (min 0.900, 2 shapes)" in notes
     assert f"TE: cached vs bf16 geomean {statistics.geometric_mean([1.1, 1.4]):.3f} (min 1.100, 2 shapes)" in notes
     assert not [n for n in notes if n.startswith("TE: vs TE")] and len(notes) == 6
+
+
+def test_memory_floor_of_the_issue_shape_against_counted_bytes(bench):
+    """128 experts x 256 tokens, 2048 -> 1536, gradients into fp32 main_grad: counted tensor by tensor."""
+    t, k, n, e = 128 * 256, 2048, 1536, 128
+    x = dx = t * k * 2  # bf16 in, bf16 gradient out
+    y = dy = t * n * 2
+    w_fp8, wt_fp8 = e * n * k, e * n * k  # W in fprop, W^T in dgrad, one byte an element
+    main_grad = e * n * k * 4 * 2  # fp32 read and written
+    assert bench.memory_floor_bytes(t, k, n, e, main_grad=True) == x + dx + y + dy + w_fp8 + wt_fp8 + main_grad
+    assert bench.memory_floor_bytes(t, k, n, e, main_grad=False) == x + dx + y + dy + w_fp8 + wt_fp8 + e * n * k * 2
+    assert bench.memory_floor_bytes(t, k, n, e, True) / 4.8e12 * 1e3 == pytest.approx(0.937, abs=1e-3)  # ms on an H200
+
+
+def test_hbm_bandwidth_by_device_name(bench):
+    assert bench.hbm_tbps("NVIDIA H200") == 4.8 and bench.hbm_tbps("NVIDIA H20") == 4.0  # the longer name first
+    assert bench.hbm_tbps("NVIDIA H100 80GB HBM3") == 3.35 and bench.hbm_tbps("AMD Instinct MI355X") == 8.0
+    assert bench.hbm_tbps("NVIDIA GeForce RTX 4090") is None
+
+
+def test_fine_grained_expert_options(bench):
+    args = bench.parser().parse_args(["--models", "qwen3", "e256", "--tokens-per-expert", "128", "2048", "--main-grad",
+                                      "--hbm-tbps", "4.8", "--no-sequential"])  # fmt: skip
+    assert args.models == ["qwen3", "e256"] and args.tokens_per_expert == [128, 2048] and args.main_grad
+    assert bench.EXTRA_MODELS["e256"] == (256, 2048, 768) and "e256" not in bench.parser().parse_args([]).models
+    counts = bench.routing("balanced", 256, 256 * 2048, 16)
+    assert counts == [2048] * 256

@@ -265,3 +265,63 @@ def test_rounds_alternate_the_order_and_combine_into_medians(tmp_path, monkeypat
     assert "median of 2 rounds" in text and "341.0 / 344.0" in text
     with pytest.raises(SystemExit):
         mlm.main([*argv[:6], "0"])
+
+
+def test_fine_grained_moe_proxies_run_grouped_experts_in_every_arm():
+    for name, experts, topk, ffn in (("qwen3_30b_a3b_proxy", 128, 8, 768), ("dsv3_proxy", 64, 8, 2048)):
+        model = mlm.MODELS[name]
+        flags = shlex.split(model["args"])
+        value = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--")}
+        assert (int(value["--num-experts"]), int(value["--moe-router-topk"]), int(value["--moe-ffn-hidden-size"])) == (
+            experts, topk, ffn)  # fmt: skip
+        assert value["--hidden-size"] == "2048" and value["--seq-length"] == "4096" and model["moe"]
+        for arm in ("plugin_fast", "te_fp8", "te_bf16"):
+            assert "--moe-grouped-gemm" in mlm.arm_args(arm, model, plugin_grouped=False), (name, arm)
+    assert "--moe-shared-expert-intermediate-size 2048" in mlm.MODELS["dsv3_proxy"]["args"]
+    assert "--qk-layernorm" in mlm.MODELS["qwen3_30b_a3b_proxy"]["args"]
+
+
+def test_profile_flags_and_their_checks(tmp_path, capsys):
+    flags = mlm.profile_args(7, tmp_path / "p")
+    want = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "7", "--profile-step-end", "8",
+            "--tensorboard-dir", str(tmp_path / "p" / "tensorboard")]  # fmt: skip
+    assert shlex.split(flags) == want
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    with pytest.raises(SystemExit):
+        mlm.main(["--megatron-lm", str(tmp_path), "--profile", "--iters", "10", "--warmup", "5", "--profile-step", "3"])
+    assert "must lie after the warm-up" in capsys.readouterr().err
+
+
+def test_table_shows_the_profiled_gpu_busy_share(capsys):
+    rows = [{"arm": "plugin_fast", "ms_per_iter": 400.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "first_loss": 1.0,
+             "last_loss": 1.0, "max_allocated_mb": 1.0, "fp8_layers": 4, "profile": {"busy_share": 0.3214}},
+            {"arm": "te_fp8", "ms_per_iter": 500.0, "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "first_loss": 1.0,
+             "last_loss": 1.0, "max_allocated_mb": 1.0, "fp8_layers": None}]  # fmt: skip
+    mlm.print_table(rows, "te_fp8")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split(" | ")[-1] == "GPU busy"
+    assert out[2].split(" | ")[-1] == "32.1%" and out[3].split(" | ")[-1] == "-"
+
+
+def test_megatron_accepts_the_moe_proxies_and_profile_flags(monkeypatch, tmp_path):
+    """Megatron-LM's own parser and validation take the proxies' command lines with ``--profile`` (needs
+    ``megatron.training``, which imports on Python >= 3.12 only)."""
+    try:
+        from megatron.training.arguments import parse_args, validate_args
+    except Exception as err:  # noqa: BLE001 - megatron.training fails to import in many ways on older Pythons
+        pytest.skip(f"megatron.training does not import here: {type(err).__name__}: {err}")
+    import torch
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # --moe-grouped-gemm asks (H200)
+    for name in ("qwen3_30b_a3b_proxy", "dsv3_proxy"):
+        model = mlm.MODELS[name]
+        for arm in ("plugin_fast", "te_fp8", "te_bf16"):
+            argv = ["pretrain_gpt.py", *shlex.split(mlm.COMMON), *shlex.split(model["args"]), "--train-iters", "10",
+                    *shlex.split(mlm.arm_args(arm, model, False)), *shlex.split(mlm.profile_args(8, tmp_path))]  # fmt: skip
+            monkeypatch.setattr(sys, "argv", argv)
+            args = parse_args()
+            validate_args(args)
+            assert args.moe_grouped_gemm and args.num_experts in (64, 128) and args.profile, (name, arm)
+            assert args.use_pytorch_profiler and (args.profile_step_start, args.profile_step_end) == (8, 9)
