@@ -20,17 +20,18 @@ def _quant_act(fp8_ty: str, ragged: bool) -> dict:
     cfg = portable.act_quant_config(16, 17 if ragged else 16)
     sub_m, num_warps = cfg.sub_m, cfg.num_warps
     sig = {"x_ptr": "*bf16", "row_q_ptr": f"*{fp8_ty}", "row_s_ptr": "*fp32", "col_q_ptr": f"*{fp8_ty}",
-           "col_s_ptr": "*fp32", "offsets_ptr": "*i32", "padded_ptr": "*i32", "probs_ptr": "*bf16", "E": "i32",
+           "col_s_ptr": "*fp32", "offsets_ptr": "*i32", "padded_ptr": "*i32", "probs_ptr": "*bf16", "rows_ptr": "*i32",
+           "E": "i32",
            "T": "i32", "K": "i32", "T_PAD": "i32", "CAP": "i32", "K_PAD": "i32", "stride_xm": "i32", "up_offset": "i32",
            "fp8_max": "fp32", "amax_eps": "fp32", "in_max": "fp32", "ROWWISE": "constexpr", "COLWISE": "constexpr",
            "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr", "BLOCK_E": "constexpr", "SWIGLU": "constexpr",
-           "HAS_PROBS": "constexpr"}  # fmt: skip
+           "HAS_PROBS": "constexpr", "GATHER": "constexpr"}  # fmt: skip
     return dict(
         name=f"quantize_grouped_1x128[bf16->{fp8_ty},sub_m={sub_m}{',ragged' if ragged else ''}]",
         fn=quantize_grouped.quantize_grouped_1x128_kernel,
         signature=sig,
         constexprs={"ROWWISE": True, "COLWISE": True, "POW2": True, "BLOCK": 128, "SUB_M": sub_m, "BLOCK_E": 16,
-                    "SWIGLU": False, "HAS_PROBS": False},
+                    "SWIGLU": False, "HAS_PROBS": False, "GATHER": False},
         num_warps=num_warps,
         num_stages=cfg.num_stages,
         expect={

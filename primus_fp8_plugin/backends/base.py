@@ -98,10 +98,12 @@ class Backend(abc.ABC):
         )
 
     def quantize_act_grouped(
-        self, x: torch.Tensor, layout: GroupLayout, params: QuantParams, *, rowwise: bool, columnwise: bool
-    ) -> GroupedFp8Tensor:
+        self, x: torch.Tensor, layout: GroupLayout, params: QuantParams, *, rowwise: bool, columnwise: bool,
+        rows: torch.Tensor | None = None,
+    ) -> GroupedFp8Tensor:  # fmt: skip
         """1x128 quantization of permuted tokens ``x [T, K]`` (contiguous): rowwise unpadded, columnwise with
-        each expert's tokens zero-padded to a multiple of 128 (``grouped_tensor.py``)."""
+        each expert's tokens zero-padded to a multiple of 128 (``grouped_tensor.py``). ``rows`` (int ``[T']``):
+        the permuted tokens are ``x[rows]`` (an MoE layer's token permutation), which is not written."""
         raise self._no_grouped("quantize_act_grouped")
 
     def quantize_swiglu_act_grouped(
@@ -173,6 +175,14 @@ class Backend(abc.ABC):
         """``dh [M, 2F]`` of ``swiglu_fwd`` for ``dy [M, F]``, recomputed from ``h``."""
         raise self._no_fused("swiglu_bwd")
 
+    def unpermute(self, y: torch.Tensor, sorted_indices: torch.Tensor, row_of: torch.Tensor, num_tokens: int,
+                  probs: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """An MoE layer's combine: ``out [num_tokens, H]`` in y's dtype, token ``t`` the sum of its permuted rows of
+        ``y [N, H]`` (``sorted_indices [N]``: each row's token; ``row_of [E * num_tokens]``: the inverse map), each
+        times ``probs [N]`` where given, summed in fp32 in the rows' order and rounded once to the product's dtype
+        (``reference_fused.unpermute``)."""
+        raise self._no_fused("unpermute")
+
     def rope(self, t, cos, sin, *, interleaved: bool, backward: bool) -> torch.Tensor:
         """Rotary embedding of ``t [s, b, h, d]`` (last dim contiguous) with ``cos``/``sin``
         ``[s, 1 or b, 1, rot]`` in t's dtype -> a new contiguous ``[s, b, h, d]``; ``backward``: its
@@ -180,7 +190,8 @@ class Backend(abc.ABC):
         raise self._no_fused("rope")
 
 
-FUSED_OPS = ("norm_fwd", "quantize_norm_act", "norm_bwd", "swiglu_fwd", "quantize_swiglu_act", "swiglu_bwd", "rope")
+FUSED_OPS = ("norm_fwd", "quantize_norm_act", "norm_bwd", "swiglu_fwd", "quantize_swiglu_act", "swiglu_bwd", "rope",
+             "unpermute")  # fmt: skip
 GROUPED_OPS = (
     "quantize_act_grouped",
     "quantize_swiglu_act_grouped",

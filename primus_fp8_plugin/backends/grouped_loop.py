@@ -24,7 +24,9 @@ def _segments(layout):
 class DenseLoopGrouped:
     """Mixin for a ``Backend``: the grouped operations by looping its dense ones over the experts."""
 
-    def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise):
+    def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise, rows=None):
+        if rows is not None:
+            x = x.index_select(0, rows)
         parts = [self.quantize_act(x[o : o + c], params, rowwise=rowwise, columnwise=columnwise) for o, c in _segments(layout)]
         return GroupedFp8Tensor.from_experts(parts, layout, x.shape[1])
 

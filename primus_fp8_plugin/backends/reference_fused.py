@@ -264,6 +264,19 @@ def swiglu_bwd(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     return torch.cat((da, db), dim=-1)
 
 
+# ---- MoE token combine ---------------------------------------------------------------------------
+
+
+def unpermute(y: torch.Tensor, sorted_indices: torch.Tensor, num_tokens: int, probs: torch.Tensor | None) -> torch.Tensor:
+    """Megatron's ``unpermute`` (``moe_utils``): ``y * probs[:, None]`` (the product's dtype) scatter-added into
+    zeros ``[num_tokens, H]`` at each row's token, then cast to y's dtype. On the CPU torch sums each output's rows
+    in fp32 in row order and rounds once (the expanded-index ``scatter_add``)."""
+    src = y if probs is None else y * probs.unsqueeze(-1)
+    out = torch.zeros(num_tokens, y.shape[1], dtype=src.dtype, device=y.device)
+    out.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, y.shape[1]), src)
+    return out.to(y.dtype)
+
+
 # ---- RoPE --------------------------------------------------------------------------------------
 
 

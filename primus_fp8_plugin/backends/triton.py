@@ -30,7 +30,7 @@ from ..kernels.sm90.gemm_grouped import grouped_gemm_gluon, grouped_wgrad_gluon
 from ..kernels.sm90.quantize_act import quantize_1x128_dual_gluon
 from ..kernels.sm90.quantize_grouped import quantize_128x128_per_expert_gluon
 from ..kernels.sm90.quantize_weight import quantize_128x128_gluon
-from ..kernels.triton import INTERPRETED, fused_act, norm, rope, swiglu
+from ..kernels.triton import INTERPRETED, fused_act, norm, permute, rope, swiglu
 from ..kernels.triton import heuristics as portable
 from ..kernels.triton.fused_math import OP_SWIGLU
 from ..kernels.triton.gemm import blockwise_gemm
@@ -152,8 +152,8 @@ class TritonBackend(Backend):
         return w.with_columnwise(*transpose_128x128(w.rowwise_data, w.rowwise_scale_inv))
 
     # ---- grouped (mixture-of-experts) operations: the same bits as a loop of the dense ones
-    def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise):
-        return quantize_grouped_1x128(x, layout, params, rowwise=rowwise, columnwise=columnwise)
+    def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise, rows=None):
+        return quantize_grouped_1x128(x, layout, params, rowwise=rowwise, columnwise=columnwise, rows=rows)
 
     def quantize_swiglu_act_grouped(self, h, layout, params, *, rowwise, columnwise, probs=None):
         return quantize_grouped_1x128(h, layout, params, rowwise=rowwise, columnwise=columnwise, swiglu=True, probs=probs)
@@ -216,3 +216,7 @@ class TritonBackend(Backend):
 
     def rope(self, t, cos, sin, *, interleaved, backward):
         return rope.rope(t, cos, sin, interleaved=interleaved, backward=backward)
+
+    def unpermute(self, y, sorted_indices, row_of, num_tokens, probs):
+        acc = y.dtype if probs is None else torch.promote_types(y.dtype, probs.dtype)
+        return permute.unpermute(y, row_of, num_tokens, probs, acc)

@@ -3,7 +3,9 @@
 Activations / output gradients (``quantize_grouped_1x128``): the permuted tokens ``x [T, K]`` of ``E`` experts
 (layouts: ``grouped_tensor.py``), or, with ``swiglu=True``, SwiGLU of fc1's output ``h [T, 2K] = [gate | up]``
 (``fused_math.swiglu_value``: the values ``swiglu_fwd`` writes; optionally times per-row weights, ``weight_rows``),
-produced in the kernel instead of loaded, as ``fused_act.py`` does for a dense tensor. Programs run over 128-row
+produced in the kernel instead of loaded, as ``fused_act.py`` does for a dense tensor; with ``rows``, permuted row
+``p`` is read from row ``rows[p]`` of the unpermuted tokens (the token permutation of an MoE layer, fused with the
+quantization: no permuted bf16 copy is written). Programs run over 128-row
 tiles of the *padded* token axis (each expert's count rounded up to 128) times 128-column blocks of K; a program
 finds its expert from the device-side prefix sums of the ``GroupLayout`` (``padded_offsets``) and reads the
 expert's rows of that tile, masked at the expert's end. It writes
@@ -67,11 +69,16 @@ def _rows(x_tile, r, c, stride_xm, mask, full):
 
 
 @triton.jit
-def _values(x_tile, r, c, stride_xm, mask, full, live, up_offset, probs_tile, SWIGLU: tl.constexpr,
-            HAS_PROBS: tl.constexpr):  # fmt: skip
-    """Rows ``r`` x columns ``c`` of the tile's values in fp32: ``x`` loaded, or SwiGLU of ``h``'s gate and up
+def _values(x_tile, x_cols, rows_tile, r, c, stride_xm, mask, full, live, up_offset, probs_tile,
+            GATHER: tl.constexpr, SWIGLU: tl.constexpr, HAS_PROBS: tl.constexpr):  # fmt: skip
+    """Rows ``r`` x columns ``c`` of the tile's values in fp32: ``x`` loaded (with ``GATHER`` from the source rows
+    ``rows_tile[r]`` of ``x_cols``, the tile's columns of the unpermuted tokens), or SwiGLU of ``h``'s gate and up
     halves (``up_offset`` elements apart) rounded to h's dtype, times the rows' weights (``probs_tile``) where
     given; 0 outside the tile's live rows (a zero gate and up give 0)."""
+    if GATHER:
+        x_tile = x_cols
+        r = tl.load(rows_tile + r, mask=r < live, other=0).to(tl.int64)
+        full = False
     x = _rows(x_tile, r, c, stride_xm, mask, full)
     if SWIGLU:
         ty = x_tile.dtype.element_ty
@@ -112,10 +119,10 @@ def _column_scales(s_inv, cols, cs_tile, K, K_PAD):
 
 @triton.jit
 def quantize_grouped_1x128_kernel(
-    x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, offsets_ptr, padded_ptr, probs_ptr, E, T, K, T_PAD, CAP,
-    K_PAD, stride_xm, up_offset, fp8_max, amax_eps, in_max,
+    x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, offsets_ptr, padded_ptr, probs_ptr, rows_ptr, E, T, K,
+    T_PAD, CAP, K_PAD, stride_xm, up_offset, fp8_max, amax_eps, in_max,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, SUB_M: tl.constexpr,
-    BLOCK_E: tl.constexpr, SWIGLU: tl.constexpr, HAS_PROBS: tl.constexpr,
+    BLOCK_E: tl.constexpr, SWIGLU: tl.constexpr, HAS_PROBS: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     pid_t = tl.program_id(0)  # 128-row tile of the padded token axis
     pid_k = tl.program_id(1)
@@ -140,9 +147,12 @@ def quantize_grouped_1x128_kernel(
         cq_tile = col_q_ptr + k0.to(tl.int64) * CAP + p0
         cs_tile = col_s_ptr + pid_t.to(tl.int64) * K_PAD
         probs_tile = probs_ptr + row0
+        rows_tile = rows_ptr + row0
+        x_cols = x_ptr + k0
         if SUB_M == BLOCK:  # the whole tile in registers, both copies from it
             mask = (blk < live)[:, None] & kmask[None, :]
-            x = _values(x_tile, blk, blk, stride_xm, mask, full, live, up_offset, probs_tile, SWIGLU, HAS_PROBS)
+            x = _values(x_tile, x_cols, rows_tile, blk, blk, stride_xm, mask, full, live, up_offset, probs_tile, GATHER,
+                        SWIGLU, HAS_PROBS)
             if ROWWISE:
                 _rowwise(x, blk, blk, rq_tile, rs_tile, K, mask, live, full, fp8_max, amax_eps, in_max, POW2)
             if COLWISE:
@@ -155,7 +165,8 @@ def quantize_grouped_1x128_kernel(
             for c in tl.range(0, BLOCK // SUB_M):
                 r = c * SUB_M + sub
                 mask = (r < live)[:, None] & kmask[None, :]
-                x = _values(x_tile, r, blk, stride_xm, mask, full, live, up_offset, probs_tile, SWIGLU, HAS_PROBS)
+                x = _values(x_tile, x_cols, rows_tile, r, blk, stride_xm, mask, full, live, up_offset, probs_tile,
+                            GATHER, SWIGLU, HAS_PROBS)
                 if ROWWISE:
                     _rowwise(x, r, blk, rq_tile, rs_tile, K, mask, live, full, fp8_max, amax_eps, in_max, POW2)
                 if COLWISE:
@@ -165,7 +176,8 @@ def quantize_grouped_1x128_kernel(
                 for c in tl.range(0, BLOCK // SUB_M):
                     r = c * SUB_M + sub
                     mask = (r < live)[:, None] & kmask[None, :]
-                    x = _values(x_tile, r, blk, stride_xm, mask, full, live, up_offset, probs_tile, SWIGLU, HAS_PROBS)
+                    x = _values(x_tile, x_cols, rows_tile, r, blk, stride_xm, mask, full, live, up_offset, probs_tile,
+                            GATHER, SWIGLU, HAS_PROBS)
                     _columnwise(x, scale, r, blk, cq_tile, CAP, live, kmask, full)
                 _column_scales(s_inv, k0 + blk, cs_tile, K, K_PAD)
 
@@ -176,14 +188,18 @@ _launch_act = FastLauncher(quantize_grouped_1x128_kernel)
 def quantize_grouped_1x128(
     x: torch.Tensor, layout: GroupLayout, params: QuantParams, *, rowwise: bool, columnwise: bool,
     config: QuantizeConfig | None = None, swiglu: bool = False, probs: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> GroupedFp8Tensor:  # fmt: skip
     """Rowwise and/or padded columnwise 1x128 quantization of the permuted tokens ``x [T, K]`` (contiguous), or,
     with ``swiglu``, of SwiGLU of ``x [T, 2K]`` (fc1's ``[gate | up]``), each row times ``probs [T]`` where given:
     the same bits as this quantization of ``swiglu_fwd(x)`` (and ``reference_fused.weight_rows``), which is never
-    written. ``config``: the launch (default: ``heuristics.act_quant_config`` for 16 rows: only K decides the
-    alignment, as token rows start anywhere)."""
+    written. ``rows`` (int ``[T']``, in ``[0, T)``): quantize ``x[rows]`` (``T'`` permuted tokens) without writing it.
+    ``config``: the launch (default: ``heuristics.act_quant_config`` for 16 rows: only K decides the alignment, as
+    token rows start anywhere)."""
     assert x.dim() == 2 and x.is_contiguous() and params.block_dim == 1 and (swiglu or probs is None)
-    t, k = x.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
+    t, k = x.shape[0] if rows is None else rows.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
+    if rows is not None and (rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or not rows.is_contiguous()):
+        raise ValueError(f"rows must be a contiguous 1-D int32/int64 tensor, got {rows.dtype} {tuple(rows.shape)}")
     if probs is not None and (probs.shape != (t,) or not probs.is_contiguous()):
         raise ValueError(f"probs must be a contiguous [{t}] tensor (one weight per token), got {tuple(probs.shape)}")
     e, cap = layout.num_groups, layout.capacity
@@ -208,9 +224,10 @@ def quantize_grouped_1x128(
         _launch_act(
             (cap // BLOCK, ceil_div(k, BLOCK)), x, parts.get("rowwise_data", q_any), parts.get("rowwise_scale_inv", s_any),
             parts.get("columnwise_data", q_any), parts.get("columnwise_scale_inv", s_any), layout.offsets,
-            layout.padded_offsets, probs if probs is not None else x, e, t, k, pad4(t), cap, pad4(k), x.stride(0), k,
-            params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
+            layout.padded_offsets, probs if probs is not None else x, rows if rows is not None else layout.offsets, e, t,
+            k, pad4(t), cap, pad4(k), x.stride(0), k, params.fp8_max, params.amax_epsilon, torch.finfo(x.dtype).max,
             rowwise, columnwise, params.pow2_scales, BLOCK, cfg.sub_m, block_e(e), swiglu, probs is not None,
+            rows is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(FP_OPTIONS if swiglu else {}),
         )  # fmt: skip
     return GroupedFp8Tensor(layout, (t, k), f8, x.dtype, **parts)

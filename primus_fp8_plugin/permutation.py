@@ -1,0 +1,107 @@
+"""An MoE layer's token permutation fused with the kernels around it: tokens go from the routing map straight into
+the grouped FP8 layout (no permuted bf16 copy), and the experts' outputs come back in token order weighted by the
+routing probabilities in one pass.
+
+* ``route(routing_map, num_out_tokens)``: the permutation of Megatron's argsort-based ``permute`` (expert-major,
+  each expert's tokens in token order; ``num_out_tokens`` rows, a host int such as tokens x top-k for dropless
+  routing, so nothing is read on the host), the experts' ``GroupLayout`` (counts from the map, on the device) and
+  the inverse map the combine reads;
+* ``permute_quantize(x, routing, params)``: the grouped quantization (rowwise and padded columnwise copies) of
+  ``x[routing.sorted_indices]``, reading ``x`` through the permutation (``backend.quantize_act_grouped(rows=)``);
+  the same bits as Megatron's ``permute`` followed by ``quantize_act_grouped``;
+* ``permute_probs(probs, routing)``: the routing probabilities ``[T, E]`` in permuted order ``[N]``;
+* ``unpermute(y, routing, probs=)`` (differentiable): token ``t``'s output is the sum of its rows of ``y``, each
+  times its probability (rounded to the product's dtype), added in fp32 in the rows' order, rounded once to the
+  product's dtype and cast to y's dtype: Megatron's ``unpermute`` bit for bit where torch sums each output so (the
+  CPU; a GPU under ``torch.use_deterministic_algorithms``, where it uses ``index_add_``;
+  ``kernels/triton/permute.py``); its backward is the gather autograd gives.
+
+Tested as operations against Megatron's ``permute`` / ``unpermute`` (``tests/test_moe_permutation.py``); not yet
+used by a Megatron MoE layer: Megatron's token dispatchers own the permutation there (``docs/MEGATRON.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends import Backend, get_backend
+from .backends.reference_fused import ROW_WEIGHT_DTYPES
+from .grouped_tensor import GroupedFp8Tensor, GroupLayout, group_layout
+from .recipe import QuantParams
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """Where each token's copies go: ``sorted_indices [N]`` (int64, the token of each permuted row), ``flat [N]``
+    (int64, ``e * T + t`` of each row), ``row_of [E * T]`` (int32, the row of token ``t``'s copy for expert ``e``,
+    -1 where none), ``layout`` (the experts' counts and offsets, on the device), ``num_tokens`` ``T``."""
+
+    sorted_indices: torch.Tensor
+    flat: torch.Tensor
+    row_of: torch.Tensor
+    layout: GroupLayout
+    num_tokens: int
+
+
+def route(routing_map: torch.Tensor, num_out_tokens: int) -> Routing:
+    """The permutation of ``routing_map [T, E]`` (bool or 0/1) into ``num_out_tokens`` rows, as Megatron's
+    argsort-based ``permute`` orders them; no host synchronisation."""
+    if routing_map.dim() != 2:
+        raise ValueError(f"routing_map must be [tokens, experts], got shape {tuple(routing_map.shape)}")
+    t, e = routing_map.shape
+    by_expert = routing_map.bool().T.contiguous()
+    flat = by_expert.reshape(-1).argsort(descending=True, stable=True)[:num_out_tokens]
+    row_of = torch.full((e * t,), -1, dtype=torch.int32, device=routing_map.device)
+    row_of[flat] = torch.arange(flat.numel(), dtype=torch.int32, device=routing_map.device)
+    layout = group_layout(by_expert.sum(1), int(num_out_tokens), routing_map.device)
+    return Routing(flat % t, flat, row_of, layout, t)
+
+
+def permute_quantize(x: torch.Tensor, routing: Routing, params: QuantParams, *, rowwise: bool = True,
+                     columnwise: bool = True, backend: str | Backend = "auto") -> GroupedFp8Tensor:  # fmt: skip
+    """The grouped FP8 copies of the permuted tokens ``x[routing.sorted_indices]`` (``x [T, K]``), read through the
+    permutation."""
+    if x.dim() != 2 or x.shape[0] != routing.num_tokens:
+        raise ValueError(f"x must be [{routing.num_tokens}, K] (the tokens the routing map routes), got {tuple(x.shape)}")
+    impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
+    return impl.quantize_act_grouped(x.contiguous(), routing.layout, params, rowwise=rowwise, columnwise=columnwise,
+                                     rows=routing.sorted_indices)  # fmt: skip
+
+
+def permute_probs(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``probs [T, E]`` in permuted order ``[N]`` (differentiable)."""
+    return probs.T.contiguous().reshape(-1)[routing.flat]
+
+
+class _UnpermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, probs, routing, backend):
+        ctx.save_for_backward(y, probs)
+        ctx.routing = routing
+        return backend.unpermute(y, routing.sorted_indices, routing.row_of, routing.num_tokens, probs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, probs = ctx.saved_tensors
+        acc = y.dtype if probs is None else torch.promote_types(y.dtype, probs.dtype)
+        rows = grad.to(acc).index_select(0, ctx.routing.sorted_indices)  # the gradient of the scatter-add
+        if probs is None:
+            return rows.to(y.dtype), None, None, None
+        dy = (rows * probs.unsqueeze(-1)).to(y.dtype) if ctx.needs_input_grad[0] else None
+        dprobs = (rows * y).sum(-1, keepdim=True).to(probs.dtype).view(probs.shape) if ctx.needs_input_grad[1] else None
+        return dy, dprobs, None, None
+
+
+def unpermute(y: torch.Tensor, routing: Routing, *, probs: torch.Tensor | None = None,
+              backend: str | Backend = "auto") -> torch.Tensor:  # fmt: skip
+    """``[T, H]``: token ``t`` the sum of its permuted rows of ``y [N, H]``, each times its ``probs [N]`` entry (fp32,
+    bf16 or fp16) where given (module docstring)."""
+    n = routing.sorted_indices.numel()
+    if y.dim() != 2 or y.shape[0] != n:
+        raise ValueError(f"y must be [{n}, H] (the permuted rows), got {tuple(y.shape)}")
+    if probs is not None and (probs.shape != (n,) or probs.dtype not in ROW_WEIGHT_DTYPES):
+        raise ValueError(f"probs must be [{n}] in one of {ROW_WEIGHT_DTYPES}, got {probs.dtype} {tuple(probs.shape)}")
+    impl = backend if isinstance(backend, Backend) else get_backend(backend, y.device)
+    return _UnpermuteFn.apply(y.contiguous(), probs, routing, impl)

@@ -1,0 +1,86 @@
+"""The MoE token permutation fused with the FP8 kernels (``permutation.py``) against Megatron's own ``permute`` /
+``unpermute`` (``megatron.core.transformer.moe.moe_utils``, the torch paths) on fresh random ragged routings (top-k
+of random scores, experts without tokens), on every CPU backend (triton through the interpreter): the grouped FP8
+copies of the permuted tokens, the permuted probabilities, the combine and its gradients, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from primus_fp8_plugin import BlockwiseRecipe, TensorRole, available_backends
+from primus_fp8_plugin.backends import get_backend
+from primus_fp8_plugin.permutation import permute_probs, permute_quantize, route, unpermute
+
+from .conftest import make_input
+
+moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+BACKENDS = [n for n, a in available_backends("cpu").items() if a]
+COPIES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def routing_case(tokens: int, experts: int, topk: int, seed: int):
+    """A top-k routing of random scores (some experts starved), its probabilities [T, E] (fp32, 0 off the map)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(tokens, experts, generator=g)
+    scores[:, : experts // 4] -= 10  # a quarter of the experts almost never chosen
+    top = scores.topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, top, True)
+    probs = torch.softmax(scores, dim=1) * routing_map
+    return routing_map, probs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens, experts, topk, k, seed", [(200, 8, 2, 256, 1), (97, 16, 4, 200, 2)])
+def test_permute_quantize_equals_megatrons_permute_then_the_grouped_quantizer(backend, tokens, experts, topk, k, seed):
+    routing_map, probs = routing_case(tokens, experts, topk, seed)
+    x = make_input((tokens, k), seed=seed)
+    n = tokens * topk
+    want_x, want_probs, want_idx, *_ = moe_utils.permute(x, routing_map, probs=probs, num_out_tokens=n)
+    r = route(routing_map, n)
+    assert torch.equal(r.sorted_indices, want_idx) and same(permute_probs(probs, r), want_probs)
+    assert r.layout.counts.tolist() == routing_map.sum(0).tolist() and 0 in r.layout.counts.tolist()
+    params = BlockwiseRecipe().params(TensorRole.INPUT)
+    want = get_backend("reference", "cpu").quantize_act_grouped(want_x, r.layout, params, rowwise=True, columnwise=True)
+    got = permute_quantize(x, r, params, backend=backend)
+    cut = int(r.layout.padded_offsets[-1])  # device counts: the columns past the experts' are unspecified
+    parts = {"columnwise_data": (slice(None), slice(0, cut)), "columnwise_scale_inv": (slice(0, cut // 128),)}
+    for copy in COPIES:
+        where = parts.get(copy, (slice(None),))
+        assert same(getattr(got, copy)[where], getattr(want, copy)[where]), copy
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("probs_dtype", [None, torch.float32, torch.bfloat16])
+def test_unpermute_equals_megatrons_unpermute_and_its_gradients(backend, probs_dtype):
+    tokens, experts, topk, h = 150, 8, 3, 200
+    routing_map, probs = routing_case(tokens, experts, topk, seed=3)
+    if probs_dtype is not None:
+        probs = probs.to(probs_dtype)
+    n = tokens * topk
+    r = route(routing_map, n)
+    y0 = make_input((n, h), seed=4, spread=False)
+    dout = make_input((tokens, h), seed=5, spread=False)
+
+    y, p = y0.clone().requires_grad_(True), probs.clone().requires_grad_(probs_dtype is not None)
+    want = moe_utils.unpermute(y, r.sorted_indices, torch.Size((tokens, h)),
+                               probs=None if probs_dtype is None else p, routing_map=routing_map)  # fmt: skip
+    want.backward(dout)
+    want_grads = (y.grad, None if probs_dtype is None else permute_probs(p.grad, r))
+
+    y = y0.clone().requires_grad_(True)
+    pp = None if probs_dtype is None else permute_probs(probs, r).detach().requires_grad_(True)
+    got = unpermute(y, r, probs=pp, backend=backend)
+    got.backward(dout)
+    assert same(got, want)
+    assert same(y.grad, want_grads[0])
+    if pp is not None:
+        assert same(pp.grad, want_grads[1]) and pp.grad.abs().sum() > 0
