@@ -127,22 +127,27 @@ def test_graph_arms_are_their_eager_arms_under_megatrons_local_cuda_graphs():
         mlm.arm_args("plugin_graph", mlm.MODELS["gpt125m"], False)  # only the arms of GRAPH_ARMS have a twin
 
 
-def test_megatron_accepts_the_graph_arms_flags(monkeypatch):
-    """Megatron-LM's own argument parser and validation take each graph arm's full command line (needs
-    ``megatron.training``, which imports on Python >= 3.12 only)."""
+def megatron_args(monkeypatch, model: dict, *extra: str):
+    """Megatron-LM's parsed and validated arguments for ``pretrain_gpt.py`` with the benchmark's common flags, the
+    model's and ``extra`` (skips where ``megatron.training`` does not import: it needs Python >= 3.12)."""
     try:
         from megatron.training.arguments import parse_args, validate_args
     except Exception as err:  # noqa: BLE001 - megatron.training fails to import in many ways on older Pythons
         pytest.skip(f"megatron.training does not import here: {type(err).__name__}: {err}")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["pretrain_gpt.py", *shlex.split(mlm.COMMON), *shlex.split(model["args"]), "--train-iters", "10"]
+    monkeypatch.setattr(sys, "argv", argv + [a for flags in extra for a in shlex.split(flags)])
+    args = parse_args()
+    validate_args(args)
+    return args
+
+
+def test_megatron_accepts_the_graph_arms_flags(monkeypatch):
+    """Megatron-LM's own argument parser and validation take each graph arm's full command line."""
     model = mlm.MODELS["gpt125m"]
     for arm in ("plugin_fast_graph", "te_bf16_graph"):
-        argv = ["pretrain_gpt.py", *shlex.split(mlm.COMMON), *shlex.split(model["args"]), "--train-iters", "10",
-                *shlex.split(mlm.arm_args(arm, model, False))]  # fmt: skip
-        monkeypatch.setattr(sys, "argv", argv)
-        args = parse_args()
-        validate_args(args)
+        args = megatron_args(monkeypatch, model, mlm.arm_args(arm, model, False))
         assert args.cuda_graph_impl == "local" and not args.cuda_graph_modules, arm
         if arm == "plugin_fast_graph":  # Megatron's own graph-safe RNG tracker, no TE
             assert args.transformer_impl == "local" and not args.te_rng_tracker
@@ -304,24 +309,13 @@ def test_table_shows_the_profiled_gpu_busy_share(capsys):
 
 
 def test_megatron_accepts_the_moe_proxies_and_profile_flags(monkeypatch, tmp_path):
-    """Megatron-LM's own parser and validation take the proxies' command lines with ``--profile`` (needs
-    ``megatron.training``, which imports on Python >= 3.12 only)."""
-    try:
-        from megatron.training.arguments import parse_args, validate_args
-    except Exception as err:  # noqa: BLE001 - megatron.training fails to import in many ways on older Pythons
-        pytest.skip(f"megatron.training does not import here: {type(err).__name__}: {err}")
+    """Megatron-LM's own parser and validation take the proxies' command lines with ``--profile``."""
     import torch
 
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # --moe-grouped-gemm asks (H200)
     for name in ("qwen3_30b_a3b_proxy", "dsv3_proxy"):
         model = mlm.MODELS[name]
         for arm in ("plugin_fast", "te_fp8", "te_bf16"):
-            argv = ["pretrain_gpt.py", *shlex.split(mlm.COMMON), *shlex.split(model["args"]), "--train-iters", "10",
-                    *shlex.split(mlm.arm_args(arm, model, False)), *shlex.split(mlm.profile_args(8, tmp_path))]  # fmt: skip
-            monkeypatch.setattr(sys, "argv", argv)
-            args = parse_args()
-            validate_args(args)
+            args = megatron_args(monkeypatch, model, mlm.arm_args(arm, model, False), mlm.profile_args(8, tmp_path))
             assert args.moe_grouped_gemm and args.num_experts in (64, 128) and args.profile, (name, arm)
             assert args.use_pytorch_profiler and (args.profile_step_start, args.profile_step_end) == (8, 9)
