@@ -49,8 +49,8 @@ def fwd_bwd_calls(num_experts: int, backend: str, *, device_counts: bool, megatr
 
 @pytest.mark.parametrize(
     "device_counts, megatron, bias",
-    [(False, True, True), (True, False, False)],
-    ids=["host_counts-main_grad-bias", "device_counts-grad"],
+    [(True, True, True), (False, False, False)],
+    ids=["device_counts-main_grad-bias", "host_counts-grad"],
 )
 def test_a_grouped_forward_backward_makes_as_many_python_calls_at_128_experts_as_at_2(device_counts, megatron, bias):
     if not backend_availability("triton", "cpu"):

@@ -8,7 +8,7 @@ import torch
 
 from primus_fp8_plugin import BlockwiseRecipe, Fp8BlockwiseLinear, Fp8GroupedLinear, available_backends, fp8_grouped_linear
 
-from .conftest import make_input, row_sums_in_order
+from .conftest import make_input
 
 CPU_BACKENDS = [n for n, a in available_backends("cpu").items() if a]
 
@@ -95,10 +95,8 @@ def test_grouped_linear_equals_dense_linear_per_expert(backend, counts, k, n, bi
             assert w.grad_added_to_main_grad and w.grad is not None and w.grad.shape == w.shape  # dummy for the hooks
         else:
             assert same(w.grad, d.weight.grad), f"weight grad of expert {i} (count {counts[i]})"
-        if bias:  # each expert's rows of dY added in token order (ops/layouts.segment_sums), near the dense sum
-            want = row_sums_in_order(dy, counts)[i]
-            assert same(getattr(layer, f"bias{i}").grad, want), f"bias grad of expert {i}"
-            torch.testing.assert_close(want, d.bias.grad, rtol=1e-2, atol=1e-30)
+        if bias:  # counts on the host: the dense layer's bias gradient, bit for bit
+            assert same(getattr(layer, f"bias{i}").grad, d.bias.grad), f"bias grad of expert {i}"
 
 
 def test_device_counts_give_the_host_counts_results(backend):

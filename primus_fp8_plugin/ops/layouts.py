@@ -9,7 +9,8 @@ written once over this interface.
 activations            ``BlockwiseFp8Tensor`` ``[M, K]``       ``GroupedFp8Tensor`` ``[T, K]`` (``grouped_tensor.py``)
 weights                one ``[N, K]``, ``WeightCache``         ``E`` x ``[N, K]``, ``GroupedWeightCache``
 W^T for dgrad          held, or ``transpose_weight``           held, or ``transpose_weight_grouped``
-bias gradient          ``dY`` summed over rows (torch's sum)   each expert's rows of ``dY`` summed in row order (device)
+bias gradient          ``dY`` summed over rows (torch's sum)   host counts: each expert's ``dY_e.sum(0)``; device counts:
+                                                               each expert's rows summed in token order (``segment_sums``)
 =====================  ======================================  =====================================================
 """
 
@@ -102,6 +103,12 @@ class Grouped:
         return GroupedFp8Tensor(self.layout, shape, fp8_dtype, orig_dtype, columnwise_data=data, columnwise_scale_inv=scale_inv)
 
     def bias_grads(self, dy2d: torch.Tensor) -> list[torch.Tensor]:
+        """Each expert's rows of dY summed. Counts given on the host: the dense layer's (and TE's) rule,
+        ``dY_e.sum(0)`` per expert, bit for bit (the counts need no synchronisation; a call per expert, only where
+        biases train). Counts on the device: ``segment_sums``, without a host synchronisation."""
+        counts = self.layout.host_counts
+        if counts is not None:
+            return [part.sum(0) for part in torch.split(dy2d, counts)]
         return list(segment_sums(dy2d, self.layout).unbind(0))
 
 
