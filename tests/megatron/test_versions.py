@@ -83,7 +83,7 @@ def test_experts_reach_any_moe_layer_as_megatrons_own_modules(grouped):
     wrapper in between, so checkpoint keys stay Megatron's), and the layer trains."""
     from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
-    from primus_fp8_plugin.megatron import Fp8Experts, fp8_gpt_moe_layer_spec, is_fp8_linear
+    from primus_fp8_plugin.megatron import Fp8Experts, Fp8GroupedMLP, fp8_gpt_moe_layer_spec, is_fp8_linear
     from primus_fp8_plugin.megatron.compat import EXPERTS_ARE_BUILDERS, ExpertsFromBuilder
 
     experts_entry = submodules_of(fp8_gpt_moe_layer_spec.submodules.mlp).experts
@@ -95,7 +95,9 @@ def test_experts_reach_any_moe_layer_as_megatrons_own_modules(grouped):
                          moe_grouped_gemm=grouped, moe_ffn_hidden_size=256)  # fmt: skip
     model = build_gpt(fp8_gpt_moe_layer_spec, config)
     experts = model.module.decoder.layers[0].mlp.experts
-    assert type(experts) is (TEGroupedMLP if grouped else SequentialMLP)
+    # grouped: Megatron's TEGroupedMLP (its parameters and checkpoint keys) with SwiGLU fused into fc2
+    assert type(experts) is (Fp8GroupedMLP if grouped else SequentialMLP)
+    assert isinstance(experts, TEGroupedMLP) or not grouped
     assert sum(is_fp8_linear(m) for m in experts.modules()) == (2 if grouped else 8)
     assert any(".mlp.experts.linear_fc1.weight" in k or ".mlp.experts.local_experts.0.linear_fc1.weight" in k
                for k in model.state_dict())  # fmt: skip
