@@ -93,6 +93,7 @@ def _worker(rank: int, tp: int, port: int, shape: dict, out_path: str) -> None:
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
     from primus_fp8_plugin.megatron.cpu import cpu_transformer_config, init_cpu_distributed
+    from primus_fp8_plugin import fp8_blockwise_linear
     from primus_fp8_plugin.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
@@ -118,7 +119,7 @@ def _worker(rank: int, tp: int, port: int, shape: dict, out_path: str) -> None:
 
             def before(t, layer=plug):  # the plugin's column-parallel _forward_impl before the FP8 all-gather
                 gathered = gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=group)
-                return layer._fp8_linear(gathered, layer.weight, None, False)
+                return fp8_blockwise_linear(gathered, layer.weight, None, **layer.fp8_options())
 
             got["plugin_bf16_gather"] = _saved(before, x, out_tokens)
         else:
