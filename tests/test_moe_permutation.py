@@ -84,3 +84,37 @@ def test_unpermute_equals_megatrons_unpermute_and_its_gradients(backend, probs_d
     assert same(y.grad, want_grads[0])
     if pp is not None:
         assert same(pp.grad, want_grads[1]) and pp.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tokens, experts, topk, k, n, seed", [(150, 6, 2, 256, 192, 3), (61, 8, 3, 200, 72, 4)])
+def test_grouped_linear_on_routed_tokens_equals_megatrons_permute_then_the_grouped_linear(
+    backend, tokens, experts, topk, k, n, seed
+):
+    """``fp8_grouped_linear(x, routing, ...)`` reads the tokens through the permutation: the output and the
+    gradients of x (each token's copies summed), the weights and the biases equal Megatron's ``permute`` followed by
+    the grouped linear on the permuted copy, bit for bit."""
+    from primus_fp8_plugin import fp8_grouped_linear
+
+    routing_map, _ = routing_case(tokens, experts, topk, seed)
+    num_out = tokens * topk
+    x = make_input((tokens, k), seed=seed).requires_grad_(True)
+    ws = [(0.05 * make_input((n, k), seed=seed + 10 + e, spread=False)).requires_grad_(True) for e in range(experts)]
+    bs = [(0.1 * make_input((n,), seed=seed + 40 + e, spread=False)).requires_grad_(True) for e in range(experts)]
+    dy = make_input((num_out, n), seed=seed + 99)
+    r = route(routing_map, num_out)
+
+    def run(fn):
+        y = fn()
+        y.backward(dy)
+        grads = [p.grad for p in (x, *ws, *bs)]
+        for p in (x, *ws, *bs):
+            p.grad = None
+        return y.detach(), grads
+
+    got = run(lambda: fp8_grouped_linear(x, r, ws, bs, backend=backend))
+    counts = routing_map.sum(0).tolist()
+    want = run(lambda: fp8_grouped_linear(moe_utils.permute(x, routing_map, num_out_tokens=num_out)[0], counts, ws, bs,
+                                          backend=backend))  # fmt: skip
+    assert same(got[0], want[0])
+    assert all(same(a, b) for a, b in zip(got[1], want[1]))

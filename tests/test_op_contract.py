@@ -1,7 +1,8 @@
 """The contract every FP8 op of the package keeps, on every backend this machine has.
 
-Ops: the plain, norm and SwiGLU linears, the grouped (MoE) linear, the grouped SwiGLU linear (rows weighted by
-routing probabilities, a differentiable input), and the plain and norm linears under sequence parallelism (a
+Ops: the plain, norm and SwiGLU linears, the grouped (MoE) linear (given permuted rows, or the tokens and an MoE
+layer's ``Routing``: read through the permutation), the grouped SwiGLU linear (rows weighted by routing
+probabilities, a differentiable input), and the plain and norm linears under sequence parallelism (a
 one-rank gloo group here: the exchange's code runs; tests/test_sequence_parallel.py runs two ranks).
 Weight sources: quantized per call, and (``*_held``) FP8 primary weights: a weight cache holding W only as the
 weights' primary form (``WeightCache.own``), the weights' high-precision data then replaced by NaN, so that any read
@@ -28,6 +29,7 @@ from primus_fp8_plugin import (
     fp8_swiglu_linear,
 )
 from primus_fp8_plugin.backends import get_backend
+from primus_fp8_plugin.permutation import route
 from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole
 from primus_fp8_plugin.tensor import HIGH_PRECISION_DTYPES
 from primus_fp8_plugin.weight_cache import GroupedWeightCache, WeightCache
@@ -56,6 +58,7 @@ class Op:
     swiglu: bool = False
     sequence_parallel: bool = False
     held: bool = False  # the weights' FP8 primary form held by a weight cache, their bf16 data gone
+    routed: bool = False  # grouped: the tokens in token order and a ``Routing`` (each token to 0-2 experts)
 
     def leaves(self, rows: int, k: int, n: int, seed: int, dtype=torch.bfloat16, bias: bool = True) -> dict:
         """The op's differentiable inputs: ``x`` (or ``h``), norm parameters, weights, biases."""
@@ -70,7 +73,12 @@ class Op:
         t["b"] = None
         if bias:
             t["b"] = [(0.1 * make_input((n,), seed=seed + 20 + i, spread=False, device=DEVICE)).to(dtype) for i in range(nw)]
-        if self.grouped:
+        if self.grouped and self.routed:  # experts 0 and 2 take random tokens, expert 1 none
+            g = torch.Generator().manual_seed(seed + 4)
+            routing_map = torch.rand((rows, E), generator=g) < torch.tensor([0.7, 0.0, 0.5])
+            t["routing"] = route(routing_map.to(DEVICE), int(routing_map.sum()))
+            t["counts"] = routing_map.sum(0).tolist()  # the rows of the output, per expert
+        elif self.grouped:
             cut = [rows // 3, 0, rows - rows // 3]  # an expert with no tokens
             t["counts"] = cut
         if self.grouped and self.swiglu:  # routing probabilities, one per token (fp32, as Megatron's router gives)
@@ -99,7 +107,7 @@ class Op:
         if self.grouped and self.swiglu:
             return fp8_grouped_swiglu_linear(t["x"], t["counts"], t["w"], b, probs=t["probs"], backend=backend, **kw)
         if self.grouped:
-            return fp8_grouped_linear(t["x"], t["counts"], t["w"], b, backend=backend, **kw)
+            return fp8_grouped_linear(t["x"], t.get("routing", t["counts"]), t["w"], b, backend=backend, **kw)
         bias = None if b is None else b[0]
         if self.norm:
             return fp8_norm_linear(t["x"], t["gamma"], t["beta"], t["w"][0], bias, backend=backend, **kw)
@@ -113,6 +121,7 @@ OPS = [
     Op("norm_linear", norm=True),
     Op("swiglu_linear", swiglu=True),
     Op("grouped_linear", grouped=True),
+    Op("routed_grouped_linear", grouped=True, routed=True),
     Op("grouped_swiglu_linear", grouped=True, swiglu=True),
     Op("sp_linear", sequence_parallel=True),
     Op("sp_norm_linear", norm=True, sequence_parallel=True),

@@ -6,7 +6,7 @@ op                             stage              exchange                      
 ``fp8_blockwise_linear``       Plain              Local, or SequenceParallel(``sequence_parallel_group``)  Dense
 ``fp8_norm_linear``            Norm               Local, or SequenceParallel(``sequence_parallel_group``)  Dense
 ``fp8_swiglu_linear``          Swiglu             Local                                         Dense
-``fp8_grouped_linear``         Plain              Local                                         Grouped
+``fp8_grouped_linear``         Plain              Local, or Permuted(a ``Routing``)             Grouped
 ``fp8_grouped_swiglu_linear``  Swiglu (weighted)  Local                                         Grouped
 =============================  =================  ============================================  ========
 
@@ -31,11 +31,12 @@ from ..backends import Backend, get_backend
 from ..backends.reference_fused import ROW_WEIGHT_DTYPES, weight_rows
 from ..grouped_tensor import GroupLayout, group_layout
 from ..normalization import check_norm_inputs, norm, norm_gamma
+from ..permutation import Routing
 from ..recipe import BlockwiseRecipe
 from ..swiglu import check_swiglu_input, swiglu
 from . import checks
 from .core import LinearPlan, apply_linear
-from .exchange import Local, SequenceParallel, fp8_gather_possible, gather_rows
+from .exchange import Local, Permuted, SequenceParallel, fp8_gather_possible, gather_rows
 from .layouts import Dense, Grouped
 from .stages import Norm, Plain, Swiglu
 
@@ -269,7 +270,7 @@ def fp8_swiglu_linear(
 @eager_under_compile
 def fp8_grouped_linear(
     x: torch.Tensor,
-    m_splits: GroupLayout | torch.Tensor | Sequence[int],
+    m_splits: GroupLayout | torch.Tensor | Sequence[int] | Routing,
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor] | None = None,
     *,
@@ -284,10 +285,13 @@ def fp8_grouped_linear(
 
     Args:
         x: ``[..., in_features]`` bfloat16/float16/float32; the flattened rows are the permuted tokens (expert 0's
-            first).
+            first), or, with a ``Routing``, the tokens in token order.
         m_splits: tokens per expert: a list of ints, an integer tensor ``[E]`` on the tokens' device (checked without
             a host synchronisation on a GPU: ``grouped_tensor.group_layout``; the bias gradients read them on the
-            host), or a ``GroupLayout``.
+            host), or a ``GroupLayout``; or an MoE layer's ``permutation.Routing``: the rows are ``x[sorted_indices]``
+            (``[N, out_features]`` returned, expert order), quantized straight from ``x`` without a permuted copy,
+            and ``x``'s gradient sums each token's rows (``exchange.Permuted``): the bits of
+            ``fp8_grouped_linear(x[routing.sorted_indices], routing.layout, ...)``.
         weights: ``E`` tensors ``[out_features, in_features]``; with a ``main_grad`` on every one (Megatron), the weight
             gradients are accumulated into them in fp32 (``core.main_grads_to_fill``).
         biases: ``E`` tensors ``[out_features]`` or None.
@@ -303,16 +307,26 @@ def fp8_grouped_linear(
     checks.check_weights(weights, x.shape[-1], x.device, each=weight_cache is None)
     checks.check_biases(biases, len(weights), weights[0].shape[0], x.device)
     x = _autocast(x)
-    grouped = _grouped_layout(x, m_splits, len(weights))
+    exchange = _LOCAL
+    if isinstance(m_splits, Routing):
+        exchange, rows = Permuted(m_splits.sorted_indices, m_splits.num_tokens), m_splits.sorted_indices
+        exchange.check(x.shape, x.device)
+        if 0 in weights[0].shape:  # computed exactly on the permuted rows (nothing to quantize)
+            x, exchange, rows = x.reshape(m_splits.num_tokens, x.shape[-1]).index_select(0, rows), _LOCAL, None
+        permuted_rows = m_splits.sorted_indices.numel()
+        grouped = Grouped(_grouped_layout(x, m_splits.layout, len(weights), rows=permuted_rows).layout, rows=rows)
+    else:
+        grouped = _grouped_layout(x, m_splits, len(weights))
     if 0 in weights[0].shape:
         return _exact(x, weights, biases, grouped)
     checks.check_trainable_weights([x], weights, biases)
-    return _run(_PLAIN, _LOCAL, grouped, (x,), weights, biases, recipe, backend, weight_cache, refresh_weight_cache)
+    return _run(_PLAIN, exchange, grouped, (x,), weights, biases, recipe, backend, weight_cache, refresh_weight_cache)
 
 
-def _grouped_layout(x: torch.Tensor, m_splits, num_experts: int) -> Grouped:
-    """The grouped layout of ``x``'s rows split as ``m_splits`` says (a ``GroupLayout`` checked against them)."""
-    rows = math.prod(x.shape[:-1])
+def _grouped_layout(x: torch.Tensor, m_splits, num_experts: int, rows: int | None = None) -> Grouped:
+    """The grouped layout of ``x``'s rows (or ``rows`` permuted rows) split as ``m_splits`` says (a ``GroupLayout``
+    checked against them)."""
+    rows = math.prod(x.shape[:-1]) if rows is None else rows
     if isinstance(m_splits, GroupLayout):
         layout = m_splits
         if layout.num_groups != num_experts or layout.num_tokens != rows or layout.device != x.device:

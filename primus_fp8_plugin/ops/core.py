@@ -113,7 +113,7 @@ def _backward(ctx, dy):
 
     dyq = None
     if need_dx or need_dw:  # bias-only training needs no FP8 dY
-        dyq = layout.quantize_act(backend, dy2d, recipe.params(TensorRole.GRAD_OUTPUT), rowwise=need_dx, columnwise=need_dw)
+        dyq = layout.quantize_grad(backend, dy2d, recipe.params(TensorRole.GRAD_OUTPUT), rowwise=need_dx, columnwise=need_dw)
     started = exchange.start_gather_columnwise(x_col, x_col_scale) if need_dw and not requantize else None
     dx2d, rs_work = None, None
     if need_dx:  # W^T: the weight source's, or made now from W's blocks (a weight held as W only) and freed after

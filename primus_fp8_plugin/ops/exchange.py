@@ -1,6 +1,7 @@
 """Token exchanges of the FP8 linear core: where X's rows come from and where dX's rows go.
 
-``Local``: the rows are this process's. ``SequenceParallel(group)``: Megatron's sequence parallelism for a
+``Local``: the rows are this process's. ``Permuted(sorted_indices, num_tokens)``: an MoE layer's token permutation
+(below).  ``SequenceParallel(group)``: Megatron's sequence parallelism for a
 column-parallel layer. Each tensor-parallel rank holds ``m`` of the sequence's rows; as Transformer Engine does,
 
 Forward:  X_local [m, K] --quantize (the input stage)--> all-gather the rowwise FP8 data and scales -> X [tp*m, K]
@@ -24,6 +25,8 @@ Layouts (``tensor.py``): the gathered rowwise copy is the ranks' data stacked al
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -159,3 +162,39 @@ class SequenceParallel:
 
     def reduce_scatter(self, dx2d: torch.Tensor):
         return reduce_scatter_rows(dx2d, self.group, self.world, async_op=True)
+
+
+class Permuted:
+    """An MoE layer's token permutation (``permutation.Routing``), with the grouped layout that reads through it
+    (``layouts.Grouped(rows=)``): the op's input is the tokens ``x [T, K]`` in token order; its rows are their copies
+    in expert order, ``x[sorted_indices]`` ``[N, K]``, which the grouped quantization reads through the permutation
+    (no permuted bf16 copy is written). Backward: each token's dX is the sum of its copies' rows, added into zeros
+    with ``index_add_`` in dX's dtype (the gradient autograd gives ``x.index_select(0, sorted_indices)``, Megatron's
+    ``permute``, bit for bit). No host synchronisation."""
+
+    world = 1
+
+    def __init__(self, sorted_indices: torch.Tensor, num_tokens: int) -> None:
+        self.sorted_indices, self.num_tokens = sorted_indices, num_tokens
+
+    def gathered_shape(self, shape: torch.Size) -> tuple:
+        return (self.sorted_indices.numel(),)
+
+    def check(self, shape: torch.Size, device: torch.device) -> None:
+        rows = math.prod(shape[:-1])
+        if rows != self.num_tokens or self.sorted_indices.device != device:
+            raise ValueError(f"the routing routes {self.num_tokens} tokens on {self.sorted_indices.device}; the input "
+                             f"has {rows} rows on {device} (pass the tokens in token order, [T, K])")  # fmt: skip
+
+    def gather_rowwise(self, xq):
+        return xq
+
+    def start_gather_columnwise(self, data, scale_inv):
+        return data, scale_inv
+
+    def finish_gather_columnwise(self, started):
+        return started
+
+    def reduce_scatter(self, dx2d):
+        dx = dx2d.new_zeros(self.num_tokens, dx2d.shape[1]).index_add_(0, self.sorted_indices, dx2d)
+        return dx, None

@@ -32,6 +32,9 @@ class Dense:
     def quantize_act(self, backend: Backend, x2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
         return backend.quantize_act(x2d, params, rowwise=rowwise, columnwise=columnwise)
 
+    def quantize_grad(self, backend: Backend, dy2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
+        return backend.quantize_act(dy2d, params, rowwise=rowwise, columnwise=columnwise)
+
     def quantize_swiglu_act(self, backend: Backend, h2d, params: QuantParams, *, rowwise: bool, columnwise: bool, probs):
         if probs is not None:
             raise NotImplementedError("row-weighted SwiGLU (probs) has a grouped form only")
@@ -66,17 +69,27 @@ class Dense:
 
 
 class Grouped:
-    """``E`` experts' weights over permuted tokens (expert 0's rows first): ``Y_e = X_e W_e^T (+ b_e)``."""
+    """``E`` experts' weights over permuted tokens (expert 0's rows first): ``Y_e = X_e W_e^T (+ b_e)``.
+
+    ``rows`` (int64 ``[N]``, with the ``exchange.Permuted`` exchange): the permuted tokens are ``x[rows]`` of the
+    token-ordered input, read through the permutation by the quantization; plain stage only."""
 
     grouped = True
 
-    def __init__(self, layout: GroupLayout) -> None:
-        self.layout = layout
+    def __init__(self, layout: GroupLayout, rows: torch.Tensor | None = None) -> None:
+        self.layout, self.rows = layout, rows
 
     def quantize_act(self, backend: Backend, x2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
-        return backend.quantize_act_grouped(x2d, self.layout, params, rowwise=rowwise, columnwise=columnwise)
+        return backend.quantize_act_grouped(x2d, self.layout, params, rowwise=rowwise, columnwise=columnwise,
+                                            rows=self.rows)  # fmt: skip
+
+    def quantize_grad(self, backend: Backend, dy2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
+        """dY's copies: its rows are the output's, already in expert order."""
+        return backend.quantize_act_grouped(dy2d, self.layout, params, rowwise=rowwise, columnwise=columnwise)
 
     def quantize_swiglu_act(self, backend: Backend, h2d, params: QuantParams, *, rowwise: bool, columnwise: bool, probs):
+        if self.rows is not None:
+            raise NotImplementedError("the SwiGLU stage reads permuted rows only: permute before it (fc1's output is)")
         return backend.quantize_swiglu_act_grouped(h2d, self.layout, params, rowwise=rowwise, columnwise=columnwise,
                                                    probs=probs)  # fmt: skip
 
