@@ -92,8 +92,8 @@ def _worker(rank: int, tp: int, port: int, shape: dict, out_path: str) -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-    from primus_fp8_plugin.megatron.cpu import cpu_transformer_config, init_cpu_distributed
     from primus_fp8_plugin import fp8_blockwise_linear
+    from primus_fp8_plugin.megatron.cpu import cpu_transformer_config, init_cpu_distributed
     from primus_fp8_plugin.megatron.layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
