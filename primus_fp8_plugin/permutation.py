@@ -16,8 +16,9 @@ routing probabilities in one pass.
   CPU; a GPU under ``torch.use_deterministic_algorithms``, where it uses ``index_add_``;
   ``kernels/triton/permute.py``); its backward is the gather autograd gives.
 
-Tested as operations against Megatron's ``permute`` / ``unpermute`` (``tests/test_moe_permutation.py``); not yet
-used by a Megatron MoE layer: Megatron's token dispatchers own the permutation there (``docs/MEGATRON.md``).
+Tested as operations against Megatron's ``permute`` / ``unpermute`` (``tests/test_moe_permutation.py``); the grouped
+FP8 linear reads routed tokens with a ``Routing`` (``ops.fp8_grouped_linear``); ``megatron/moe.py`` routes a
+Megatron MoE layer's tokens this way.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@
   not partitioned. The local shard is ``output_size / expert_tp`` (column) or ``input_size / expert_tp`` (row):
   the token dispatcher does all communication;
 * ``forward(x, m_splits)`` -> ``(y, None)``, or ``(y, [bias0, ..])`` with ``skip_bias_add`` (TEGroupedMLP scales
-  fc2's biases by the routing probabilities); ``m_splits`` a list, an integer device tensor or a ``GroupLayout``;
+  fc2's biases by the routing probabilities); ``m_splits`` a list, an integer device tensor, a ``GroupLayout`` or (column-parallel, the tokens in token order) a
+  ``permutation.Routing``;
   ``input_stage="swiglu"`` (row-parallel only): ``x`` is fc1's ``[gate | up]`` output and ``forward(x, m_splits,
   probs)`` computes SwiGLU, times each token's routing probability, quantized straight into the grouped layout
   (``ops.fp8_grouped_swiglu_linear``);
@@ -27,7 +28,9 @@
 activation is plain SwiGLU (``grouped_swiglu_fusable``), runs fc1 -> fc2 with SwiGLU and the routing probabilities
 fused into fc2's input quantization (the bf16 activation is never written) and the token counts kept on the device
 (``TEGroupedMLP`` reads them on the host); the same bits, outputs and gradients (the router's included), as
-Megatron's unfused composition (``act(fc1) * probs``, then fc2). Elsewhere it is exactly ``TEGroupedMLP``.
+Megatron's unfused composition (``act(fc1) * probs``, then fc2). Given a ``Routing`` in place of the counts
+(``moe.RoutedTokenDispatcher``), the hidden states are the tokens in token order and fc1 reads them through the
+permutation. Elsewhere it is exactly ``TEGroupedMLP``.
 
 ``Fp8Experts`` is an experts builder for ``MoESubmodules.experts``: ``Fp8GroupedMLP`` with these linears, or
 ``SequentialMLP`` with the dense FP8 linears, chosen by ``grouped`` or (None) by ``config.moe_grouped_gemm``
@@ -57,6 +60,7 @@ from .. import env
 from ..grouped_tensor import group_layout
 from ..modules import HoldsWeightCache, expert_parameter_names, expert_parameters, take_first_microbatch
 from ..ops import fp8_grouped_linear, fp8_grouped_swiglu_linear
+from ..permutation import Routing
 from ..recipe import BlockwiseRecipe
 from ..weight_cache import GroupedWeightCache
 from .compat import GroupedMLPSubmodules, grouped_linear
@@ -300,6 +304,10 @@ class Fp8GroupedMLP(TEGroupedMLP):
         if not self.fused_swiglu or any(a is not None for a in (*args, *kwargs.values())):  # output buffers (TE)
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
         x, probs = permuted_local_hidden_states, permuted_probs
+        if isinstance(tokens_per_expert, Routing):  # the tokens in token order (moe.RoutedTokenDispatcher)
+            h, _ = self.linear_fc1(x, tokens_per_expert)
+            out, _ = self.linear_fc2(h, tokens_per_expert.layout, probs)
+            return out, None
         # one layout for fc1 and fc2, the counts kept where they are (no host read)
         layout = group_layout(tokens_per_expert, x.shape[0], x.device, num_groups=self.num_local_experts)
         if self.config.moe_apply_probs_on_input:  # as TEGroupedMLP: the input scaled, the activation by ones

@@ -32,6 +32,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -48,6 +49,7 @@ from .grouped import (
 )
 from .layers import Fp8ColumnParallelLinear, Fp8LayerNormColumnParallelLinear, Fp8RowParallelLinear
 from .mlp import Fp8SwigluMLP
+from .moe import Fp8MoELayer
 from .norm import TorchNorm
 
 TE_MISSING = (
@@ -273,13 +275,17 @@ def get_gpt_layer_spec(
 
 
 def _with_experts(mlp, experts):
-    """The MoE layer spec (a partial of MoELayer, or a ModuleSpec) with its ``experts`` replaced."""
+    """The MoE layer spec (a partial of MoELayer, or a ModuleSpec) with its ``experts`` replaced and the layer
+    ``Fp8MoELayer`` (Megatron's ``MoELayer`` routing tokens straight into the grouped FP8 layout where it can)."""
     if isinstance(mlp, partial):
         kw = dict(mlp.keywords)
         kw["submodules"] = dataclasses.replace(kw["submodules"], experts=experts)
-        return partial(mlp.func, *mlp.args, **kw)
+        func = Fp8MoELayer if mlp.func is MoELayer else mlp.func
+        return partial(func, *mlp.args, **kw)
     mlp = copy.copy(mlp)
     mlp.submodules = dataclasses.replace(mlp.submodules, experts=experts)
+    if mlp.module is MoELayer:
+        mlp.module = Fp8MoELayer
     return mlp
 
 

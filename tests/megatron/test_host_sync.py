@@ -31,6 +31,9 @@ pytestmark = pytest.mark.usefixtures("megatron_world")
 PLUGIN = str(Path(primus_fp8_plugin.__file__).resolve().parent)
 TORCH = str(Path(torch.__file__).resolve().parent)
 INTERPRETER_ONLY = ("interpreter_fix.py",)  # runs only under TRITON_INTERPRET=1, never on a GPU
+# (file, function) whose host read is the CPU branch of a check that a GPU makes device-side
+# (``torch._assert_async``; tests/gpu/test_gpu_counts.py runs it under set_sync_debug_mode("error"))
+CPU_BRANCH_ONLY = {("grouped_tensor.py", "_device_layout")}
 
 # Tensor methods and torch functions that hand a device value to the host (a device synchronisation)
 HOST_READS = {"__bool__", "__int__", "__float__", "__index__", "__complex__", "item", "tolist", "numpy", "cpu",
@@ -39,24 +42,27 @@ HOST_READS = {"__bool__", "__int__", "__float__", "__index__", "__complex__", "i
 
 
 class HostReads(TorchFunctionMode):
-    """Records ``(function, file:line)`` of every host read whose nearest caller outside torch is the plugin."""
+    """Records ``(function, file:line)`` of every host read whose nearest caller outside torch is the plugin (or
+    a file under one of ``roots``, e.g. Megatron's MoE code)."""
 
-    def __init__(self):
+    def __init__(self, roots: tuple[str, ...] = ()):
         super().__init__()
+        self.roots = (PLUGIN, *roots)
         self.found: list[tuple[str, str]] = []
-        self.plugin_calls = 0  # torch calls made from the plugin's code (the mode saw the layers at all)
+        self.plugin_calls = 0  # torch calls made from the watched code (the mode saw the layers at all)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         frame = sys._getframe(1)
         while frame is not None and frame.f_code.co_filename.startswith(TORCH):
             frame = frame.f_back
         where = frame.f_code.co_filename if frame is not None else ""
-        if where.startswith(PLUGIN) and not where.endswith(INTERPRETER_ONLY):
+        cpu_branch = (Path(where).name, frame.f_code.co_name if frame is not None else "") in CPU_BRANCH_ONLY
+        if where.startswith(self.roots) and not where.endswith(INTERPRETER_ONLY) and not cpu_branch:
             self.plugin_calls += 1
             name = getattr(func, "__name__", str(func))
             repeats = name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor)
             if name in HOST_READS or repeats:
-                self.found.append((name, f"{Path(where).relative_to(PLUGIN)}:{frame.f_lineno}"))
+                self.found.append((name, f"{where}:{frame.f_lineno}"))
         return func(*args, **(kwargs or {}))
 
 

@@ -1,0 +1,130 @@
+"""Megatron's MoE layer with the tokens going straight from the router into the grouped FP8 layout.
+
+``Fp8MoELayer`` is Megatron's ``MoELayer`` (same constructor, submodules, parameters and checkpoint keys). Where
+``routed_dispatch_blocker`` finds nothing in the way (all experts local and no token exchange: EP = 1 and an expert
+TP of 1; dropless top-k routing; the experts ``Fp8GroupedMLP`` with SwiGLU fused), its token dispatcher is a
+``RoutedTokenDispatcher``. Per MoE layer forward and backward it does, with the token counts on the device
+throughout (no device-to-host copy, nothing sized on the host but ``T * topk``):
+
+Forward:  router -> routing map [T, E] --``permutation.route``--> the permutation (expert-major, token order) and
+          the experts' counts; fc1 quantizes ``x[sorted_indices]`` straight from the tokens (``fp8_grouped_linear``
+          with the ``Routing``: no permuted bf16 copy); SwiGLU x routing probability quantized into fc2's input;
+          the combine: each token's rows of fc2's output summed in one pass (``permutation.unpermute``).
+Backward: the combine's gather; fc2, fc1 as the grouped op; x's gradient: each token's rows of dX added
+          (``exchange.Permuted``).
+
+The same bits, outputs and gradients (the router's included), as the layer with Megatron's dispatcher on the
+CPU (Megatron's ``permute``/``unpermute`` torch paths; ``tests/megatron/test_moe_routed.py``). On a GPU Megatron's
+``unpermute`` adds a token's rows with atomics in bf16 in no fixed order; the plugin's combine adds them in fp32 in
+the rows' order and rounds once (``docs/NUMERICS.md``).
+
+Megatron's dispatcher runs instead, for the layer's life, where a blocker is found (``routed_dispatch_off``
+names it), and for a forward given a ``padding_mask`` (padded tokens are routed nowhere: the rows are no longer
+``T * topk``).
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from ..permutation import permute_probs, route, unpermute
+from .grouped import Fp8GroupedMLP
+
+
+def routed_dispatch_blocker(layer) -> str | None:
+    """Why ``layer`` (a built ``MoELayer``) cannot route its tokens straight into the grouped FP8 layout, or None."""
+    config, experts, dispatcher = layer.config, layer.experts, layer.token_dispatcher
+    checks = [
+        (isinstance(experts, Fp8GroupedMLP) and experts.fused_swiglu,
+         "the experts are not Fp8GroupedMLP with SwiGLU fused (grouped_swiglu_fusable)"),
+        (config.moe_token_dispatcher_type in ("allgather", "alltoall"),
+         f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} (allgather and alltoall are replaced)"),
+        (getattr(dispatcher, "ep_size", None) == 1 and getattr(dispatcher, "tp_size", None) == 1,
+         "tokens cross ranks (expert-parallel or expert-tensor-parallel size > 1)"),
+        (config.moe_expert_capacity_factor is None and not config.moe_pad_expert_input_to_capacity,
+         "token dropping / capacity padding (moe_expert_capacity_factor)"),
+        (not (getattr(config, "moe_router_padding_for_quantization", False)
+              or getattr(config, "moe_router_padding_for_fp8", False)),
+         "the router pads the experts' tokens (moe_router_padding_for_quantization)"),
+        (not config.moe_apply_probs_on_input, "moe_apply_probs_on_input (the input is scaled before fc1)"),
+        (not config.moe_shared_expert_overlap, "moe_shared_expert_overlap (Megatron's dispatcher runs the shared experts)"),
+        (not _captures_moe(config), "CUDA-graph capture of MoE parts (cuda_graph_modules / cuda_graph_scope)"),
+    ]  # fmt: skip
+    return next((reason for ok, reason in checks if not ok), None)
+
+
+def _captures_moe(config) -> bool:
+    scopes = [*(getattr(config, "cuda_graph_modules", None) or ()), *(getattr(config, "cuda_graph_scope", None) or ())]
+    return getattr(config, "cuda_graph_impl", "none") != "none" and any("moe" in str(s) for s in scopes)
+
+
+class RoutedTokenDispatcher:
+    """Megatron's token-dispatcher protocol without a token exchange (module docstring): ``dispatch_postprocess``
+    hands the experts the tokens in token order, the ``Routing`` in place of the counts and the permuted
+    probabilities; ``combine_preprocess`` is the fused combine. Megatron's dispatcher (``megatron``) serves every
+    other attribute and, while ``active`` is False, every step."""
+
+    def __init__(self, megatron, topk: int, backend: str) -> None:
+        self.megatron, self.topk, self.backend = megatron, topk, backend
+        self.active = True
+        self.hidden_shape = self.routing_map = self.routing = None
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["megatron"], name)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        if not self.active:
+            return self.megatron.dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape, self.routing_map = hidden_states.shape, routing_map
+        return hidden_states.view(-1, hidden_states.shape[-1]), probs
+
+    def token_dispatch(self, hidden_states, probs, *args, **kwargs):
+        if not self.active:
+            return self.megatron.token_dispatch(hidden_states, probs, *args, **kwargs)
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        """``(tokens [T, H], Routing, permuted probabilities [T * topk])``."""
+        if not self.active:
+            return self.megatron.dispatch_postprocess(hidden_states, probs)
+        self.routing = route(self.routing_map, hidden_states.shape[0] * self.topk)
+        self.routing_map = None
+        return hidden_states, self.routing, permute_probs(probs, self.routing)
+
+    def combine_preprocess(self, hidden_states):
+        if not self.active:
+            return self.megatron.combine_preprocess(hidden_states)
+        routing, self.routing = self.routing, None
+        return unpermute(hidden_states, routing, backend=self.backend)
+
+    def token_combine(self, hidden_states, *args, **kwargs):
+        if not self.active:
+            return self.megatron.token_combine(hidden_states, *args, **kwargs)
+        return hidden_states
+
+    def combine_postprocess(self, hidden_states):
+        if not self.active:
+            return self.megatron.combine_postprocess(hidden_states)
+        return hidden_states.view(self.hidden_shape)
+
+
+class Fp8MoELayer(MoELayer):
+    """Megatron's ``MoELayer`` whose tokens go straight from the router into the grouped FP8 layout where
+    ``routed_dispatch_blocker`` allows (module docstring); ``routed_dispatch_off``: the blocker, or None."""
+
+    def __init__(self, config, submodules=None, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.routed_dispatch_off = routed_dispatch_blocker(self)
+        self.routed_dispatcher = None
+        if self.routed_dispatch_off is None:
+            backend = self.experts.linear_fc2.fp8_backend
+            self.routed_dispatcher = RoutedTokenDispatcher(self.token_dispatcher, config.moe_router_topk, backend)
+            self.token_dispatcher = self.routed_dispatcher
+            if hasattr(self, "_training_token_dispatcher"):  # Megatron swaps it back in for training forwards
+                self._training_token_dispatcher = self.routed_dispatcher
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.routed_dispatcher is not None:
+            padding_mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+            self.routed_dispatcher.active = padding_mask is None
+        return super().forward(hidden_states, *args, **kwargs)
