@@ -148,12 +148,14 @@ def test_resume_reproduces_the_next_steps_exactly(tmp_path):
 
 
 def test_moe_run_with_grouped_experts(tmp_path):
-    """model.moe_grouped_gemm=true: the experts are the plugin's grouped ones, and the MoE model trains."""
+    """model.moe_grouped_gemm=true: the experts are the plugin's grouped ones, and the MoE model trains; with SwiGLU
+    experts the tokens go straight from the router into the grouped FP8 layout (``moe_dispatch`` says so)."""
     moe = ["model.num_experts=4", "model.add_bias_linear=false", "train.steps=6", "logging.log_interval=1",
            "train.micro_batch_size=2", "train.global_batch_size=2"]  # fmt: skip
-    proc, records = train(tmp_path, *moe, "model.moe_grouped_gemm=true")
+    proc, records = train(tmp_path, *moe, "model.moe_grouped_gemm=true", "model.swiglu=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert next(r for r in records if r.get("event") == "start")["experts"] == "Fp8GroupedMLP"  # TEGroupedMLP, fused SwiGLU
+    start = next(r for r in records if r.get("event") == "start")
+    assert start["experts"] == "Fp8GroupedMLP" and start["moe_dispatch"] == "routed"  # TEGroupedMLP, fused SwiGLU
     loss = losses(records)
     assert sorted(loss) == [1, 2, 3, 4, 5, 6] and loss[6] < loss[1]
 

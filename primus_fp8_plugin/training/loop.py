@@ -287,14 +287,18 @@ def run(cfg) -> dict:
 
             n_params = sum(p.numel() for p in model.parameters())
             # which experts an MoE model runs (TEGroupedMLP: grouped GEMMs; SequentialMLP: a GEMM per expert)
-            experts = next((type(m.experts).__name__ for m in model.modules() if hasattr(m, "router")), None)
+            moe = next((m for m in model.modules() if hasattr(m, "router")), None)
+            experts = None if moe is None else type(moe.experts).__name__
+            # routed: tokens from the router straight into the grouped FP8 layout (megatron/moe.py), else why not
+            off = getattr(moe, "routed_dispatch_off", "not an Fp8MoELayer")
+            dispatch = None if moe is None else ("routed" if off is None else f"megatron ({off})")
             metrics.log({"event": "start", "run_id": start_at.run_id, "version": __version__, "params": n_params,
                          "param_bytes": param_bytes(model), "fp8_params": bool(cfg.fp8.params),
                          "fp8": cfg.fp8.mode, "backend": cfg.backend.name, "backend_resolved": backend,
                          "device": str(device), "world_size": dist.get_world_size(), "tp": cfg.parallel.tp,
                          "pp": cfg.parallel.pp, "sp": bool(cfg.parallel.sequence_parallel),
                          "ep": parallel_state.get_expert_model_parallel_world_size(), "dp": dp,
-                         "start_step": start, "experts": experts})  # fmt: skip
+                         "start_step": start, "experts": experts, "moe_dispatch": dispatch})  # fmt: skip
             if resumed.path is not None:
                 metrics.log({"event": "resume", "checkpoint": str(resumed.path), "source": start_at.source, "step": start,
                              "changed": {k: list(v) for k, v in resumed.changed.items()},
