@@ -14,8 +14,8 @@
   not partitioned. The local shard is ``output_size / expert_tp`` (column) or ``input_size / expert_tp`` (row):
   the token dispatcher does all communication;
 * ``forward(x, m_splits)`` -> ``(y, None)``, or ``(y, [bias0, ..])`` with ``skip_bias_add`` (TEGroupedMLP scales
-  fc2's biases by the routing probabilities); ``m_splits`` a list, an integer device tensor, a ``GroupLayout`` or (column-parallel, the tokens in token order) a
-  ``permutation.Routing``;
+  fc2's biases by the routing probabilities); ``m_splits`` a list, an integer device tensor, a ``GroupLayout`` or
+  (plain stage, ``x`` the tokens in token order) a ``permutation.Routing``;
   ``input_stage="swiglu"`` (row-parallel only): ``x`` is fc1's ``[gate | up]`` output and ``forward(x, m_splits,
   probs)`` computes SwiGLU, times each token's routing probability, quantized straight into the grouped layout
   (``ops.fp8_grouped_swiglu_linear``);

@@ -5,7 +5,8 @@ into it with one tree walker (``_swap``: the linears by class name) and direct r
 * ``get_gpt_layer_spec(...)``: a GPT layer (dense or MoE), TE-style with the norm fused into
   ``linear_qkv`` / ``linear_fc1`` (``fused_norm=True``), or local-style with separate norms.
 * ``apply_fp8_blockwise(spec, ...)``: swaps every linear of an existing spec (local or TE) for its
-  FP8 counterpart (and Megatron's ``TEGroupedMLP`` for ``Fp8GroupedMLP``, which fuses SwiGLU into fc2);
+  FP8 counterpart (and Megatron's ``TEGroupedMLP`` for ``Fp8GroupedMLP``, which fuses SwiGLU into fc2, and its
+  ``MoELayer`` for ``Fp8MoELayer``, which routes tokens straight into the grouped FP8 layout where it can);
   ``fp8_block_spec`` keeps chosen layers (e.g. first and last) in BF16.
 * ``get_gpt_block_spec(num_layers, ...)``: a whole decoder block (with a sequence-parallel capable
   final norm), optionally with BF16 layers (e.g. first and last).
@@ -32,7 +33,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -73,8 +73,9 @@ _SWAP_GROUPED = {
     "TEColumnParallelGroupedLinear": Fp8ColumnParallelGroupedLinear,
     "TERowParallelGroupedLinear": Fp8RowParallelGroupedLinear,
 }
-# Megatron's grouped experts module, with the plugin's linears: the one that fuses SwiGLU into fc2 (grouped.py)
-_SWAP_EXPERTS = {"TEGroupedMLP": Fp8GroupedMLP}
+# Megatron's modules replaced by their subclasses: the grouped experts that fuse SwiGLU into fc2 (grouped.py), the
+# MoE layer that routes tokens straight into the grouped FP8 layout where it can (moe.py)
+_SWAP_MODULES = {"TEGroupedMLP": Fp8GroupedMLP, "MoELayer": Fp8MoELayer}
 _FP8_CLASSES = (Fp8ColumnParallelLinear, Fp8RowParallelLinear, Fp8LayerNormColumnParallelLinear,
                 Fp8ColumnParallelGroupedLinear, Fp8RowParallelGroupedLinear)  # fmt: skip
 
@@ -86,8 +87,8 @@ def _fp8_module(cls: type, recipe: BlockwiseRecipe | None, backend: str) -> Modu
 def _swap(node, recipe, backend):
     """Recursively replace linear classes in a spec tree (ModuleSpec, submodule dataclasses, partials)."""
     if isinstance(node, type):
-        if node.__name__ in _SWAP_EXPERTS:
-            return _SWAP_EXPERTS[node.__name__]
+        if node.__name__ in _SWAP_MODULES:
+            return _SWAP_MODULES[node.__name__]
         if node.__name__ in _SWAP_GROUPED:
             return grouped_linear(_SWAP_GROUPED[node.__name__], fp8_recipe=recipe, fp8_backend=backend)
         new = _SWAP.get(node.__name__)
@@ -98,8 +99,8 @@ def _swap(node, recipe, backend):
             params = dict(node.params or {})
             params.update(fp8_recipe=recipe, fp8_backend=backend)
             node.module, node.params = _SWAP[node.module.__name__], params
-        elif isinstance(node.module, type) and node.module.__name__ in _SWAP_EXPERTS:
-            node.module = _SWAP_EXPERTS[node.module.__name__]
+        elif isinstance(node.module, type) and node.module.__name__ in _SWAP_MODULES:
+            node.module = _SWAP_MODULES[node.module.__name__]
         if node.submodules is not None:
             node.submodules = _swap(node.submodules, recipe, backend)
         return node
@@ -275,17 +276,13 @@ def get_gpt_layer_spec(
 
 
 def _with_experts(mlp, experts):
-    """The MoE layer spec (a partial of MoELayer, or a ModuleSpec) with its ``experts`` replaced and the layer
-    ``Fp8MoELayer`` (Megatron's ``MoELayer`` routing tokens straight into the grouped FP8 layout where it can)."""
+    """The MoE layer spec (a partial of MoELayer, or a ModuleSpec) with its ``experts`` replaced."""
     if isinstance(mlp, partial):
         kw = dict(mlp.keywords)
         kw["submodules"] = dataclasses.replace(kw["submodules"], experts=experts)
-        func = Fp8MoELayer if mlp.func is MoELayer else mlp.func
-        return partial(func, *mlp.args, **kw)
+        return partial(mlp.func, *mlp.args, **kw)
     mlp = copy.copy(mlp)
     mlp.submodules = dataclasses.replace(mlp.submodules, experts=experts)
-    if mlp.module is MoELayer:
-        mlp.module = Fp8MoELayer
     return mlp
 
 
