@@ -44,8 +44,8 @@ class ShapeOnlyBackend(Backend):
 
     quantize_act = quantize_weight = gemm_fwd = gemm_dgrad = gemm_wgrad = _dense
 
-    def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise):
-        t, k = x.shape
+    def quantize_act_grouped(self, x, layout, params, *, rowwise, columnwise, rows=None):
+        t, k = (x.shape[0] if rows is None else rows.numel()), x.shape[1]
         f8, cap, parts = params.fp8_dtype, layout.capacity, {}
         if rowwise:
             parts.update(rowwise_data=torch.empty(t, k, dtype=f8), rowwise_scale_inv=torch.empty(scale_inv_shape(t, k, 1)))
