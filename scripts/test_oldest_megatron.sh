@@ -32,6 +32,7 @@ TESTS=(
   "tests/megatron/test_moe_grouped.py::test_specs_put_the_grouped_experts_where_te_grouped_mlp_stands"
   "tests/megatron/test_moe_grouped.py::test_grouped_experts_equal_sequential_experts_and_share_their_checkpoints"
   "tests/megatron/test_main_grad_fusion.py::test_the_layers_fill_main_grad_with_the_flag_off_and_the_hook_adds_nothing"
+  "tests/megatron/test_moe_routed.py::test_routed_layer_equals_megatrons_dispatcher_bit_for_bit"
   "tests/megatron/test_fast_spec.py::test_object_exports_build_for_both_norms"
   "tests/megatron/test_fast_spec.py::test_fast_spec_equals_the_unfused_plugin_spec_bit_for_bit[reference-cfg_kw0-True]"
   "tests/megatron/test_fast_spec.py::test_check_spec_cli"
