@@ -49,6 +49,8 @@ def routed_dispatch_blocker(layer) -> str | None:
         (not config.moe_apply_probs_on_input, "moe_apply_probs_on_input (the input is scaled before fc1)"),
         (not config.moe_shared_expert_overlap, "moe_shared_expert_overlap (Megatron's dispatcher runs the shared experts)"),
         (not _captures_moe(config), "CUDA-graph capture of MoE parts (cuda_graph_modules / cuda_graph_scope)"),
+        (not getattr(config, "overlap_moe_expert_parallel_comm", False),
+         "overlap_moe_expert_parallel_comm (Megatron's schedule drives its own dispatcher)"),
     ]  # fmt: skip
     return next((reason for ok, reason in checks if not ok), None)
 
