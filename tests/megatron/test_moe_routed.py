@@ -38,16 +38,24 @@ def use_megatrons_dispatcher(model) -> None:
         layer.token_dispatcher, layer.routed_dispatcher = layer.routed_dispatcher.megatron, None
 
 
+AUX_LOSS = dict(moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss")
+# DeepSeek-V3's router: sigmoid scores, an expert bias, scaled top-k, sequence aux loss, z-loss; a shared expert
+DSV3_ROUTER = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+                   moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4, moe_z_loss_coeff=1e-3,
+                   moe_shared_expert_intermediate_size=256)  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "backend, topk, seed",
-    [("reference", 2, 0), ("reference", 3, 1), ("triton", 2, 2)],
+    "backend, topk, seed, router",
+    [("reference", 2, 0, AUX_LOSS), ("reference", 3, 1, DSV3_ROUTER), ("triton", 2, 2, AUX_LOSS)],
+    ids=["reference-top2-aux_loss", "reference-top3-dsv3_router_shared_expert", "triton-top2-aux_loss"],
 )
-def test_routed_layer_equals_megatrons_dispatcher_bit_for_bit(backend, topk, seed):
+def test_routed_layer_equals_megatrons_dispatcher_bit_for_bit(backend, topk, seed, router):
     from primus_fp8_plugin import backend_availability
 
     if not backend_availability(backend, "cpu"):
         pytest.skip(backend_availability(backend, "cpu").reason)
-    cfg = moe_config(moe_router_topk=topk, moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss")
+    cfg = moe_config(moe_router_topk=topk, **router)
     model = build_gpt(moe_spec(True, backend), cfg, seed=seed)
     assert all(layer.routed_dispatch_off is None for layer in moe_layers(model))
     with torch.no_grad():  # starve an expert of the first layer's router: a group with no rows
@@ -57,6 +65,7 @@ def test_routed_layer_equals_megatrons_dispatcher_bit_for_bit(backend, topk, see
     megatron = loss_and_grads(model, seed=seed + 1)
     assert routed[0] == megatron[0]
     assert routed[1].keys() == megatron[1].keys() and any(".router." in n for n in routed[1])
+    assert any(".shared_experts." in n for n in routed[1]) == ("moe_shared_expert_intermediate_size" in router)
     different = [n for n in routed[1] if not torch.equal(routed[1][n], megatron[1][n])]
     assert not different, different
 
