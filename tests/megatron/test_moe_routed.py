@@ -129,3 +129,31 @@ def test_sequential_experts_keep_megatrons_dispatcher():
     assert all("Fp8GroupedMLP" in layer.routed_dispatch_off for layer in moe_layers(model))
     grouped = build_gpt(fp8_gpt_moe_layer_spec, moe_config(moe_grouped_gemm=True, num_moe_experts=8))
     assert all(layer.routed_dispatch_off is None for layer in moe_layers(grouped))
+
+
+def test_a_forward_with_a_padding_mask_runs_megatrons_dispatcher():
+    """Padded tokens are routed nowhere, so the routed rows are not ``T * topk``: that forward goes through Megatron's
+    dispatcher (the same output as the routed path where the mask pads nothing), the next one routes again."""
+    import inspect
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if "padding_mask" not in inspect.signature(MoELayer.forward).parameters:
+        pytest.skip("this megatron-core's MoELayer takes no padding_mask")
+    model = build_gpt(moe_spec(True), moe_config(num_layers=1), seed=5)
+    layer = moe_layers(model)[0]
+    seen = []
+    dispatch = layer.routed_dispatcher.megatron.dispatch_postprocess
+
+    def megatrons(*args):
+        seen.append(layer.routed_dispatcher.active)
+        return dispatch(*args)
+
+    layer.routed_dispatcher.megatron.dispatch_postprocess = megatrons
+    x = torch.randn(32, 2, model.module.config.hidden_size, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    nothing_padded = torch.zeros(2, 32, dtype=torch.bool)  # [b, s], True = padding
+    with torch.no_grad():
+        masked, _ = layer(x, padding_mask=nothing_padded)
+        routed, _ = layer(x)
+    assert seen == [False] and layer.routed_dispatcher.active
+    assert torch.equal(masked, routed)
