@@ -17,6 +17,7 @@ output gradient dY        1x128 (and 128x1)  E4M3        E5M2
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -168,3 +169,14 @@ class BlockwiseRecipe:
         """The quantization parameters of one tensor role."""
         params = self._params_by_role.get(role)
         return params if params is not None else self._params_by_role[TensorRole(role)]
+
+
+@functools.lru_cache(maxsize=2)
+def _default_recipe(pow2_scales: bool) -> BlockwiseRecipe:
+    return BlockwiseRecipe(pow2_scales=pow2_scales)
+
+
+def default_recipe() -> BlockwiseRecipe:
+    """``BlockwiseRecipe()`` as the environment says now, made once per setting (an op called without a recipe
+    would otherwise build and validate one per call, on the host's critical path)."""
+    return _default_recipe(_pow2_default())

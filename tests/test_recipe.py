@@ -31,6 +31,18 @@ def test_fp32_scales_env_is_honoured_at_construction(monkeypatch):
     assert BlockwiseRecipe().pow2_scales is True
 
 
+def test_the_ops_default_recipe_follows_the_environment_and_is_made_once(monkeypatch):
+    """An op called without a recipe uses ``default_recipe()``: ``BlockwiseRecipe()`` as the environment says at the
+    call, one object per setting (not one per call)."""
+    from primus_fp8_plugin.recipe import default_recipe
+
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "1")
+    assert default_recipe() == BlockwiseRecipe() and default_recipe().pow2_scales is False
+    monkeypatch.setenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0")
+    assert default_recipe() == BlockwiseRecipe() and default_recipe().pow2_scales is True
+    assert default_recipe() is default_recipe()
+
+
 def test_epsilon_flows_to_every_role():
     r = BlockwiseRecipe(amax_epsilon=1e-4)
     assert all(r.params(role).amax_epsilon == 1e-4 for role in TensorRole)

@@ -32,7 +32,7 @@ from ..backends.reference_fused import ROW_WEIGHT_DTYPES, weight_rows
 from ..grouped_tensor import GroupLayout, group_layout
 from ..normalization import check_norm_inputs, norm, norm_gamma
 from ..permutation import Routing
-from ..recipe import BlockwiseRecipe
+from ..recipe import BlockwiseRecipe, default_recipe
 from ..swiglu import check_swiglu_input, swiglu
 from . import checks
 from .core import LinearPlan, apply_linear
@@ -81,7 +81,7 @@ def eager_under_compile(op):
 def _run(stage, exchange, layout, inputs, weights, biases, recipe, backend, cache, refresh) -> torch.Tensor:
     impl = backend if isinstance(backend, Backend) else get_backend(backend, inputs[0].device)
     need_wgrad = torch.is_grad_enabled() and any(map(_requires_grad, weights))
-    plan = LinearPlan(stage, exchange, layout, recipe or BlockwiseRecipe(), impl, cache, bool(refresh), len(weights),
+    plan = LinearPlan(stage, exchange, layout, recipe or default_recipe(), impl, cache, bool(refresh), len(weights),
                       biases is not None, need_wgrad)  # fmt: skip
     return apply_linear(plan, inputs, weights, biases)
 
