@@ -1,10 +1,11 @@
 """Megatron's MoE layer with the tokens going straight from the router into the grouped FP8 layout.
 
 ``Fp8MoELayer`` is Megatron's ``MoELayer`` (same constructor, submodules, parameters and checkpoint keys). Where
-``routed_dispatch_blocker`` finds nothing in the way (all experts local and no token exchange: EP = 1 and an expert
-TP of 1; dropless top-k routing; the experts ``Fp8GroupedMLP`` with SwiGLU fused), its token dispatcher is a
-``RoutedTokenDispatcher``. Per MoE layer forward and backward it does, with the token counts on the device
-throughout (no device-to-host copy, nothing sized on the host but ``T * topk``):
+``routed_dispatch_blocker`` finds nothing in the way (dropless top-k routing; the experts ``Fp8GroupedMLP`` with
+SwiGLU fused; Megatron's allgather dispatcher type, or alltoall where no token crosses ranks), its token dispatcher
+is a ``RoutedTokenDispatcher``. Per MoE layer forward and backward it does, with the token counts on the device
+throughout (where this rank holds every expert nothing is read on the host: the rows are ``T * topk``; with
+experts on other ranks, one read, this rank's number of rows):
 
 Forward:  router -> routing map [T, E] --``permutation.route``--> the permutation (expert-major, token order) and
           the experts' counts; fc1 quantizes ``x[sorted_indices]`` straight from the tokens (``fp8_grouped_linear``
@@ -25,6 +26,8 @@ names it), and for a forward given a ``padding_mask`` (padded tokens are routed 
 
 from __future__ import annotations
 
+import torch
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..permutation import permute_probs, route, unpermute
@@ -34,13 +37,15 @@ from .grouped import Fp8GroupedMLP
 def routed_dispatch_blocker(layer) -> str | None:
     """Why ``layer`` (a built ``MoELayer``) cannot route its tokens straight into the grouped FP8 layout, or None."""
     config, experts, dispatcher = layer.config, layer.experts, layer.token_dispatcher
+    kind = config.moe_token_dispatcher_type
+    local = getattr(dispatcher, "ep_size", None) == 1 and getattr(dispatcher, "tp_size", None) == 1
     checks = [
         (isinstance(experts, Fp8GroupedMLP) and experts.fused_swiglu,
          "the experts are not Fp8GroupedMLP with SwiGLU fused (grouped_swiglu_fusable)"),
-        (config.moe_token_dispatcher_type in ("allgather", "alltoall"),
-         f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r} (allgather and alltoall are replaced)"),
-        (getattr(dispatcher, "ep_size", None) == 1 and getattr(dispatcher, "tp_size", None) == 1,
-         "tokens cross ranks (expert-parallel or expert-tensor-parallel size > 1)"),
+        (kind == "allgather" or (kind == "alltoall" and local),
+         f"moe_token_dispatcher_type={kind!r} with tokens crossing ranks (routed: allgather, or alltoall at "
+         "EP = expert TP = 1)"),
+        (kind != "allgather" or hasattr(dispatcher, "tp_ep_group"), "this Megatron's allgather dispatcher has no tp_ep_group"),
         (config.moe_expert_capacity_factor is None and not config.moe_pad_expert_input_to_capacity,
          "token dropping / capacity padding (moe_expert_capacity_factor)"),
         (not (getattr(config, "moe_router_padding_for_quantization", False)
@@ -61,15 +66,24 @@ def _captures_moe(config) -> bool:
 
 
 class RoutedTokenDispatcher:
-    """Megatron's token-dispatcher protocol without a token exchange (module docstring): ``dispatch_postprocess``
-    hands the experts the tokens in token order, the ``Routing`` in place of the counts and the permuted
-    probabilities; ``combine_preprocess`` is the fused combine. Megatron's dispatcher (``megatron``) serves every
-    other attribute and, while ``active`` is False, every step."""
+    """Megatron's token-dispatcher protocol with the plugin's permutation (module docstring). The token exchange is
+    Megatron's allgather one where tokens cross ranks (the tokens, probabilities and routing map all-gathered over
+    the expert tensor x expert parallel group, the combined output reduce-scattered back, in the probabilities'
+    dtype, as ``MoEAllGatherTokenDispatcher``), none otherwise. ``dispatch_postprocess`` hands the experts the tokens
+    in token order, the ``Routing`` of this rank's experts in place of the counts and the permuted probabilities;
+    ``combine_preprocess`` is the fused combine. Megatron's dispatcher (``megatron``) serves every other attribute
+    and, while ``active`` is False, every step.
+
+    Host reads: none where this rank holds every expert (``T * topk`` rows); with experts on other ranks, one (the
+    number of this rank's rows), where Megatron's dispatcher makes three."""
 
     def __init__(self, megatron, topk: int, backend: str) -> None:
         self.megatron, self.topk, self.backend = megatron, topk, backend
+        indices = list(megatron.local_expert_indices)
+        self.local = slice(indices[0], indices[-1] + 1)
+        self.group = megatron.tp_ep_group if megatron.tp_size > 1 or megatron.ep_size > 1 else None
         self.active = True
-        self.hidden_shape = self.routing_map = self.routing = None
+        self.hidden_shape = self.routing_map = self.routing = self.probs_dtype = None
 
     def __getattr__(self, name):
         return getattr(self.__dict__["megatron"], name)
@@ -83,13 +97,25 @@ class RoutedTokenDispatcher:
     def token_dispatch(self, hidden_states, probs, *args, **kwargs):
         if not self.active:
             return self.megatron.token_dispatch(hidden_states, probs, *args, **kwargs)
+        self.probs_dtype = probs.dtype
+        if self.group is not None:
+            with torch.no_grad():
+                self.routing_map = gather_from_sequence_parallel_region(self.routing_map, group=self.group)
+            probs = gather_from_sequence_parallel_region(probs, group=self.group)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, group=self.group, use_global_buffer=True)
         return hidden_states, probs
 
     def dispatch_postprocess(self, hidden_states, probs):
-        """``(tokens [T, H], Routing, permuted probabilities [T * topk])``."""
+        """``(tokens [T, H], Routing of this rank's experts, their permuted probabilities [N])``."""
         if not self.active:
             return self.megatron.dispatch_postprocess(hidden_states, probs)
-        self.routing = route(self.routing_map, hidden_states.shape[0] * self.topk)
+        routing_map, probs = self.routing_map, probs
+        if routing_map.shape[1] != self.local.stop - self.local.start:  # experts on other ranks
+            routing_map, probs = routing_map[:, self.local].contiguous(), probs[:, self.local].contiguous()
+            rows = int(routing_map.sum())  # the one host read: this rank's rows
+        else:
+            rows = hidden_states.shape[0] * self.topk
+        self.routing = route(routing_map, rows)
         self.routing_map = None
         return hidden_states, self.routing, permute_probs(probs, self.routing)
 
@@ -102,7 +128,10 @@ class RoutedTokenDispatcher:
     def token_combine(self, hidden_states, *args, **kwargs):
         if not self.active:
             return self.megatron.token_combine(hidden_states, *args, **kwargs)
-        return hidden_states
+        if self.group is None:
+            return hidden_states
+        summed = reduce_scatter_to_sequence_parallel_region(hidden_states.to(self.probs_dtype), group=self.group)
+        return summed.to(hidden_states.dtype)
 
     def combine_postprocess(self, hidden_states):
         if not self.active:

@@ -19,9 +19,11 @@ def global_expert_names(grads: dict, ep_rank: int, local_experts: int) -> dict:
 
 
 def run(rank, world, port, jobs, out_dir):
-    """Each job (a dict: name, ep, etp, grouped, save, load) builds the tiny MoE GPT under its parallel layout
-    (seed 0, or another seed and the weights of the checkpoint ``load``), takes the loss and gradients of one
-    batch, writes them (rank 0) to ``out_dir/<name>.pt`` and its checkpoint to ``save`` if given."""
+    """Each job (a dict: name, ep, etp, grouped, save, load, megatron_dispatch) builds the tiny MoE GPT under its
+    parallel layout (seed 0, or another seed and the weights of the checkpoint ``load``; ``megatron_dispatch``:
+    Megatron's token dispatcher instead of the routed one), takes the loss and gradients of one batch, writes them
+    (rank 0) to ``out_dir/<name>.pt`` with the layers' ``routed_dispatch_off`` and its checkpoint to ``save`` if
+    given."""
     warnings.simplefilter("ignore")
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -37,6 +39,11 @@ def run(rank, world, port, jobs, out_dir):
         model = build_gpt(moe_spec(job.get("grouped", True)), config, seed=0 if job.get("load") is None else 123)
         if job.get("load") is not None:
             model.module.load_state_dict(dist_checkpointing.load(model.module.sharded_state_dict(), job["load"]))
+        moe_layers = [m for m in model.modules() if hasattr(m, "routed_dispatch_off")]
+        routed_off = [m.routed_dispatch_off for m in moe_layers]
+        if job.get("megatron_dispatch"):
+            for m in moe_layers:
+                m.token_dispatcher, m.routed_dispatcher = m.routed_dispatcher.megatron, None
         loss, grads = loss_and_grads(model)
         if etp == 1:  # expert grads with global expert indices, from every EP rank
             ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -48,7 +55,7 @@ def run(rank, world, port, jobs, out_dir):
         if job.get("save") is not None:
             dist_checkpointing.save(model.module.sharded_state_dict(), job["save"])
         if rank == 0:
-            torch.save({"loss": loss, "grads": grads}, f"{out_dir}/{job['name']}.pt")
+            torch.save({"loss": loss, "grads": grads, "routed_off": routed_off}, f"{out_dir}/{job['name']}.pt")
         dist.barrier()
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
