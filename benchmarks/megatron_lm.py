@@ -33,6 +33,9 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 * ``plugin_fp8w``, ``plugin_fast_fp8w``: ``plugin`` / ``plugin_fast`` with FP8 primary weights
   (``PRIMUS_FP8_PARAMS=1``: between steps each linear's weight is held as FP8 W only, W^T made per dgrad;
   ``primus_fp8_plugin/fp8_params.py``);
+* ``plugin_fast_mdisp``: ``plugin_fast`` with Megatron's own MoE token dispatcher (``PRIMUS_FP8_MOE_ROUTED=0``:
+  the permuted bf16 copy and the dispatcher's host reads; ``plugin_fast`` routes tokens straight into the grouped
+  FP8 layout, ``megatron/moe.py``): the routed layer's gain, measured;
 * ``plugin_fast_flash``: ``plugin_fast`` with ``PRIMUS_FP8_SDPA_KERNELS=flash,efficient,math`` (PyTorch's flash
   attention kernel first; ``plugin_fast`` puts cuDNN's first on Hopper);
 * ``plugin_fast_graph``, ``te_bf16_graph``, ``te_fp8_graph``: those arms under Megatron's own per-layer CUDA
@@ -230,6 +233,7 @@ ARM_ENV = {
     "plugin_fast_flash": ("plugin_fast", {"PRIMUS_FP8_SDPA_KERNELS": "flash,efficient,math"}),
     "plugin_fp8w": ("plugin", {"PRIMUS_FP8_PARAMS": "1"}),
     "plugin_fast_fp8w": ("plugin_fast", {"PRIMUS_FP8_PARAMS": "1"}),
+    "plugin_fast_mdisp": ("plugin_fast", {"PRIMUS_FP8_MOE_ROUTED": "0"}),
 }
 # Megatron's FP8 parameter all-gather (TE's FP8 weights): only with the distributed optimizer
 FP8_PARAM_GATHER = "--fp8-param-gather"

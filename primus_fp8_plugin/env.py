@@ -9,6 +9,8 @@ variable                               meaning
 ``PRIMUS_FP8_SDPA_KERNELS``            the SDPA kernels ``SdpaAttention`` ranks (``megatron/attention.py``)
 ``PRIMUS_FP8_PARAMS``                  ``1``: FP8 primary weights in a Megatron-LM run (``megatron/fp8_params.py``), read
                                        when the plugin's Megatron layers are built
+``PRIMUS_FP8_MOE_ROUTED``              ``0``: the plugin's MoE layers keep Megatron's token dispatcher (``megatron/moe.py``;
+                                       for A/B measurements), read when each layer is built
 ``PRIMUS_FP8_KILL_DURING_SAVE``        a test hook: ``STAGE[@STEP]`` makes the trainer's saving process SIGKILL itself
                                        at that stage of a checkpoint save (``training/checkpoint_store.py``)
 =====================================  ==========================================================================
@@ -23,6 +25,7 @@ CHECK_WEIGHT_CACHE = "PRIMUS_FP8_CHECK_WEIGHT_CACHE"
 SDPA_KERNELS = "PRIMUS_FP8_SDPA_KERNELS"
 KILL_DURING_SAVE = "PRIMUS_FP8_KILL_DURING_SAVE"
 FP8_PARAMS = "PRIMUS_FP8_PARAMS"
+MOE_ROUTED = "PRIMUS_FP8_MOE_ROUTED"
 
 
 def fp32_scales() -> bool:
@@ -45,3 +48,7 @@ def kill_during_save() -> str:
 
 def fp8_params() -> bool:
     return os.environ.get(FP8_PARAMS, "0") == "1"
+
+
+def moe_routed() -> bool:
+    return os.environ.get(MOE_ROUTED, "1") != "0"

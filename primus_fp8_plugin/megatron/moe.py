@@ -30,6 +30,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from .. import env
 from ..permutation import permute_probs, route, unpermute
 from .grouped import Fp8GroupedMLP
 
@@ -40,6 +41,7 @@ def routed_dispatch_blocker(layer) -> str | None:
     kind = config.moe_token_dispatcher_type
     local = getattr(dispatcher, "ep_size", None) == 1 and getattr(dispatcher, "tp_size", None) == 1
     checks = [
+        (env.moe_routed(), f"{env.MOE_ROUTED}=0 in the environment"),
         (isinstance(experts, Fp8GroupedMLP) and experts.fused_swiglu,
          "the experts are not Fp8GroupedMLP with SwiGLU fused (grouped_swiglu_fusable)"),
         (kind == "allgather" or (kind == "alltoall" and local),

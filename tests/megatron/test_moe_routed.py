@@ -120,6 +120,20 @@ def test_what_blocks_the_routed_path_is_named_and_the_layer_is_megatrons(overrid
     assert torch.isfinite(torch.tensor(loss)) and all(torch.isfinite(g).all() for g in grads.values())
 
 
+def test_the_environment_switch_keeps_megatrons_dispatcher_and_says_so(monkeypatch):
+    """``PRIMUS_FP8_MOE_ROUTED=0`` (benchmarks/megatron_lm.py's ``plugin_fast_mdisp`` arm): Megatron's dispatcher, the
+    same loss and gradients (the routed layer's bits), the reason named."""
+    from primus_fp8_plugin import env
+
+    routed = build_gpt(moe_spec(True), moe_config(num_layers=1), seed=7)
+    monkeypatch.setenv(env.MOE_ROUTED, "0")
+    megatron = build_gpt(moe_spec(True), moe_config(num_layers=1), seed=7)
+    assert all("PRIMUS_FP8_MOE_ROUTED=0" in layer.routed_dispatch_off for layer in moe_layers(megatron))
+    assert all(layer.routed_dispatch_off is None for layer in moe_layers(routed))
+    (loss_r, grads_r), (loss_m, grads_m) = loss_and_grads(routed), loss_and_grads(megatron)
+    assert loss_r == loss_m and all(torch.equal(grads_r[n], grads_m[n]) for n in grads_r)
+
+
 def test_sequential_experts_keep_megatrons_dispatcher():
     """The module-level spec decides the experts by ``config.moe_grouped_gemm``: SequentialMLP experts (no grouped
     layout) keep Megatron's dispatcher, and the layer says why."""

@@ -232,6 +232,15 @@ def test_the_flash_arm_is_the_fast_arm_with_sdpas_flash_kernel_first(monkeypatch
     assert KERNELS_ENV not in mlm.arm_env("plugin_fast") and KERNELS_ENV not in mlm.arm_env()
 
 
+def test_the_mdisp_arm_is_the_fast_arm_with_megatrons_moe_dispatcher(monkeypatch):
+    from primus_fp8_plugin import env
+
+    monkeypatch.delenv(env.MOE_ROUTED, raising=False)
+    model = mlm.MODELS["qwen3_30b_a3b_proxy"]
+    assert mlm.arm_args("plugin_fast_mdisp", model, True) == mlm.arm_args("plugin_fast", model, True)
+    assert mlm.arm_env("plugin_fast_mdisp")[env.MOE_ROUTED] == "0" and env.MOE_ROUTED not in mlm.arm_env("plugin_fast")
+
+
 def test_rounds_alternate_the_order_and_combine_into_medians(tmp_path, monkeypatch, capsys):
     assert mlm.round_orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
 
