@@ -186,14 +186,10 @@ class Permuted:
             raise ValueError(f"the routing routes {self.num_tokens} tokens on {self.sorted_indices.device}; the input "
                              f"has {rows} rows on {device} (pass the tokens in token order, [T, K])")  # fmt: skip
 
-    def gather_rowwise(self, xq):
-        return xq
-
-    def start_gather_columnwise(self, data, scale_inv):
-        return data, scale_inv
-
-    def finish_gather_columnwise(self, started):
-        return started
+    # forward's rows and wgrad's columnwise copy stay on this process, as Local's
+    gather_rowwise = Local.gather_rowwise
+    start_gather_columnwise = Local.start_gather_columnwise
+    finish_gather_columnwise = Local.finish_gather_columnwise
 
     def reduce_scatter(self, dx2d):
         dx = dx2d.new_zeros(self.num_tokens, dx2d.shape[1]).index_add_(0, self.sorted_indices, dx2d)

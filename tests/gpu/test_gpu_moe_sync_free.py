@@ -95,7 +95,8 @@ def test_grouped_linear_with_biases_makes_no_host_sync():
     assert layer.bias1.grad is not None and not layer.bias1.grad.any()  # the expert without tokens
 
 
-def test_moe_layer_at_ep1_makes_no_host_sync(nccl_world):
+def fast_moe_block():
+    """One MoE transformer layer of the fast spec (Megatron's alltoall config at EP=1: the routed layer), bf16."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from primus_fp8_plugin.megatron import fp8_gpt_fast_layer_spec
@@ -104,7 +105,11 @@ def test_moe_layer_at_ep1_makes_no_host_sync(nccl_world):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        block = TransformerBlock(cfg, fp8_gpt_fast_layer_spec(cfg)).cuda()
+        return TransformerBlock(cfg, fp8_gpt_fast_layer_spec(cfg)).cuda()
+
+
+def test_moe_layer_at_ep1_makes_no_host_sync(nccl_world):
+    block = fast_moe_block()
     assert block.layers[0].mlp.routed_dispatch_off is None
     x = torch.randn(256, 2, HIDDEN, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -117,15 +122,7 @@ def test_moe_layer_at_ep1_makes_no_host_sync(nccl_world):
 
 
 def test_routed_moe_layer_agrees_with_megatrons_alltoall_dispatcher(nccl_world):
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
-    from primus_fp8_plugin.megatron import fp8_gpt_fast_layer_spec
-
-    cfg = config()
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        block = TransformerBlock(cfg, fp8_gpt_fast_layer_spec(cfg)).cuda()
+    block = fast_moe_block()
     moe = block.layers[0].mlp
     x = torch.randn(256, 2, HIDDEN, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
