@@ -118,3 +118,14 @@ def test_grouped_linear_on_routed_tokens_equals_megatrons_permute_then_the_group
                                           backend=backend))  # fmt: skip
     assert same(got[0], want[0])
     assert all(same(a, b) for a, b in zip(got[1], want[1]))
+
+
+def test_routed_tokens_must_be_the_routings_tokens():
+    """A routing of T tokens refuses an input with another number of rows, naming both."""
+    from primus_fp8_plugin import fp8_grouped_linear
+
+    routing_map, _ = routing_case(40, 4, 2, 9)
+    r = route(routing_map, 80)
+    ws = [make_input((64, 128), seed=20 + e, spread=False) for e in range(4)]
+    with pytest.raises(ValueError, match=r"routes 40 tokens on cpu; the input has 39 rows"):
+        fp8_grouped_linear(make_input((39, 128), seed=1), r, ws, backend="reference")
