@@ -106,7 +106,7 @@ def weight_epoch() -> int:
 
 def capturing() -> bool:
     """Whether the current CUDA stream is being captured into a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_streamcapturing()
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class StaleWeightCacheError(RuntimeError):
