@@ -48,18 +48,19 @@ def stack(seed: int = 0) -> nn.Sequential:
 
 
 def fwd_bwd(model, x):
-    """Output, input gradient, weight gradients, and the peak allocated above the start (bytes)."""
+    """Output, input gradient and weight gradients (on the host, so that they hold no device memory during the
+    next measurement), the peak allocated above the start and the start (bytes; gradients cleared before it)."""
+    for p in model.parameters():
+        p.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
-    for p in model.parameters():
-        p.grad = None
     x = x.detach().requires_grad_(True)
     y = model(x)
     y.float().pow(2).mean().backward()
     torch.cuda.synchronize()
-    grads = [p.grad.clone() for p in model.parameters()]
-    return y.detach(), x.grad, grads, torch.cuda.max_memory_allocated() - start, start
+    grads = [p.grad.cpu() for p in model.parameters()]
+    return y.detach().cpu(), x.grad.cpu(), grads, torch.cuda.max_memory_allocated() - start, start
 
 
 def test_held_weights_compute_the_caches_bits_in_less_memory():
