@@ -24,7 +24,7 @@ from pathlib import Path
 # (category, pattern over the kernel's name, case-insensitive): the first that matches names the category
 RULES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|rccl|all_?reduce|all_?gather|reduce_?scatter|alltoall"),
-    ("optimizer", r"multi_tensor|adam|l2norm|sgd_|lamb"),
+    ("optimizer", r"multi_tensor|adam|l2norm|sgd_|lamb(?!da)"),  # not the {lambda()#1} of torch's kernel names
     ("attention", r"flash|fmha|attn|attention|sdpa|cudnn_generated"),
     # GEMMs before quantization: FP8 GEMM kernels often name their input type
     ("GEMM", r"gemm|wgmma|cutlass|xmma|nvjet|matmul|_mm_|cublas|hipblas|tensile|wgrad|dgrad|grouped_fwd"),

@@ -37,6 +37,11 @@ NAMES = {  # kernel names as the PyTorch profiler records them (CUDA, Triton, TE
     "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>": "elementwise",
     "void at::native::reduce_kernel<512, 1, ...>": "elementwise",
     "swiglu_bwd_kernel": "elementwise",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::silu_kernel("
+    "at::TensorIteratorBase&)::{lambda()#1}::operator()() const::{lambda(c10::BFloat16)#1}, ...>": "elementwise",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::"
+    "{lambda()#3}::operator()() const::{lambda(float)#1}, ...>": "elementwise",
+    "void lamb_stage1_kernel<float>(...)": "optimizer",
     "rope_kernel": "elementwise",
     "void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>, ...>": "optimizer",
     "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
