@@ -8,13 +8,19 @@ Megatron-LM's ``--profile --use-pytorch-profiler`` writes one).
   over the step's length;
 * categories (``kernel_category``, first matching rule wins): GEMM, attention, quantization, permutation,
   elementwise, optimizer, communication, other; each with its kernels' summed durations (overlaps counted in each)
-  and count.
+  and count;
+* idle (``idle_by_host_frame``): where no kernel runs, what the host was doing. Each idle gap is charged to the
+  thread that launched the kernel ending the gap (the step's thread after the last kernel), at the gap's middle:
+  its innermost host event there (a Python frame, an aten op, a CUDA runtime call such as a synchronisation) with
+  up to two enclosing Python frames; the gaps are summed by that chain. A step with many short gaps under the
+  same chain is host-bound in that code.
 
     python benchmarks/kernel_profile.py TRACE.json[.gz]
 """
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -72,6 +78,76 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+HOST_CATS = ("python_function", "cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+
+
+def _idle_gaps(kernels: list[tuple[float, float]], t0: float, t1: float) -> list[tuple[float, float]]:
+    """The sub-intervals of [t0, t1] where none of ``kernels`` (start, end) runs."""
+    gaps, end = [], t0
+    for a, b in sorted(kernels):
+        if a > end:
+            gaps.append((end, min(a, t1)))
+        end = max(end, b)
+    if end < t1:
+        gaps.append((end, t1))
+    return [(a, b) for a, b in gaps if b > a]
+
+
+class _HostThread:
+    """One thread's host events (start, end, category, name), nested as the profiler records them: ``parent[i]`` is
+    the innermost event enclosing event ``i`` (-1 for none)."""
+
+    def __init__(self, frames: list[tuple[float, float, str, str]]) -> None:
+        self.frames = sorted(frames, key=lambda f: (f[0], -f[1]))
+        self.starts = [f[0] for f in self.frames]
+        self.parent, stack = [], []
+        for i, (a, _, _, _) in enumerate(self.frames):
+            while stack and self.frames[stack[-1]][1] <= a:
+                stack.pop()
+            self.parent.append(stack[-1] if stack else -1)
+            stack.append(i)
+
+    def chain(self, at: float, depth: int = 3) -> str:
+        """``outer > ... > innermost``: the innermost event containing ``at``, then the Python frames enclosing it,
+        ``depth`` names at most; "" where no event contains ``at``."""
+        i = bisect.bisect_right(self.starts, at) - 1
+        while i >= 0 and not self.frames[i][1] > at:
+            i = self.parent[i]
+        names = []
+        while i >= 0 and len(names) < depth:
+            if not names or self.frames[i][2] == "python_function":
+                names.append(self.frames[i][3])
+            i = self.parent[i]
+        return " > ".join(reversed(names))
+
+
+def idle_by_host_frame(events: list[dict], t0: float, t1: float, step_tid, top: int = 12) -> list[dict]:
+    """The idle gaps of [t0, t1] (us) summed by the host chain charged with them (module docstring), largest
+    first: ``[{"chain", "idle_ms", "gaps"}]``, ``top`` entries at most."""
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("args", {}).get("correlation"))
+                     for e in events if e.get("ph") == "X" and e.get("cat") == "kernel")  # fmt: skip
+    launcher = {e.get("args", {}).get("correlation"): e.get("tid") for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # fmt: skip
+    frames: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATS and not STEP_RE.match(str(e.get("name", ""))):
+            a = float(e["ts"])
+            frames.setdefault(e.get("tid"), []).append((a, a + float(e.get("dur", 0)), e["cat"], str(e["name"])))
+    threads = {tid: _HostThread(f) for tid, f in frames.items()}
+    kernel_starts = [k[0] for k in kernels]
+    totals: dict[str, list] = {}
+    for a, b in _idle_gaps([(k[0], k[1]) for k in kernels], t0, t1):
+        j = bisect.bisect_left(kernel_starts, b)
+        tid = launcher.get(kernels[j][2], step_tid) if j < len(kernels) else step_tid
+        thread = threads.get(tid)
+        chain = (thread.chain((a + b) / 2) if thread else "") or "(no host event)"
+        entry = totals.setdefault(chain, [0.0, 0])
+        entry[0] += (b - a) / 1000.0
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"chain": c, "idle_ms": ms, "gaps": n} for c, (ms, n) in ranked]
+
+
 def step_profile(events: list[dict]) -> dict:
     """Busy share and time by category of the last profiled step of ``events`` (module docstring). Times in ms."""
     steps = [e for e in events if e.get("ph") == "X" and STEP_RE.match(str(e.get("name", "")))]
@@ -88,8 +164,10 @@ def step_profile(events: list[dict]) -> dict:
         c["ms"] += float(k["dur"]) / 1000.0
         c["kernels"] += 1
     length = (t1 - t0) / 1000.0
+    inside = [e for e in events if e.get("ph") == "X" and t0 <= float(e["ts"]) <= t1]
     return {"step": int(STEP_RE.match(step["name"]).group(1)), "step_ms": length, "busy_ms": busy / 1000.0,
-            "busy_share": busy / (t1 - t0) if t1 > t0 else 0.0, "kernels": len(kernels), "by_category": by_cat}  # fmt: skip
+            "busy_share": busy / (t1 - t0) if t1 > t0 else 0.0, "kernels": len(kernels), "by_category": by_cat,
+            "idle_by_host_frame": idle_by_host_frame(inside, t0, t1, step.get("tid"))}  # fmt: skip
 
 
 def format_profile(summary: dict) -> str:
@@ -100,6 +178,10 @@ def format_profile(summary: dict) -> str:
     for name, c in sorted(summary["by_category"].items(), key=lambda kv: -kv[1]["ms"]):
         if c["kernels"]:
             lines.append(f"  {name:<13} {c['ms']:9.2f} ms  {100 * c['ms'] / total:5.1f}%  {c['kernels']:6d} kernels")
+    idle = summary.get("idle_by_host_frame") or []
+    if idle:
+        lines.append(f"  GPU idle {summary['step_ms'] - summary['busy_ms']:.1f} ms; the host meanwhile (launching thread):")
+        lines += [f"  {i['idle_ms']:9.2f} ms {i['gaps']:6d} gaps  {i['chain'][-150:]}" for i in idle]
     return "\n".join(lines)
 
 

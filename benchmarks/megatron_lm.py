@@ -56,9 +56,10 @@ experts:
   attention instead of MLA, 4 layers, sequence 4096 (a single-GPU proxy of the expert shapes, not the model).
 
 ``--profile`` profiles one iteration of every arm with Megatron-LM's own switch (``--profile
---use-pytorch-profiler``: a PyTorch profiler chrome trace) and prints the share of that step in which a GPU kernel
-runs and the kernel time by category (GEMM, attention, quantization, permutation, elementwise, optimizer, ...;
-``kernel_profile.py``); the row and ``--json`` carry it. The profiled iteration runs with the profiler's overhead:
+--use-pytorch-profiler``: a PyTorch profiler chrome trace; with Python frames, ``--pytorch-profiler-collect-callstack``,
+where the installed Megatron has it) and prints the share of that step in which a GPU kernel runs, the kernel time by
+category (GEMM, attention, quantization, permutation, elementwise, optimizer, ...) and what the host was doing while
+no kernel ran (``kernel_profile.py``); the row and ``--json`` carry it. The profiled iteration runs with the profiler's overhead:
 put it after the timed ones' warm-up (``--profile-step``, default the last iteration).
 
 ``pretrain()`` runs ``make`` in ``megatron/core/datasets``, whose Makefile a wheel install lacks;
@@ -340,15 +341,29 @@ def combine_rounds(runs: list[dict]) -> dict:
     return row
 
 
-def profile_args(step: int, root: Path) -> str:
-    """Megatron-LM's flags that profile iteration ``step`` with the PyTorch profiler, its trace under ``root``."""
+def megatron_records_callstacks() -> bool:
+    """Whether the installed Megatron has ``--pytorch-profiler-collect-callstack`` (megatron-core 0.19 on): with it
+    the trace holds the Python frames that ``kernel_profile.idle_by_host_frame`` charges the GPU's idle time to."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron.training")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    config = Path(next(iter(spec.submodule_search_locations))) / "config" / "common_config.py"
+    return config.is_file() and "pytorch_profiler_collect_callstack" in config.read_text()
+
+
+def profile_args(step: int, root: Path, callstacks: bool = False) -> str:
+    """Megatron-LM's flags that profile iteration ``step`` with the PyTorch profiler, its trace under ``root``
+    (``callstacks``: with Python frames)."""
     return (f"--profile --use-pytorch-profiler --profile-step-start {step} --profile-step-end {step + 1} "
-            f"--tensorboard-dir {root / 'tensorboard'}")  # fmt: skip
+            f"--tensorboard-dir {root / 'tensorboard'}"
+            + (" --pytorch-profiler-collect-callstack" if callstacks else ""))  # fmt: skip
 
 
 def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = "") -> dict:
     profile_root = log_dir / f"profile_{name}{tag}"
-    profiled = profile_args(args.profile_step, profile_root) if args.profile else ""
+    profiled = profile_args(args.profile_step, profile_root, megatron_records_callstacks()) if args.profile else ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(HERE / "megatron_lm_entry.py"), str(args.megatron_lm), *shlex.split(COMMON),
            *shlex.split(model["args"]), "--train-iters", str(args.iters), *shlex.split(extra),

@@ -104,3 +104,40 @@ def test_traces_are_found_and_read_gzipped(tmp_path):
     assert kp.find_trace(tmp_path / "torch_profile" / "none") is None
     with pytest.raises(ValueError, match="no ProfilerStep"):
         kp.step_profile([kernel("grouped_gemm_kernel", 0, 10)])
+
+
+def host(cat, name, ts, dur, tid, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1, "args": args}
+
+
+def test_idle_gaps_are_charged_to_what_the_launching_thread_was_doing():
+    """Step 5 on thread 1 spans 0..10000 us; kernels at 500-1000 and 2950-3100 (launched by thread 1) and 8500-9500
+    (by thread 2, the autograd thread). Gaps: 0-500 (thread 1 in train_step), 1000-2950 (middle 1975: thread 1 waits
+    in a cudaStreamSynchronize inside aten::nonzero inside forward), 3100-8500 (middle 5800: thread 2 in
+    aten::index_add_ inside backward), 9500-10000 after the last kernel (the step's thread: train_step)."""
+    events = [
+        host("user_annotation", "ProfilerStep#5", 0, 10000, 1),
+        host("python_function", "train.py(10): train_step", 0, 10000, 1),
+        host("python_function", "moe_layer.py(50): forward", 1000, 3000, 1),
+        host("cpu_op", "aten::nonzero", 1500, 1400, 1),
+        host("cuda_runtime", "cudaStreamSynchronize", 1900, 900, 1),
+        host("cuda_runtime", "cudaLaunchKernel", 450, 10, 1, correlation=1),
+        host("cuda_runtime", "cudaLaunchKernel", 2920, 10, 1, correlation=2),
+        host("python_function", "engine.py(7): backward", 5000, 4000, 2),
+        host("cpu_op", "aten::index_add_", 5500, 2500, 2),
+        host("cuda_runtime", "cudaLaunchKernel", 8400, 10, 2, correlation=3),
+        {**kernel("grouped_gemm_kernel", 500, 500), "args": {"correlation": 1}},
+        {**kernel("quantize_grouped_1x128_kernel", 2950, 150), "args": {"correlation": 2}},
+        {**kernel("unpermute_kernel", 8500, 1000), "args": {"correlation": 3}},
+    ]
+    s = kp.step_profile(events)
+    assert s["busy_ms"] == pytest.approx(1.65) and s["step_ms"] == pytest.approx(10.0)
+    got = {i["chain"]: (round(i["idle_ms"], 6), i["gaps"]) for i in s["idle_by_host_frame"]}
+    assert got == {
+        "engine.py(7): backward > aten::index_add_": (5.4, 1),
+        "train.py(10): train_step > moe_layer.py(50): forward > cudaStreamSynchronize": (1.95, 1),
+        "train.py(10): train_step": (1.0, 2),
+    }
+    assert [round(i["idle_ms"], 6) for i in s["idle_by_host_frame"]] == [5.4, 1.95, 1.0]  # largest first
+    text = kp.format_profile(s).splitlines()
+    assert text[-4].startswith("  GPU idle 8.") and text[-3].split()[:3] == ["5.40", "ms", "1"]

@@ -300,6 +300,7 @@ def test_profile_flags_and_their_checks(tmp_path, capsys):
     want = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "7", "--profile-step-end", "8",
             "--tensorboard-dir", str(tmp_path / "p" / "tensorboard")]  # fmt: skip
     assert shlex.split(flags) == want
+    assert shlex.split(mlm.profile_args(7, tmp_path / "p", callstacks=True)) == [*want, "--pytorch-profiler-collect-callstack"]
     (tmp_path / "pretrain_gpt.py").write_text("")
     with pytest.raises(SystemExit):
         mlm.main(["--megatron-lm", str(tmp_path), "--profile", "--iters", "10", "--warmup", "5", "--profile-step", "3"])
@@ -328,3 +329,19 @@ def test_megatron_accepts_the_moe_proxies_and_profile_flags(monkeypatch, tmp_pat
             args = megatron_args(monkeypatch, model, mlm.arm_args(arm, model, False), mlm.profile_args(8, tmp_path))
             assert args.moe_grouped_gemm and args.num_experts in (64, 128) and args.profile, (name, arm)
             assert args.use_pytorch_profiler and (args.profile_step_start, args.profile_step_end) == (8, 9)
+
+
+def test_callstacks_follow_the_installed_megatron(tmp_path, monkeypatch):
+    import importlib.util
+    from types import SimpleNamespace
+
+    training = tmp_path / "megatron" / "training"
+    (training / "config").mkdir(parents=True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(submodule_search_locations=[str(training)]))
+    assert not mlm.megatron_records_callstacks()  # megatron-core before 0.19: no config package
+    (training / "config" / "common_config.py").write_text("    pytorch_profiler_collect_shapes: bool = False\n")
+    assert not mlm.megatron_records_callstacks()
+    (training / "config" / "common_config.py").write_text("    pytorch_profiler_collect_callstack: bool = False\n")
+    assert mlm.megatron_records_callstacks()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert not mlm.megatron_records_callstacks()
