@@ -111,7 +111,9 @@ GROUPED_FWD_128x256_G4 = GroupedConfig(block_m=128, block_n=256, group_m=4, cons
 # wgrad: the dense CONFIG_256x128's mainloop, 4 stages (no output buffers), group_m 8
 GROUPED_WGRAD_256x128 = GroupedConfig(block_m=256, block_n=128)
 # wgrad accumulated into main_grad, for direct calls only (grouped_wgrad below never picks the Gluon kernel for
-# it): 232 / 40 registers, where 240 / 24 gave wrong tiles now and then.
+# it): 232 / 40 registers, where 240 / 24 gave wrong tiles now and then (3 of 30 calls on the H200); cause not found:
+# compute-sanitizer's racecheck reports only Triton's warp-specialisation state bytes, synccheck nothing
+# (docs/results/sanitizer_grouped_wgrad_h200_2026-12-05.log; tools/grouped_wgrad_repeat.py repeats it).
 GROUPED_WGRAD_MAIN_GRAD_256x128 = GroupedConfig(block_m=256, block_n=128, consumer_regs=232, producer_regs=40)
 
 
