@@ -5,7 +5,7 @@ routing probabilities in one pass.
 * ``route(routing_map, num_out_tokens)``: the permutation of Megatron's argsort-based ``permute`` (expert-major,
   each expert's tokens in token order; ``num_out_tokens`` rows, a host int such as tokens x top-k for dropless
   routing, so nothing is read on the host), the experts' ``GroupLayout`` (counts from the map, on the device) and
-  the inverse map the combine reads;
+  each token's rows (the combine reads a token's top-k rows, not a row per expert);
 * ``permute_quantize(x, routing, params)``: the grouped quantization (rowwise and padded columnwise copies) of
   ``x[routing.sorted_indices]``, reading ``x`` through the permutation (``backend.quantize_act_grouped(rows=)``);
   the same bits as Megatron's ``permute`` followed by ``quantize_act_grouped``;
@@ -14,7 +14,8 @@ routing probabilities in one pass.
   times its probability (rounded to the product's dtype), added in fp32 in the rows' order, rounded once to the
   product's dtype and cast to y's dtype: Megatron's ``unpermute`` bit for bit where torch sums each output so (the
   CPU; a GPU under ``torch.use_deterministic_algorithms``, where it uses ``index_add_``;
-  ``kernels/triton/permute.py``); its backward is the gather autograd gives.
+  ``kernels/triton/permute.py``); its backward is the gather autograd gives. The same sum without probabilities is
+  the permutation's backward (``ops/exchange.Permuted``): deterministic on a GPU, no atomics.
 
 Tested as operations against Megatron's ``permute`` / ``unpermute`` (``tests/test_moe_permutation.py``); the grouped
 FP8 linear reads routed tokens with a ``Routing`` (``ops.fp8_grouped_linear``); ``megatron/moe.py`` routes a
@@ -36,14 +37,22 @@ from .recipe import QuantParams
 @dataclass(frozen=True, eq=False)
 class Routing:
     """Where each token's copies go: ``sorted_indices [N]`` (int64, the token of each permuted row), ``flat [N]``
-    (int64, ``e * T + t`` of each row), ``row_of [E * T]`` (int32, the row of token ``t``'s copy for expert ``e``,
-    -1 where none), ``layout`` (the experts' counts and offsets, on the device), ``num_tokens`` ``T``."""
+    (int64, ``e * T + t`` of each row), ``token_rows [N]`` (int32, the permuted rows grouped by token, each token's
+    in increasing order: token ``t``'s are ``token_rows[token_offsets[t] : token_offsets[t + 1]]``),
+    ``token_offsets [T + 1]`` (int32), ``layout`` (the experts' counts and offsets, on the device), ``num_tokens``
+    ``T``."""
 
     sorted_indices: torch.Tensor
     flat: torch.Tensor
-    row_of: torch.Tensor
+    token_rows: torch.Tensor
+    token_offsets: torch.Tensor
     layout: GroupLayout
     num_tokens: int
+
+    def rows_sum(self, y: torch.Tensor, probs: torch.Tensor | None, backend: Backend) -> torch.Tensor:
+        """``[T, H]``: token ``t`` the sum of its rows of ``y [N, H]`` (times ``probs [N]`` where given), in fp32 in
+        row order, rounded once (``Backend.unpermute``)."""
+        return backend.unpermute(y, self.sorted_indices, self.token_rows, self.token_offsets, probs)
 
 
 def route(routing_map: torch.Tensor, num_out_tokens: int) -> Routing:
@@ -54,10 +63,12 @@ def route(routing_map: torch.Tensor, num_out_tokens: int) -> Routing:
     t, e = routing_map.shape
     by_expert = routing_map.bool().T.contiguous()
     flat = by_expert.reshape(-1).argsort(descending=True, stable=True)[:num_out_tokens]
-    row_of = torch.full((e * t,), -1, dtype=torch.int32, device=routing_map.device)
-    row_of[flat] = torch.arange(flat.numel(), dtype=torch.int32, device=routing_map.device)
+    tokens = flat % t
+    by_token = tokens.argsort(stable=True)  # stable: each token's rows stay in increasing order
+    bounds = torch.arange(t + 1, device=routing_map.device)
+    token_offsets = torch.searchsorted(tokens[by_token], bounds, out_int32=True)
     layout = group_layout(by_expert.sum(1), int(num_out_tokens), routing_map.device)
-    return Routing(flat % t, flat, row_of, layout, t)
+    return Routing(tokens, flat, by_token.to(torch.int32), token_offsets, layout, t)
 
 
 def permute_quantize(x: torch.Tensor, routing: Routing, params: QuantParams, *, rowwise: bool = True,
@@ -81,7 +92,7 @@ class _UnpermuteFn(torch.autograd.Function):
     def forward(ctx, y, probs, routing, backend):
         ctx.save_for_backward(y, probs)
         ctx.routing = routing
-        return backend.unpermute(y, routing.sorted_indices, routing.row_of, routing.num_tokens, probs)
+        return routing.rows_sum(y, probs, backend)
 
     @staticmethod
     def backward(ctx, grad):

@@ -58,6 +58,27 @@ def test_permute_quantize_equals_megatrons_permute_then_the_grouped_quantizer(ba
         assert same(getattr(got, copy)[where], getattr(want, copy)[where]), copy
 
 
+def test_each_tokens_rows_in_order_and_their_sum_is_index_adds():
+    """``route``'s per-token table against a Python walk of the permutation, with tokens routed nowhere and up to 8
+    rows a token; ``Routing.rows_sum`` without probabilities (the permutation's backward) equals ``index_add_`` of the
+    rows into zeros (the CPU's fp32 sum in row order, rounded once) on every CPU backend."""
+    tokens, experts, h = 90, 12, 160
+    g = torch.Generator().manual_seed(11)
+    routing_map = torch.rand(tokens, experts, generator=g) < torch.rand(tokens, 1, generator=g) * 0.7
+    routing_map[:5] = False  # tokens no expert takes
+    assert routing_map.sum(1).max() >= 8
+    n = int(routing_map.sum())
+    r = route(routing_map, n)
+    for t in range(tokens):
+        rows = r.token_rows[r.token_offsets[t] : r.token_offsets[t + 1]].tolist()
+        assert rows == [i for i in range(n) if int(r.sorted_indices[i]) == t], t
+    assert r.token_rows.dtype == r.token_offsets.dtype == torch.int32 and int(r.token_offsets[-1]) == n
+    y = make_input((n, h), seed=12, spread=False)
+    want = torch.zeros(tokens, h, dtype=y.dtype).index_add_(0, r.sorted_indices, y)
+    for backend in BACKENDS:
+        assert same(r.rows_sum(y, None, get_backend(backend, "cpu")), want), backend
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("probs_dtype", [None, torch.float32, torch.bfloat16])
 def test_unpermute_equals_megatrons_unpermute_and_its_gradients(backend, probs_dtype):

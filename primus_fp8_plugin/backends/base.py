@@ -175,12 +175,13 @@ class Backend(abc.ABC):
         """``dh [M, 2F]`` of ``swiglu_fwd`` for ``dy [M, F]``, recomputed from ``h``."""
         raise self._no_fused("swiglu_bwd")
 
-    def unpermute(self, y: torch.Tensor, sorted_indices: torch.Tensor, row_of: torch.Tensor, num_tokens: int,
-                  probs: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        """An MoE layer's combine: ``out [num_tokens, H]`` in y's dtype, token ``t`` the sum of its permuted rows of
-        ``y [N, H]`` (``sorted_indices [N]``: each row's token; ``row_of [E * num_tokens]``: the inverse map), each
-        times ``probs [N]`` where given, summed in fp32 in the rows' order and rounded once to the product's dtype
-        (``reference_fused.unpermute``)."""
+    def unpermute(self, y: torch.Tensor, sorted_indices: torch.Tensor, token_rows: torch.Tensor,
+                  token_offsets: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """An MoE layer's combine: ``out [T, H]`` in y's dtype, token ``t`` the sum of its permuted rows of ``y [N, H]``
+        (``sorted_indices [N]``: each row's token; the same as ``token_rows [N]`` int32, the rows grouped by token in
+        increasing order, token ``t``'s from ``token_offsets[t]`` to ``token_offsets[t + 1]``, ``[T + 1]`` int32),
+        each times ``probs [N]`` where given, summed in fp32 in the rows' order and rounded once to the product's
+        dtype (``reference_fused.unpermute``)."""
         raise self._no_fused("unpermute")
 
     def rope(self, t, cos, sin, *, interleaved: bool, backward: bool) -> torch.Tensor:

@@ -197,5 +197,5 @@ class ReferenceBackend(DenseLoopGrouped, Backend):
     def rope(self, t, cos, sin, *, interleaved, backward):
         return fused.rope(t, cos, sin, interleaved=interleaved, backward=backward)
 
-    def unpermute(self, y, sorted_indices, row_of, num_tokens, probs):
-        return fused.unpermute(y, sorted_indices, num_tokens, probs)
+    def unpermute(self, y, sorted_indices, token_rows, token_offsets, probs):
+        return fused.unpermute(y, sorted_indices, token_offsets.numel() - 1, probs)

@@ -217,6 +217,6 @@ class TritonBackend(Backend):
     def rope(self, t, cos, sin, *, interleaved, backward):
         return rope.rope(t, cos, sin, interleaved=interleaved, backward=backward)
 
-    def unpermute(self, y, sorted_indices, row_of, num_tokens, probs):
+    def unpermute(self, y, sorted_indices, token_rows, token_offsets, probs):
         acc = y.dtype if probs is None else torch.promote_types(y.dtype, probs.dtype)
-        return permute.unpermute(y, row_of, num_tokens, probs, acc)
+        return permute.unpermute(y, token_rows, token_offsets, probs, acc)

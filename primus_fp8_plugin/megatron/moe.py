@@ -16,8 +16,9 @@ Backward: the combine's gather; fc2, fc1 as the grouped op; x's gradient: each t
 
 The same bits, outputs and gradients (the router's included), as the layer with Megatron's dispatcher on the
 CPU (Megatron's ``permute``/``unpermute`` torch paths; ``tests/megatron/test_moe_routed.py``). On a GPU Megatron's
-``unpermute`` adds a token's rows with atomics in bf16 in no fixed order; the plugin's combine adds them in fp32 in
-the rows' order and rounds once (``docs/NUMERICS.md``, "The MoE token permutation").
+``unpermute`` and ``permute``'s backward add a token's rows with atomics in bf16 in no fixed order; the plugin's
+combine and dX add them in fp32 in the rows' order and round once: the same bits on every run and device
+(``docs/NUMERICS.md``, "The MoE token permutation").
 
 Megatron's dispatcher runs instead, for the layer's life, where a blocker is found (``routed_dispatch_off``
 names it), and for a forward given a ``padding_mask`` (padded tokens are routed nowhere: the rows are no longer

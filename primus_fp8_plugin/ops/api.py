@@ -309,7 +309,8 @@ def fp8_grouped_linear(
     x = _autocast(x)
     exchange = _LOCAL
     if isinstance(m_splits, Routing):
-        exchange, rows = Permuted(m_splits.sorted_indices, m_splits.num_tokens), m_splits.sorted_indices
+        backend = backend if isinstance(backend, Backend) else get_backend(backend, x.device)  # the backward's sum too
+        exchange, rows = Permuted(m_splits, backend), m_splits.sorted_indices
         exchange.check(x.shape, x.device)
         if 0 in weights[0].shape:  # computed exactly on the permuted rows (nothing to quantize)
             x, exchange, rows = x.reshape(m_splits.num_tokens, x.shape[-1]).index_select(0, rows), _LOCAL, None

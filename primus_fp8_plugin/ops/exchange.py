@@ -1,6 +1,6 @@
 """Token exchanges of the FP8 linear core: where X's rows come from and where dX's rows go.
 
-``Local``: the rows are this process's. ``Permuted(sorted_indices, num_tokens)``: an MoE layer's token permutation
+``Local``: the rows are this process's. ``Permuted(routing, backend)``: an MoE layer's token permutation
 (below).  ``SequenceParallel(group)``: Megatron's sequence parallelism for a
 column-parallel layer. Each tensor-parallel rank holds ``m`` of the sequence's rows; as Transformer Engine does,
 
@@ -168,14 +168,16 @@ class Permuted:
     """An MoE layer's token permutation (``permutation.Routing``), with the grouped layout that reads through it
     (``layouts.Grouped(rows=)``): the op's input is the tokens ``x [T, K]`` in token order; its rows are their copies
     in expert order, ``x[sorted_indices]`` ``[N, K]``, which the grouped quantization reads through the permutation
-    (no permuted bf16 copy is written). Backward: each token's dX is the sum of its copies' rows, added into zeros
-    with ``index_add_`` in dX's dtype (the gradient autograd gives ``x.index_select(0, sorted_indices)``, Megatron's
-    ``permute``, bit for bit). No host synchronisation."""
+    (no permuted bf16 copy is written). Backward: each token's dX is the sum of its copies' rows in fp32 in row order,
+    rounded once to dX's dtype (``Routing.rows_sum``): the gradient autograd gives ``x.index_select(0,
+    sorted_indices)`` (Megatron's ``permute``) on the CPU bit for bit, where ``index_add_`` sums so; on a GPU the same
+    bits every run (``index_add_`` there adds with atomics in any order). No host synchronisation."""
 
     world = 1
 
-    def __init__(self, sorted_indices: torch.Tensor, num_tokens: int) -> None:
-        self.sorted_indices, self.num_tokens = sorted_indices, num_tokens
+    def __init__(self, routing, backend) -> None:
+        self.routing, self.backend = routing, backend
+        self.sorted_indices, self.num_tokens = routing.sorted_indices, routing.num_tokens
 
     def gathered_shape(self, shape: torch.Size) -> tuple:
         return (self.sorted_indices.numel(),)
@@ -192,5 +194,4 @@ class Permuted:
     finish_gather_columnwise = Local.finish_gather_columnwise
 
     def reduce_scatter(self, dx2d):
-        dx = dx2d.new_zeros(self.num_tokens, dx2d.shape[1]).index_add_(0, self.sorted_indices, dx2d)
-        return dx, None
+        return self.routing.rows_sum(dx2d.contiguous(), None, self.backend), None
