@@ -42,7 +42,8 @@ from .tensor import FP8_DTYPES, BlockwiseFp8Tensor, ceil_div, pad4, scale_inv_sh
 COUNT_DTYPE = torch.int32
 
 
-def _is_capturing() -> bool:
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -124,7 +125,7 @@ def group_layout(
     packed = packed.to(COUNT_DTYPE)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
-        if _is_capturing():
+        if capturing():
             raise RuntimeError("counts given on the host cannot be captured into a CUDA graph (the graph would "
                                "replay the captured counts): pass them as a device tensor")  # fmt: skip
         packed = packed.pin_memory().to(dev, non_blocking=True)

@@ -74,7 +74,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import env
 from .backends import Backend
-from .grouped_tensor import GroupedFp8Weight
+from .grouped_tensor import GroupedFp8Weight, capturing
 from .recipe import QuantParams
 from .tensor import BlockwiseFp8Tensor
 
@@ -102,11 +102,6 @@ register_optimizer_step_post_hook(_after_optimizer_step)
 def weight_epoch() -> int:
     """How many times weights were declared changed (optimizer steps and ``mark_weights_changed``)."""
     return _weight_epoch
-
-
-def capturing() -> bool:
-    """Whether the current CUDA stream is being captured into a graph."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class StaleWeightCacheError(RuntimeError):
