@@ -150,3 +150,13 @@ def test_routed_tokens_must_be_the_routings_tokens():
     ws = [make_input((64, 128), seed=20 + e, spread=False) for e in range(4)]
     with pytest.raises(ValueError, match=r"routes 40 tokens on cpu; the input has 39 rows"):
         fp8_grouped_linear(make_input((39, 128), seed=1), r, ws, backend="reference")
+
+
+def test_the_combine_kernel_refuses_tables_that_are_not_int32():
+    pytest.importorskip("triton")
+    from primus_fp8_plugin.kernels.triton.permute import unpermute as kernel_unpermute
+
+    r = route(routing_case(20, 4, 2, 5)[0], 40)
+    y = make_input((40, 128), seed=6)
+    with pytest.raises(TypeError, match="must be int32"):
+        kernel_unpermute(y, r.token_rows.long(), r.token_offsets, None, torch.bfloat16)
