@@ -222,7 +222,7 @@ def placeholder_gradients(weights) -> list:
 
     Under Megatron's protocol (the weights have a ``grad_added_to_main_grad`` attribute, which Megatron's DDP sets
     and whose hook then discards ``.grad`` instead of adding it): the attribute is set True and every weight gets
-    one placeholder gradient, so that the parameters' hooks run; one tensor per shape, dtype and device shared by
+    one placeholder gradient, so that the parameters' hooks run; one storage per shape, dtype and device shared by
     all weights and calls (zeros where the weights ask ``zero_out_wgrad``, else uninitialised, as TE does); nothing
     writes it. Otherwise None: ``.grad`` stays None and the gradient is only in ``main_grad``."""
     marked = set(map(hasattr, weights, _ADDED))
@@ -238,7 +238,10 @@ def placeholder_gradients(weights) -> list:
     if dummy is None:
         dummy = (torch.zeros if zero else torch.empty)(w0.shape, dtype=w0.dtype, device=w0.device)
         _PLACEHOLDERS[key] = dummy
-    return [dummy] * len(weights)
+    # one alias per weight (``detach``: a tensor of its own over the placeholder's storage): autograd's
+    # AccumulateGrad takes a gradient that nothing else refers to as ``.grad`` as it is, where a shared one is
+    # cloned, a weight-sized copy per weight and backward
+    return list(map(torch.Tensor.detach, repeat(dummy, len(weights))))
 
 
 def apply_linear(plan: LinearPlan, inputs, weights, biases) -> torch.Tensor:
