@@ -1,0 +1,55 @@
+"""tools/moe_host_cost.py on the CPU: its instant backend answers with the reference backend's results, and the MoE
+layer it measures (the fast spec's, under Megatron's DDP) makes no weight-sized copy per expert in backward."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tools import moe_host_cost as tool
+
+
+@pytest.fixture
+def world():
+    from primus_fp8_plugin.megatron.cpu import init_cpu_distributed
+
+    init_cpu_distributed(port=int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")))
+
+
+def test_instant_backend_answers_with_the_references_first_result():
+    from primus_fp8_plugin.backends import get_backend
+    from primus_fp8_plugin.recipe import BlockwiseRecipe, TensorRole
+
+    ref = get_backend("reference", "cpu")
+    instant = tool.instant_backend(ref)
+    params = BlockwiseRecipe().params(TensorRole.INPUT)
+    g = torch.Generator().manual_seed(3)
+    x1, x2 = (torch.randn(64, 256, generator=g).to(torch.bfloat16) for _ in range(2))
+    first = instant.quantize_act(x1, params, rowwise=True, columnwise=False)
+    want = ref.quantize_act(x1, params, rowwise=True, columnwise=False)
+    assert torch.equal(first.rowwise_data.view(torch.uint8), want.rowwise_data.view(torch.uint8))
+    again = instant.quantize_act(x2, params, rowwise=True, columnwise=False)  # same shapes: the first result
+    assert again is first
+    w = torch.randn(256, 256, generator=g).to(torch.bfloat16)
+    wq = ref.quantize_weight(w, BlockwiseRecipe().params(TensorRole.WEIGHT))
+    y1 = instant.gemm_fwd(want, wq, None, torch.bfloat16)
+    y2 = instant.gemm_fwd(want, wq, None, torch.bfloat16)
+    assert torch.equal(y1, ref.gemm_fwd(want, wq, None, torch.bfloat16)) and torch.equal(y1, y2) and y1 is not y2
+
+
+def test_moe_layer_backward_copies_no_expert_gradient(world, tmp_path, capsys):
+    out = tmp_path / "host.json"
+    assert tool.main(["--experts", "4", "--topk", "2", "--tokens", "64", "--iters", "2", "--top", "60",
+                      "--json", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "routed" in printed and "megatron" in printed
+    results = json.loads(out.read_text())["results"]
+    for name in ("routed", "megatron"):
+        r = results[name]
+        assert r["ms"] > 0 and 0 < r["aten_kernel_ops"] < r["aten_ops"] and r["python_calls"] > 0
+        # autograd's copy of a gradient it cannot take as .grad as it is: one per expert weight before the fix
+        assert "new_empty_strided" not in r["aten_by_name"], r["aten_by_name"]
+        assert r["aten_by_name"].get("detach", 0) >= 2 * 4  # the placeholder's alias per weight, taken as .grad

@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Host (CPU) cost of one Megatron MoE layer's forward + backward, the plugin's routed dispatch against
+Megatron's dispatcher (allgather type: Megatron's alltoall one needs CUDA streams), on the CPU.
+
+    python -m tools.moe_host_cost [--experts 128] [--topk 8] [--tokens 256] [--hidden 256] [--iters 30]
+                                  [--top 20] [--json out.json]
+
+The layer is the fast spec's MoE layer (router, ``Fp8GroupedMLP`` with SwiGLU fused, the plugin's grouped
+linears). The FP8 operations run on an *instant* backend: the reference backend's result for each operation and
+argument shapes is computed once, then handed back (cloned) at once, so that what is measured is what a GPU run
+spends on the host per layer: Python, autograd, torch's dispatch of the aten operations (each of which is one
+kernel launch or more on a GPU), none of the FP8 arithmetic. The sizes are small, so the aten operations' CPU
+arithmetic is small too (``--tokens``/``--hidden`` scale it).
+
+Printed per dispatch: ms per layer forward+backward (median of ``--iters``), aten operations per layer (a
+``TorchDispatchMode`` count: autograd runs backward in the calling thread on the CPU, so both directions count) and
+how many of them compute (not a view: ``METADATA_OPS``), Python calls; with ``--top N`` also the aten operations
+by count and a cProfile of the functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import io
+import json
+import pstats
+import sys
+import time
+import warnings
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from primus_fp8_plugin.backends import Backend, get_backend
+
+
+def instant_backend(inner: Backend) -> Backend:
+    """A backend answering each FP8 operation with ``inner``'s result for the same operation and argument shapes,
+    computed at the first call and cloned after (module docstring). For host-cost measurements only: the results
+    of later calls are not computed from their inputs."""
+    memo: dict = {}
+
+    def signature(value):
+        if isinstance(value, torch.Tensor):
+            return ("T", tuple(value.shape), value.dtype)
+        if isinstance(value, (list, tuple)):
+            return tuple(signature(v) for v in value)
+        if isinstance(value, (int, float, str, bool, type(None), torch.dtype, torch.device)):
+            return value
+        if dataclasses.is_dataclass(value):  # quantized tensors, layouts: by their fields
+            return (type(value).__name__, *(signature(getattr(value, f.name)) for f in dataclasses.fields(value)))
+        if hasattr(value, "__dict__"):
+            return (type(value).__name__, *((k, signature(v)) for k, v in sorted(vars(value).items())))
+        return type(value).__name__
+
+    def clone(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        if isinstance(value, tuple):
+            return tuple(clone(v) for v in value)
+        return value
+
+    def memoized(name, method):
+        def call(self, *args, **kwargs):
+            key = (name, signature(args), tuple(sorted((k, signature(v)) for k, v in kwargs.items())))
+            if key not in memo:
+                memo[key] = method(*args, **kwargs)
+            return clone(memo[key])
+
+        return call
+
+    ops = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_") and n != "availability"]
+    methods = {n: memoized(n, getattr(inner, n)) for n in ops}
+    return type("InstantBackend", (type(inner),), {"name": "instant", **methods})()
+
+
+# aten operations that only make a new view of existing memory: no kernel on a GPU
+METADATA_OPS = frozenset({"view", "_unsafe_view", "detach", "alias", "t", "permute", "transpose", "slice", "select",
+                          "expand", "as_strided", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind"})  # fmt: skip
+
+
+class AtenCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while it is active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def build_layer(experts: int, topk: int, hidden: int, ffn: int):
+    """The fast spec's MoE layer (one transformer layer's ``mlp``) on the CPU, gloo world of one."""
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    from primus_fp8_plugin.megatron import TorchNorm
+    from primus_fp8_plugin.megatron.cpu import cpu_transformer_config, init_cpu_distributed
+    from primus_fp8_plugin.megatron.fast_specs import get_gpt_fast_layer_spec
+
+    init_cpu_distributed()
+    cfg = cpu_transformer_config(num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=ffn,
+                                 params_dtype=torch.bfloat16, bf16=True, num_moe_experts=experts,
+                                 moe_router_topk=topk, moe_token_dispatcher_type="allgather", add_bias_linear=False,
+                                 gated_linear_unit=True, activation_func=F.silu, moe_ffn_hidden_size=ffn,
+                                 moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss")  # fmt: skip
+    spec = get_gpt_fast_layer_spec(num_experts=experts, moe_grouped_gemm=True, backend="reference")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block = TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[spec], layer_norm=TorchNorm))
+    layer = block.layers[0].mlp
+    if layer.routed_dispatch_off is not None:
+        raise RuntimeError(f"the routed dispatch is off: {layer.routed_dispatch_off}")
+    instant = instant_backend(get_backend("reference", "cpu"))
+    for m in layer.modules():
+        if hasattr(m, "fp8_backend"):
+            m.fp8_backend = instant
+    layer.routed_dispatcher.backend = instant
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from primus_fp8_plugin.megatron.cpu import CudaAsCpu
+
+    with CudaAsCpu():  # Megatron's gradient buffers: main_grad and its backward hooks, as in training
+        DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
+    return layer
+
+
+def layer_step(layer, x, dy):
+    """One forward and backward (Megatron's DDP hooks leave every parameter's ``.grad`` None after it)."""
+    out, _ = layer(x)
+    out.backward(dy)
+    x.grad = None
+
+
+def measure(layer, x, dy, iters: int, top: int) -> dict:
+    step = lambda: layer_step(layer, x, dy)  # noqa: E731
+    for _ in range(3):  # the instant backend computes each operation's result once
+        step()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    with AtenCounter() as counter:
+        step()
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    kernels = sum(n for op, n in counter.counts.items() if op not in METADATA_OPS)
+    result = {"ms": sorted(times)[len(times) // 2] * 1e3, "aten_ops": sum(counter.counts.values()), "aten_kernel_ops": kernels,
+              "python_calls": calls, "aten_by_name": dict(counter.counts.most_common(top))}  # fmt: skip
+    if top:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            step()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        result["cprofile"] = text.getvalue()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=256, help="tokens per layer call (sequence x batch)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=128, help="each expert's FFN width")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--top", type=int, default=0, help="print the N most frequent aten ops and a cProfile top N")
+    p.add_argument("--json", help="write the figures here")
+    args = p.parse_args(argv)
+    if torch.cuda.is_available():
+        p.error("a CPU measurement: run it where no GPU is visible (CUDA_VISIBLE_DEVICES=)")
+    torch.set_num_threads(1)
+    layer = build_layer(args.experts, args.topk, args.hidden, args.ffn)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(torch.bfloat16)
+    routed = layer.routed_dispatcher
+    results = {"routed": measure(layer, x, dy, args.iters, args.top)}
+    layer.token_dispatcher = routed.megatron  # Megatron's allgather dispatcher, the same experts
+    results["megatron"] = measure(layer, x, dy, args.iters, args.top)
+    layer.token_dispatcher = routed
+    print(f"MoE layer fwd+bwd on the host: {args.experts} experts, top-{args.topk}, {args.tokens} tokens, "
+          f"hidden {args.hidden}, expert FFN {args.ffn}; instant FP8 backend, one CPU thread")  # fmt: skip
+    for name, r in results.items():
+        print(f"  {name:<9} {r['ms']:7.2f} ms  {r['aten_ops']:5d} aten ops, {r['aten_kernel_ops']:5d} of them computing "
+              f"(a GPU kernel or more each)  {r['python_calls']:6d} Python calls")  # fmt: skip
+    if args.top:
+        for name, r in results.items():
+            print(f"\n{name}: aten ops by count\n" + "\n".join(f"  {n:6d} {op}" for op, n in r["aten_by_name"].items()))
+            print(f"\n{name}: cProfile, by own time\n{r['cprofile']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": {k: {n: v for n, v in r.items() if n != "cprofile"}
+                                                        for k, r in results.items()}}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
