@@ -15,7 +15,11 @@ Megatron-LM's ``--profile --use-pytorch-profiler`` writes one).
   up to two enclosing Python frames; the gaps are summed by that chain. A step with many short gaps under the
   same chain is host-bound in that code.
 
+* kernels by name: the most launched ones; given two traces (A and B), the names launched a different number of
+  times in B's step than in A's, by the difference.
+
     python benchmarks/kernel_profile.py TRACE.json[.gz]
+    python benchmarks/kernel_profile.py TRACE_A.json[.gz] TRACE_B.json[.gz]
 """
 
 from __future__ import annotations
@@ -148,8 +152,34 @@ def idle_by_host_frame(events: list[dict], t0: float, t1: float, step_tid, top: 
     return [{"chain": c, "idle_ms": ms, "gaps": n} for c, (ms, n) in ranked]
 
 
-def step_profile(events: list[dict]) -> dict:
-    """Busy share and time by category of the last profiled step of ``events`` (module docstring). Times in ms."""
+def kernels_by_name(kernels: list[dict], top: int = 15) -> list[dict]:
+    """The kernels' names by how often they ran, most first: ``[{"name", "count", "ms"}]``, ``top`` entries at
+    most (``top=0``: every name)."""
+    table: dict[str, list] = {}
+    for k in kernels:
+        entry = table.setdefault(str(k.get("name", "")), [0, 0.0])
+        entry[0] += 1
+        entry[1] += float(k["dur"]) / 1000.0
+    ranked = sorted(table.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    return [{"name": n, "count": c, "ms": ms} for n, (c, ms) in (ranked[:top] if top else ranked)]
+
+
+def compare_kernels(a: dict, b: dict, top: int = 15) -> list[dict]:
+    """Per kernel name, how many more times it ran in profile ``b`` than in ``a`` (two ``step_profile`` results
+    made with ``top_names=0``), largest differences first: ``[{"name", "a", "b", "diff", "ms_diff"}]``."""
+    ka, kb = ({k["name"]: k for k in p["top_kernels"]} for p in (a, b))
+    rows = []
+    for name in ka.keys() | kb.keys():
+        x, y = ka.get(name, {"count": 0, "ms": 0.0}), kb.get(name, {"count": 0, "ms": 0.0})
+        if x["count"] != y["count"]:
+            rows.append({"name": name, "a": x["count"], "b": y["count"], "diff": y["count"] - x["count"],
+                         "ms_diff": y["ms"] - x["ms"]})  # fmt: skip
+    return sorted(rows, key=lambda r: (-abs(r["diff"]), r["name"]))[:top]
+
+
+def step_profile(events: list[dict], top_names: int = 15) -> dict:
+    """Busy share and time by category of the last profiled step of ``events`` (module docstring), and its
+    ``top_names`` most frequent kernel names (0: all). Times in ms."""
     steps = [e for e in events if e.get("ph") == "X" and STEP_RE.match(str(e.get("name", "")))]
     if not steps:
         raise ValueError("the trace holds no ProfilerStep#N span: profile with torch.profiler's schedule (prof.step())")
@@ -167,7 +197,8 @@ def step_profile(events: list[dict]) -> dict:
     inside = [e for e in events if e.get("ph") == "X" and t0 <= float(e["ts"]) <= t1]
     return {"step": int(STEP_RE.match(step["name"]).group(1)), "step_ms": length, "busy_ms": busy / 1000.0,
             "busy_share": busy / (t1 - t0) if t1 > t0 else 0.0, "kernels": len(kernels), "by_category": by_cat,
-            "idle_by_host_frame": idle_by_host_frame(inside, t0, t1, step.get("tid"))}  # fmt: skip
+            "idle_by_host_frame": idle_by_host_frame(inside, t0, t1, step.get("tid")),
+            "top_kernels": kernels_by_name(kernels, top_names)}  # fmt: skip
 
 
 def format_profile(summary: dict) -> str:
@@ -178,6 +209,10 @@ def format_profile(summary: dict) -> str:
     for name, c in sorted(summary["by_category"].items(), key=lambda kv: -kv[1]["ms"]):
         if c["kernels"]:
             lines.append(f"  {name:<13} {c['ms']:9.2f} ms  {100 * c['ms'] / total:5.1f}%  {c['kernels']:6d} kernels")
+    names = (summary.get("top_kernels") or [])[:8]
+    if names:
+        lines.append("  most launched kernels:")
+        lines += [f"  {k['count']:6d} x {k['ms']:9.2f} ms  {k['name'][:140]}" for k in names]
     idle = summary.get("idle_by_host_frame") or []
     if idle:
         lines.append(f"  GPU idle {summary['step_ms'] - summary['busy_ms']:.1f} ms; the host meanwhile (launching thread):")
@@ -185,12 +220,23 @@ def format_profile(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(rows: list[dict]) -> str:
+    """``compare_kernels``'s rows as lines: count in A, in B, the difference, the time difference, the name."""
+    lines = ["kernels launched a different number of times (A -> B, difference, ms difference):"]
+    lines += [f"  {r['a']:6d} -> {r['b']:6d} {r['diff']:+7d} {r['ms_diff']:+9.2f} ms  {r['name'][:140]}" for r in rows]
+    return "\n".join(lines if rows else ["every kernel name ran as often in both steps"])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__.strip().splitlines()[-1], file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("\n".join(__doc__.strip().splitlines()[-2:]), file=sys.stderr)
         return 2
-    print(format_profile(step_profile(load_trace(argv[0]))))
+    profiles = [step_profile(load_trace(path), top_names=0) for path in argv]
+    for path, profile in zip(argv, profiles):
+        print(f"{path}:\n{format_profile(profile)}")
+    if len(profiles) == 2:
+        print(format_comparison(compare_kernels(*profiles)))
     return 0
 
 

@@ -390,12 +390,23 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
         if trace is None:
             print(f"[megatron_lm] {name}: --profile wrote no trace under {profile_root}", flush=True)
         else:
-            row["profile"] = kernel_profile.step_profile(kernel_profile.load_trace(trace))
+            row["profile"] = kernel_profile.step_profile(kernel_profile.load_trace(trace), top_names=0)
             row["profile"]["trace"] = str(trace)
             print(f"[megatron_lm] {name} profile ({trace}):\n{kernel_profile.format_profile(row['profile'])}", flush=True)
     print(f"[megatron_lm] {name}: {row['ms_per_iter']:.1f} ms/iter, first loss {row['first_loss']}, "
           f"last loss {row['last_loss']} ({row['wall_s']} s)", flush=True)  # fmt: skip
     return row
+
+
+def print_kernel_differences(rows: list[dict], ref: str) -> None:
+    """With ``--profile``: per arm, the kernel names its profiled step launched a different number of times than
+    ``ref``'s (the first profiled arm where ``ref`` has no profile)."""
+    profiled = [r for r in rows if "profile" in r]
+    base = next((r for r in profiled if r["arm"] == ref), profiled[0] if profiled else None)
+    for r in profiled:
+        if r is not base:
+            rows_diff = kernel_profile.compare_kernels(base["profile"], r["profile"])
+            print(f"\n{base['arm']} (A) -> {r['arm']} (B), profiled steps: {kernel_profile.format_comparison(rows_diff)}")
 
 
 def print_table(rows: list[dict], ref: str) -> None:
@@ -510,6 +521,7 @@ def main(argv=None) -> int:
     rounds = f", median of {args.rounds} rounds in alternating order" if args.rounds > 1 else ""
     print(f"\nMegatron-LM pretrain_gpt.py, model {args.model}, {args.iters} iterations (median after {args.warmup}){rounds}:")
     print_table(rows, args.ref)
+    print_kernel_differences(rows, args.ref)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "model_args": model["args"], "common": COMMON,
                                                "rounds": args.rounds, "rows": rows, "runs": runs}, indent=1))  # fmt: skip

@@ -141,3 +141,28 @@ def test_idle_gaps_are_charged_to_what_the_launching_thread_was_doing():
     assert [round(i["idle_ms"], 6) for i in s["idle_by_host_frame"]] == [5.4, 1.95, 1.0]  # largest first
     text = kp.format_profile(s).splitlines()
     assert text[-4].startswith("  GPU idle 8.") and text[-3].split()[:3] == ["5.40", "ms", "1"]
+
+
+def test_kernels_by_name_and_two_steps_compared(tmp_path, capsys):
+    """The hand-made step's names counted; a second step with two more adds and no flash kernel: the comparison
+    names exactly those two differences, the larger first."""
+    s = kp.step_profile(hand_made_trace(), top_names=0)
+    names = {k["name"]: (k["count"], round(k["ms"], 6)) for k in s["top_kernels"]}
+    assert names == {"grouped_gemm_kernel": (1, 2.0), "sm90_xmma_gemm_bf16": (1, 1.5), "quantize_grouped_1x128_kernel": (1, 0.5),
+                     "vectorized_elementwise_kernel<add>": (1, 0.1), "flash_fwd_kernel": (1, 2.0),
+                     "ncclDevKernel_AllReduce": (1, 1.5)}  # fmt: skip
+    other = [e for e in hand_made_trace() if e.get("name") != "flash_fwd_kernel"]
+    other += [kernel("vectorized_elementwise_kernel<add>", 9200 + 100 * i, 50) for i in range(2)]
+    b = kp.step_profile(other, top_names=0)
+    rows = kp.compare_kernels(s, b)
+    assert [(r["name"], r["a"], r["b"], r["diff"]) for r in rows] == [
+        ("vectorized_elementwise_kernel<add>", 1, 3, 2), ("flash_fwd_kernel", 1, 0, -1)]  # fmt: skip
+    assert rows[0]["ms_diff"] == pytest.approx(0.1) and rows[1]["ms_diff"] == pytest.approx(-2.0)
+    assert kp.compare_kernels(s, s) == []
+    paths = []
+    for i, events in enumerate((hand_made_trace(), other)):
+        paths.append(tmp_path / f"t{i}.json")
+        paths[-1].write_text(json.dumps({"traceEvents": events}))
+    assert kp.main([str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "most launched kernels" in out and "     1 ->      3      +2" in out

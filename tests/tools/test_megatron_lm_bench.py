@@ -361,3 +361,16 @@ def test_callstacks_follow_the_installed_megatron(tmp_path, monkeypatch):
     assert mlm.megatron_records_callstacks()
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert not mlm.megatron_records_callstacks()
+
+
+def test_profiled_arms_are_compared_kernel_by_kernel_with_the_reference(capsys):
+    def profile(adds):
+        return {"top_kernels": [{"name": "gemm", "count": 4, "ms": 2.0}, {"name": "copy", "count": adds, "ms": 0.01 * adds}]}
+
+    rows = [{"arm": "plugin_fast", "profile": profile(10)}, {"arm": "te_fp8"},
+            {"arm": "plugin_fast_mdisp", "profile": profile(4)}]  # fmt: skip
+    mlm.print_kernel_differences(rows, "plugin_fast_mdisp")
+    out = capsys.readouterr().out
+    assert "plugin_fast_mdisp (A) -> plugin_fast (B)" in out and "     4 ->     10      +6" in out
+    mlm.print_kernel_differences([rows[1]], "te_fp8")  # nothing profiled: nothing printed
+    assert capsys.readouterr().out == ""
