@@ -60,8 +60,8 @@ def instant_backend(inner: Backend) -> Backend:
     def clone(value):
         if isinstance(value, torch.Tensor):
             return value.clone()
-        if isinstance(value, tuple):
-            return tuple(clone(v) for v in value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(clone(v) for v in value)
         return value
 
     def memoized(name, method):
