@@ -9,6 +9,8 @@ routing probabilities in one pass.
 * ``permute_quantize(x, routing, params)``: the grouped quantization (rowwise and padded columnwise copies) of
   ``x[routing.sorted_indices]``, reading ``x`` through the permutation (``backend.quantize_act_grouped(rows=)``);
   the same bits as Megatron's ``permute`` followed by ``quantize_act_grouped``;
+* ``permute(x, routing)`` (differentiable): the permuted bf16 copy, where rows must exist (sent to other ranks);
+  its backward is the sum ``unpermute`` makes;
 * ``permute_probs(probs, routing)``: the routing probabilities ``[T, E]`` in permuted order ``[N]``;
 * ``unpermute(y, routing, probs=)`` (differentiable): token ``t``'s output is the sum of its rows of ``y``, each
   times its probability (rounded to the product's dtype), added in fp32 in the rows' order, rounded once to the
@@ -80,6 +82,27 @@ def permute_quantize(x: torch.Tensor, routing: Routing, params: QuantParams, *, 
     impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
     return impl.quantize_act_grouped(x.contiguous(), routing.layout, params, rowwise=rowwise, columnwise=columnwise,
                                      rows=routing.sorted_indices)  # fmt: skip
+
+
+class _PermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, routing, backend):
+        ctx.routing, ctx.backend = routing, backend
+        return x.index_select(0, routing.sorted_indices)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.routing.rows_sum(grad.contiguous(), None, ctx.backend), None, None
+
+
+def permute(x: torch.Tensor, routing: Routing, *, backend: str | Backend = "auto") -> torch.Tensor:
+    """The permuted copy ``x[routing.sorted_indices]`` ``[N, H]`` of the tokens ``x [T, H]``, where the rows must exist
+    (to be sent to other ranks). Differentiable: each token's gradient is the sum of its rows' in fp32 in row order,
+    rounded once (``Routing.rows_sum``; the sum ``ops/exchange.Permuted`` makes)."""
+    if x.dim() != 2 or x.shape[0] != routing.num_tokens:
+        raise ValueError(f"x must be [{routing.num_tokens}, H] (the tokens the routing map routes), got {tuple(x.shape)}")
+    impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
+    return _PermuteFn.apply(x, routing, impl)
 
 
 def permute_probs(probs: torch.Tensor, routing: Routing) -> torch.Tensor:

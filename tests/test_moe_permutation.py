@@ -10,7 +10,7 @@ import torch
 
 from primus_fp8_plugin import BlockwiseRecipe, TensorRole, available_backends
 from primus_fp8_plugin.backends import get_backend
-from primus_fp8_plugin.permutation import permute_probs, permute_quantize, route, unpermute
+from primus_fp8_plugin.permutation import permute, permute_probs, permute_quantize, route, unpermute
 
 from .conftest import make_input
 
@@ -77,6 +77,26 @@ def test_each_tokens_rows_in_order_and_their_sum_is_index_adds():
     want = torch.zeros(tokens, h, dtype=y.dtype).index_add_(0, r.sorted_indices, y)
     for backend in BACKENDS:
         assert same(r.rows_sum(y, None, get_backend(backend, "cpu")), want), backend
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permute_equals_megatrons_permute_and_its_gradient(backend):
+    """The permuted bf16 copy (the alltoall exchange sends it) and its gradient: Megatron's ``permute`` and the
+    gradient autograd gives it on the CPU, bit for bit."""
+    tokens, experts, topk, h = 130, 8, 3, 96
+    routing_map, _ = routing_case(tokens, experts, topk, seed=7)
+    n = tokens * topk
+    r = route(routing_map, n)
+    x0, dy = make_input((tokens, h), seed=8, spread=False), make_input((n, h), seed=9, spread=False)
+    x = x0.clone().requires_grad_(True)
+    want, *_ = moe_utils.permute(x, routing_map, num_out_tokens=n)
+    want.backward(dy)
+    got_x = x0.clone().requires_grad_(True)
+    got = permute(got_x, r, backend=backend)
+    got.backward(dy)
+    assert same(got, want) and same(got_x.grad, x.grad) and x.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="the tokens the routing map routes"):
+        permute(x0[:-1], r, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

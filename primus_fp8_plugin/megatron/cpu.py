@@ -3,7 +3,7 @@
 Megatron-core assumes CUDA in a few places that have nothing to do with the math. What makes
 GPTModel forward/backward and distributed checkpointing run on a CPU with gloo:
 ``torch.cuda.current_device`` answering "cpu", the CUDA RNG tracker's ``fork`` as a null context,
-``torch.cuda.synchronize`` as a no-op, ``use_cpu_initialization=True``, fusions off, and no
+``torch.cuda.synchronize`` as a no-op, streams that order nothing, ``use_cpu_initialization=True``, fusions off, and no
 ``model_parallel_cuda_manual_seed``; and (seen with 0.19.2) the default causal attention mask,
 which Megatron allocates on "cuda" (docs/MEGATRON.md, "CPU contract"). Only call this where there is
 no GPU.
@@ -54,6 +54,7 @@ def install_cpu_standins() -> None:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _CpuStream()  # DDP's gradient sync waits on it
+    torch.cuda.Stream = lambda *a, **k: _CpuStream()  # Megatron's alltoall token dispatcher makes one
     mp_random.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
     define_te_free_moe_router()  # megatron-core 0.16's MoE router without TE (compat.py)
     _installed = True

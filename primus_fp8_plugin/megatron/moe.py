@@ -2,10 +2,11 @@
 
 ``Fp8MoELayer`` is Megatron's ``MoELayer`` (same constructor, submodules, parameters and checkpoint keys). Where
 ``routed_dispatch_blocker`` finds nothing in the way (dropless top-k routing; the experts ``Fp8GroupedMLP`` with
-SwiGLU fused; Megatron's allgather dispatcher type, or alltoall where no token crosses ranks), its token dispatcher
+SwiGLU fused; Megatron's allgather dispatcher type, or alltoall at expert TP = 1), its token dispatcher
 is a ``RoutedTokenDispatcher``. Per MoE layer forward and backward it does, with the token counts on the device
 throughout (where this rank holds every expert nothing is read on the host: the rows are ``T * topk``; with
-experts on other ranks, one read, this rank's number of rows):
+experts on other ranks, one read: this rank's number of rows, or the all-to-all's split sizes;
+``RoutedTokenDispatcher`` says how tokens cross ranks):
 
 Forward:  router -> routing map [T, E] --``permutation.route``--> the permutation (expert-major, token order) and
           the experts' counts; fc1 quantizes ``x[sorted_indices]`` straight from the tokens (``fp8_grouped_linear``
@@ -28,11 +29,15 @@ names it), and for a forward given a ``padding_mask`` (padded tokens are routed 
 from __future__ import annotations
 
 import torch
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
+from megatron.core.tensor_parallel import (
+    all_to_all,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from .. import env
-from ..permutation import permute_probs, route, unpermute
+from ..permutation import permute, permute_probs, route, unpermute
 from .grouped import Fp8GroupedMLP
 
 
@@ -40,14 +45,13 @@ def routed_dispatch_blocker(layer) -> str | None:
     """Why ``layer`` (a built ``MoELayer``) cannot route its tokens straight into the grouped FP8 layout, or None."""
     config, experts, dispatcher = layer.config, layer.experts, layer.token_dispatcher
     kind = config.moe_token_dispatcher_type
-    local = getattr(dispatcher, "ep_size", None) == 1 and getattr(dispatcher, "tp_size", None) == 1
     checks = [
         (env.moe_routed(), f"{env.MOE_ROUTED}=0 in the environment"),
         (isinstance(experts, Fp8GroupedMLP) and experts.fused_swiglu,
          "the experts are not Fp8GroupedMLP with SwiGLU fused (grouped_swiglu_fusable)"),
-        (kind == "allgather" or (kind == "alltoall" and local),
-         f"moe_token_dispatcher_type={kind!r} with tokens crossing ranks (routed: allgather, or alltoall at "
-         "EP = expert TP = 1)"),
+        (kind == "allgather" or (kind == "alltoall" and getattr(dispatcher, "tp_size", None) == 1),
+         f"moe_token_dispatcher_type={kind!r} with an expert TP size above 1 (routed: allgather, or alltoall at "
+         "expert TP = 1)"),
         (kind != "allgather" or hasattr(dispatcher, "tp_ep_group"), "this Megatron's allgather dispatcher has no tp_ep_group"),
         (config.moe_expert_capacity_factor is None and not config.moe_pad_expert_input_to_capacity,
          "token dropping / capacity padding (moe_expert_capacity_factor)"),
@@ -69,24 +73,40 @@ def _captures_moe(config) -> bool:
 
 
 class RoutedTokenDispatcher:
-    """Megatron's token-dispatcher protocol with the plugin's permutation (module docstring). The token exchange is
-    Megatron's allgather one where tokens cross ranks (the tokens, probabilities and routing map all-gathered over
-    the expert tensor x expert parallel group, the combined output reduce-scattered back, in the probabilities'
-    dtype, as ``MoEAllGatherTokenDispatcher``), none otherwise. ``dispatch_postprocess`` hands the experts the tokens
-    in token order, the ``Routing`` of this rank's experts in place of the counts and the permuted probabilities;
-    ``combine_preprocess`` is the fused combine. Megatron's dispatcher (``megatron``) serves every other attribute
-    and, while ``active`` is False, every step.
+    """Megatron's token-dispatcher protocol with the plugin's permutation (module docstring). ``exchange`` says how
+    tokens cross ranks:
 
-    Host reads: none where this rank holds every expert (``T * topk`` rows); with experts on other ranks, one (the
-    number of this rank's rows), where Megatron's dispatcher makes three."""
+    * ``"none"``: this rank holds every expert;
+    * ``"allgather"`` (Megatron's allgather type): the tokens, probabilities and routing map all-gathered over the
+      expert tensor x expert parallel group, the combined output reduce-scattered back, in the probabilities' dtype,
+      as ``MoEAllGatherTokenDispatcher``;
+    * ``"alltoall"`` (Megatron's alltoall type, expert TP = 1): each token's copies, permuted expert-major
+      (``permutation.permute``), sent to their experts' ranks with their probabilities (all-to-all over the expert
+      parallel group, as ``MoEAlltoAllTokenDispatcher``); there the received rows are the experts' tokens (each routed
+      to one local expert: the ``Routing`` of a one-hot map, which also sorts the source ranks' chunks expert-major,
+      read through by fc1's quantization); the outputs go back in the order they came and each token's rows are
+      summed in fp32 in the expert-major order of a single rank: every token's output and input gradient have the
+      bits of EP = 1.
+
+    ``dispatch_postprocess`` hands the experts the tokens (or received rows) in their order, the ``Routing`` of this
+    rank's experts in place of the counts and the permuted probabilities; ``combine_preprocess`` is the fused combine.
+    Megatron's dispatcher (``megatron``) serves every other attribute and, while ``active`` is False, every step.
+
+    Host reads: none where this rank holds every expert (``T * topk`` rows); allgather: one (the number of this
+    rank's rows), where Megatron's dispatcher makes three; alltoall: one (the all-to-all's split sizes, both ways)."""
 
     def __init__(self, megatron, topk: int, backend: str) -> None:
         self.megatron, self.topk, self.backend = megatron, topk, backend
         indices = list(megatron.local_expert_indices)
         self.local = slice(indices[0], indices[-1] + 1)
-        self.group = megatron.tp_ep_group if megatron.tp_size > 1 or megatron.ep_size > 1 else None
+        self.exchange, self.group = "none", None
+        if megatron.tp_size > 1 or megatron.ep_size > 1:
+            alltoall = megatron.config.moe_token_dispatcher_type == "alltoall"
+            self.exchange = "alltoall" if alltoall else "allgather"
+            self.group = megatron.ep_group if alltoall else megatron.tp_ep_group
         self.active = True
         self.hidden_shape = self.routing_map = self.routing = self.probs_dtype = None
+        self.sent = None  # alltoall: (the tokens' Routing, split sizes sent, split sizes received)
 
     def __getattr__(self, name):
         return getattr(self.__dict__["megatron"], name)
@@ -101,6 +121,8 @@ class RoutedTokenDispatcher:
         if not self.active:
             return self.megatron.token_dispatch(hidden_states, probs, *args, **kwargs)
         self.probs_dtype = probs.dtype
+        if self.exchange == "alltoall":
+            return self._send_to_experts(hidden_states, probs)
         if self.group is not None:
             with torch.no_grad():
                 self.routing_map = gather_from_sequence_parallel_region(self.routing_map, group=self.group)
@@ -108,10 +130,34 @@ class RoutedTokenDispatcher:
             hidden_states = gather_from_sequence_parallel_region(hidden_states, group=self.group, use_global_buffer=True)
         return hidden_states, probs
 
+    def _send_to_experts(self, hidden_states, probs):
+        """alltoall: each token's copies, expert-major, to their experts' ranks; returns the received rows and their
+        probabilities ``[R]``, and keeps the routing and split sizes for the way back."""
+        routing = route(self.routing_map, hidden_states.shape[0] * self.topk)
+        ep, local = self.megatron.ep_size, self.local.stop - self.local.start
+        send_counts = routing.layout.counts.view(ep, local)  # rows for each rank's experts, on the device
+        recv_counts = torch.empty_like(send_counts)
+        torch.distributed.all_to_all_single(recv_counts, send_counts, group=self.group)
+        splits = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the one host read
+        send_splits, recv_splits = splits[:ep], splits[ep:]
+        rows = all_to_all(self.group, permute(hidden_states, routing, backend=self.backend), recv_splits, send_splits)
+        row_probs = all_to_all(self.group, permute_probs(probs, routing), recv_splits, send_splits)
+        self.sent, self.recv_counts = (routing, send_splits, recv_splits), recv_counts
+        return rows, row_probs
+
     def dispatch_postprocess(self, hidden_states, probs):
-        """``(tokens [T, H], Routing of this rank's experts, their permuted probabilities [N])``."""
+        """``(tokens [T, H], Routing of this rank's experts, their permuted probabilities [N])``; alltoall: the
+        received rows in place of the tokens (each routed to one expert)."""
         if not self.active:
             return self.megatron.dispatch_postprocess(hidden_states, probs)
+        if self.exchange == "alltoall":  # the received rows, by source rank, then expert: routed to their experts
+            local, rows = self.local.stop - self.local.start, hidden_states.shape[0]
+            experts = torch.arange(local, device=hidden_states.device).repeat(self.megatron.ep_size)
+            expert_of_row = torch.repeat_interleave(experts, self.recv_counts.reshape(-1), output_size=rows)
+            one_hot = torch.zeros(rows, local, dtype=torch.bool, device=hidden_states.device)
+            one_hot[torch.arange(rows, device=hidden_states.device), expert_of_row] = True
+            self.routing, self.routing_map, self.recv_counts = route(one_hot, rows), None, None
+            return hidden_states, self.routing, probs.index_select(0, self.routing.sorted_indices)
         routing_map, probs = self.routing_map, probs
         if routing_map.shape[1] != self.local.stop - self.local.start:  # experts on other ranks
             routing_map, probs = routing_map[:, self.local].contiguous(), probs[:, self.local].contiguous()
@@ -131,6 +177,11 @@ class RoutedTokenDispatcher:
     def token_combine(self, hidden_states, *args, **kwargs):
         if not self.active:
             return self.megatron.token_combine(hidden_states, *args, **kwargs)
+        if self.exchange == "alltoall":  # the rows back in the order they were sent; each token's summed in fp32
+            routing, send_splits, recv_splits = self.sent
+            self.sent = None
+            rows = all_to_all(self.group, hidden_states, send_splits, recv_splits)
+            return unpermute(rows, routing, backend=self.backend)
         if self.group is None:
             return hidden_states
         summed = reduce_scatter_to_sequence_parallel_region(hidden_states.to(self.probs_dtype), group=self.group)

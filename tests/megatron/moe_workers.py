@@ -19,7 +19,7 @@ def global_expert_names(grads: dict, ep_rank: int, local_experts: int) -> dict:
 
 
 def run(rank, world, port, jobs, out_dir):
-    """Each job (a dict: name, ep, etp, grouped, save, load, megatron_dispatch) builds the tiny MoE GPT under its
+    """Each job (a dict: name, ep, etp, dispatcher, grouped, save, load, megatron_dispatch) builds the tiny MoE GPT under its
     parallel layout (seed 0, or another seed and the weights of the checkpoint ``load``; ``megatron_dispatch``:
     Megatron's token dispatcher instead of the routed one), takes the loss and gradients of one batch, writes them
     (rank 0) to ``out_dir/<name>.pt`` with the layers' ``routed_dispatch_off`` and its checkpoint to ``save`` if
@@ -35,7 +35,8 @@ def run(rank, world, port, jobs, out_dir):
     for job in jobs:
         ep, etp = job.get("ep", 1), job.get("etp", 1)
         init_cpu_distributed(rank=rank, world_size=world, tp=1, port=port, ep=ep, etp=etp)
-        config = moe_config(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        config = moe_config(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                            moe_token_dispatcher_type=job.get("dispatcher", "allgather"))  # fmt: skip
         model = build_gpt(moe_spec(job.get("grouped", True)), config, seed=0 if job.get("load") is None else 123)
         if job.get("load") is not None:
             model.module.load_state_dict(dist_checkpointing.load(model.module.sharded_state_dict(), job["load"]))

@@ -34,6 +34,7 @@ def runs(tmp_path_factory):
         {"name": "etp2", "etp": 2, "save": str(ckpt["etp2"]), "load": str(ckpt["one"])},
         {"name": "ep2_megatron", "ep": 2, "load": str(ckpt["one"]), "megatron_dispatch": True},
         {"name": "etp2_megatron", "etp": 2, "load": str(ckpt["one"]), "megatron_dispatch": True},
+        {"name": "ep2_alltoall", "ep": 2, "dispatcher": "alltoall", "load": str(ckpt["one"])},
     ])  # fmt: skip
     out |= launch(tmp, 1, [
         {"name": "seq_from_ep2", "grouped": False, "load": str(ckpt["ep2"])},
@@ -98,3 +99,19 @@ def test_routed_layer_equals_megatrons_dispatcher_across_ranks(runs, layout):
     assert routed["loss"] == megatron["loss"] and routed["grads"].keys() == megatron["grads"].keys()
     different = [n for n, g in routed["grads"].items() if not torch.equal(g, megatron["grads"][n])]
     assert not different, different
+
+
+def test_alltoall_exchange_has_the_bits_of_one_rank(runs):
+    """EP=2 with the alltoall dispatcher type: each token's copies sent to their experts' ranks (all-to-all), the
+    outputs sent back and summed per token in the expert-major order one rank uses, so the loss and every
+    non-expert gradient are the single rank's bit for bit (the allgather exchange reduce-scatters partial sums
+    instead); each expert's weight gradient sums both ranks' copies of its tokens, as under the allgather exchange."""
+    one, a2a, ep2 = runs["one"], runs["ep2_alltoall"], runs["ep2"]
+    assert a2a["routed_off"] and all(off is None for off in a2a["routed_off"])
+    assert a2a["loss"] == one["loss"] and a2a["grads"].keys() == one["grads"].keys()
+    experts = [n for n in one["grads"] if ".experts.linear_fc" in n]
+    different = [n for n, g in one["grads"].items() if n not in experts and not torch.equal(a2a["grads"][n], g)]
+    assert not different, different
+    errs = {n: rel_frobenius(a2a["grads"][n], 2 * one["grads"][n].double()) for n in experts if one["grads"][n].abs().sum() > 0}
+    assert errs and max(errs.values()) < 1e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+    assert all(torch.equal(a2a["grads"][n], ep2["grads"][n]) for n in experts)  # the same rows reach each expert
