@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 
@@ -19,25 +20,30 @@ def global_expert_names(grads: dict, ep_rank: int, local_experts: int) -> dict:
 
 
 def run(rank, world, port, jobs, out_dir):
-    """Each job (a dict: name, ep, etp, dispatcher, grouped, save, load, megatron_dispatch) builds the tiny MoE GPT under its
-    parallel layout (seed 0, or another seed and the weights of the checkpoint ``load``; ``megatron_dispatch``:
-    Megatron's token dispatcher instead of the routed one), takes the loss and gradients of one batch, writes them
-    (rank 0) to ``out_dir/<name>.pt`` with the layers' ``routed_dispatch_off`` and its checkpoint to ``save`` if
-    given."""
+    """Each job (a dict: name, ep, etp, dispatcher, grouped, backend, num_layers, save, load, megatron_dispatch,
+    host_reads) builds the tiny MoE GPT under its parallel layout (seed 0, or another seed and the weights of the
+    checkpoint ``load``; ``megatron_dispatch``: Megatron's token dispatcher instead of the routed one), takes the loss
+    and gradients of one batch (``host_reads``: recording the host reads of device values that the plugin's and
+    Megatron's MoE code make), writes them (rank 0) to ``out_dir/<name>.pt`` with the layers' ``routed_dispatch_off``,
+    and its checkpoint to ``save`` if given."""
     warnings.simplefilter("ignore")
     from megatron.core import dist_checkpointing, parallel_state
 
     from primus_fp8_plugin.megatron.cpu import init_cpu_distributed
 
     from .common import build_gpt, loss_and_grads
+    from .test_host_sync import HostReads
     from .test_moe_grouped import NUM_EXPERTS, moe_config, moe_spec
+    from .test_moe_routed import MEGATRON_MOE
 
     for job in jobs:
         ep, etp = job.get("ep", 1), job.get("etp", 1)
         init_cpu_distributed(rank=rank, world_size=world, tp=1, port=port, ep=ep, etp=etp)
         config = moe_config(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                            moe_token_dispatcher_type=job.get("dispatcher", "allgather"))  # fmt: skip
-        model = build_gpt(moe_spec(job.get("grouped", True)), config, seed=0 if job.get("load") is None else 123)
+                            moe_token_dispatcher_type=job.get("dispatcher", "allgather"),
+                            **({"num_layers": job["num_layers"]} if "num_layers" in job else {}))  # fmt: skip
+        spec = moe_spec(job.get("grouped", True), job.get("backend", "reference"))
+        model = build_gpt(spec, config, seed=0 if job.get("load") is None else 123)
         if job.get("load") is not None:
             model.module.load_state_dict(dist_checkpointing.load(model.module.sharded_state_dict(), job["load"]))
         moe_layers = [m for m in model.modules() if hasattr(m, "routed_dispatch_off")]
@@ -45,7 +51,9 @@ def run(rank, world, port, jobs, out_dir):
         if job.get("megatron_dispatch"):
             for m in moe_layers:
                 m.token_dispatcher, m.routed_dispatcher = m.routed_dispatcher.megatron, None
-        loss, grads = loss_and_grads(model)
+        reads = HostReads(roots=(MEGATRON_MOE,)) if job.get("host_reads") else contextlib.nullcontext()
+        with reads:
+            loss, grads = loss_and_grads(model)
         if etp == 1:  # expert grads with global expert indices, from every EP rank
             ep_rank = parallel_state.get_expert_model_parallel_rank()
             mine = {n: g for n, g in global_expert_names(grads, ep_rank, NUM_EXPERTS // ep).items() if ".experts." in n}
@@ -56,7 +64,9 @@ def run(rank, world, port, jobs, out_dir):
         if job.get("save") is not None:
             dist_checkpointing.save(model.module.sharded_state_dict(), job["save"])
         if rank == 0:
-            torch.save({"loss": loss, "grads": grads, "routed_off": routed_off}, f"{out_dir}/{job['name']}.pt")
+            found = reads.found if job.get("host_reads") else None
+            torch.save({"loss": loss, "grads": grads, "routed_off": routed_off, "host_reads": found},
+                       f"{out_dir}/{job['name']}.pt")  # fmt: skip
         dist.barrier()
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

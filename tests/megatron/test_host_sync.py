@@ -60,7 +60,8 @@ class HostReads(TorchFunctionMode):
         if where.startswith(self.roots) and not where.endswith(INTERPRETER_ONLY) and not cpu_branch:
             self.plugin_calls += 1
             name = getattr(func, "__name__", str(func))
-            repeats = name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor)
+            repeats = (name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor)
+                       and (kwargs or {}).get("output_size") is None)  # fmt: skip  (given: no read)
             if name in HOST_READS or repeats:
                 self.found.append((name, f"{where}:{frame.f_lineno}"))
         return func(*args, **(kwargs or {}))

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from primus_fp8_plugin import backend_availability
 from primus_fp8_plugin.validate import rel_frobenius
 
 from . import moe_workers
@@ -35,6 +36,9 @@ def runs(tmp_path_factory):
         {"name": "ep2_megatron", "ep": 2, "load": str(ckpt["one"]), "megatron_dispatch": True},
         {"name": "etp2_megatron", "etp": 2, "load": str(ckpt["one"]), "megatron_dispatch": True},
         {"name": "ep2_alltoall", "ep": 2, "dispatcher": "alltoall", "load": str(ckpt["one"])},
+        # the reference backend reads group counts on the host by design: the host reads are the Triton kernels'
+        *([{"name": "ep2_alltoall_reads", "ep": 2, "dispatcher": "alltoall", "backend": "triton", "num_layers": 1,
+            "host_reads": True}] if backend_availability("triton", "cpu") else []),
     ])  # fmt: skip
     out |= launch(tmp, 1, [
         {"name": "seq_from_ep2", "grouped": False, "load": str(ckpt["ep2"])},
@@ -115,3 +119,12 @@ def test_alltoall_exchange_has_the_bits_of_one_rank(runs):
     errs = {n: rel_frobenius(a2a["grads"][n], 2 * one["grads"][n].double()) for n in experts if one["grads"][n].abs().sum() > 0}
     assert errs and max(errs.values()) < 1e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
     assert all(torch.equal(a2a["grads"][n], ep2["grads"][n]) for n in experts)  # the same rows reach each expert
+
+
+def test_alltoall_exchange_reads_only_the_split_sizes_on_the_host(runs):
+    """The plugin's and Megatron's MoE code in a forward and backward at EP=2 with the alltoall type (Triton
+    kernels, one MoE layer): one host read, the all-to-all's split sizes."""
+    if "ep2_alltoall_reads" not in runs:
+        pytest.skip(backend_availability("triton", "cpu").reason)
+    reads = runs["ep2_alltoall_reads"]["host_reads"]
+    assert [name for name, _ in reads] == ["tolist"] and reads[0][1].split(":")[0].endswith("megatron/moe.py"), reads
