@@ -24,7 +24,7 @@ from .common import SEQ, VOCAB, fused_norm_names, loss_and_grads, tiny_config, u
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("megatron_world")
-_ports = itertools.count(29760)
+_ports = itertools.count(int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")) + 200)  # a checkout's own ports
 
 
 def swiglu_config(**kw):

@@ -4,6 +4,7 @@ rank, and distributed checkpoints resharded between them and SequentialMLP's, in
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from primus_fp8_plugin.validate import rel_frobenius
 from . import moe_workers
 from .test_moe_grouped import sequential_name
 
-_ports = itertools.count(29760)
+_ports = itertools.count(int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")) + 150)  # a checkout's own ports
 
 
 def launch(tmp_path, world, jobs):

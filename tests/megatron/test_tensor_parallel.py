@@ -4,6 +4,7 @@ separate gloo processes on the CPU."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from primus_fp8_plugin.validate import rel_frobenius
 
 from . import workers
 
-_ports = itertools.count(29700)
+_ports = itertools.count(int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")) + 100)  # a checkout's own ports
 
 
 def launch(tmp_path, name, world, tp, sp=False, save=False, load=None):
