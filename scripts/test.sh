@@ -13,7 +13,9 @@ echo "[test] ruff"
 
 echo "[test] pytest"
 set +e
-"$PY" -m pytest -q "$@"
+# two worker processes (pytest-xdist; TEST_WORKERS=0 runs in this process), each test file on one worker so that
+# a module's fixtures run once; tests/conftest.py gives each worker its own ports
+"$PY" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -12,6 +12,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist each worker process gets its own block of ports (gloo rendezvous, torchrun): every multi-rank
+# test counts from PRIMUS_FP8_TEST_PORT, read when its module is imported, after this file.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw"):
+    os.environ["PRIMUS_FP8_TEST_PORT"] = str(int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")) + 1000 * int(_worker[2:]))
+
 GOLDEN_DIR = Path(__file__).parent / "data" / "te_golden"
 
 
