@@ -107,6 +107,7 @@ class RoutedTokenDispatcher:
         self.active = True
         self.hidden_shape = self.routing_map = self.routing = self.probs_dtype = None
         self.sent = None  # alltoall: (the tokens' Routing, split sizes sent, split sizes received)
+        self.recv_counts = None  # alltoall: rows received [EP, local experts], from dispatch to postprocess
 
     def __getattr__(self, name):
         return getattr(self.__dict__["megatron"], name)
