@@ -6,8 +6,8 @@ Megatron's dispatcher (allgather type: Megatron's alltoall one needs CUDA stream
                                   [--top 20] [--json out.json]
 
 The layer is the fast spec's MoE layer (router, ``Fp8GroupedMLP`` with SwiGLU fused, the plugin's grouped
-linears). The FP8 operations run on an *instant* backend: the reference backend's result for each operation and
-argument shapes is computed once, then handed back (cloned) at once, so that what is measured is what a GPU run
+linears). The FP8 operations run on an *instant* backend: the reference backend's result for each operation's k-th
+call in a step is computed once, then handed back (cloned) at once, so that what is measured is what a GPU run
 spends on the host per layer: Python, autograd, torch's dispatch of the aten operations (each of which is one
 kernel launch or more on a GPU), none of the FP8 arithmetic. The sizes are small, so the aten operations' CPU
 arithmetic is small too (``--tokens``/``--hidden`` scale it).
@@ -37,44 +37,68 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from primus_fp8_plugin.backends import Backend, get_backend
 
+ALL = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgPosition:
+    """Where an input tensor stands in a call's arguments: ``args[i]``, ``args[i][j]``, or (``j == ALL``) the list
+    ``args[i]`` itself."""
+
+    i: int
+    j: int | None
+
 
 def instant_backend(inner: Backend) -> Backend:
-    """A backend answering each FP8 operation with ``inner``'s result for the same operation and argument shapes,
-    computed at the first call and cloned after (module docstring). For host-cost measurements only: the results
-    of later calls are not computed from their inputs."""
+    """A backend answering the ``k``-th call of each FP8 operation within a step (``new_step()`` starts one) with
+    ``inner``'s result for the ``k``-th call of the first step that made it (with the same shape of the first tensor
+    argument), cloned (module docstring). A training step calls the same operations in the same order every time,
+    so this costs a dictionary look-up per call. For host-cost measurements only: the results of later calls are
+    not computed from their inputs."""
     memo: dict = {}
+    calls: Counter = Counter()
 
-    def signature(value):
+    def template(value, inputs: dict):
+        """The result with each of the call's own input tensors (an output written in place, such as the main_grad
+        tensors a wgrad accumulates into) replaced by its position among the arguments."""
         if isinstance(value, torch.Tensor):
-            return ("T", tuple(value.shape), value.dtype)
-        if isinstance(value, (list, tuple)):  # a long list (the experts' weights): its length and ends
-            return (len(value), *map(signature, value if len(value) <= 4 else (value[0], value[-1])))
-        if isinstance(value, (int, float, str, bool, type(None), torch.dtype, torch.device)):
-            return value
-        if dataclasses.is_dataclass(value):  # quantized tensors, layouts: by their fields
-            return (type(value).__name__, *(signature(getattr(value, f.name)) for f in dataclasses.fields(value)))
-        if hasattr(value, "__dict__"):
-            return (type(value).__name__, *((k, signature(v)) for k, v in sorted(vars(value).items())))
-        return type(value).__name__
+            return inputs.get(id(value), value)
+        if isinstance(value, (tuple, list)):
+            items = type(value)(template(v, inputs) for v in value)
+            whole = [v.i if isinstance(v, ArgPosition) and v.j == j else None for j, v in enumerate(items)]
+            if isinstance(value, list) and items and None not in whole and len(set(whole)) == 1:
+                return ArgPosition(whole[0], ALL)  # a list argument handed back whole (``list(accumulate_into)``)
+            return items
+        return value
 
-    def clone(value):
+    def build(value, args):
+        """A fresh result from a template: input positions resolved in this call's ``args``, tensors cloned."""
         if isinstance(value, torch.Tensor):
             return value.clone()
+        if isinstance(value, ArgPosition):
+            return args[value.i] if value.j is None else list(args[value.i]) if value.j == ALL else args[value.i][value.j]
         if isinstance(value, (tuple, list)):
-            return type(value)(clone(v) for v in value)
+            return type(value)(build(v, args) for v in value)
         return value
 
     def memoized(name, method):
         def call(self, *args, **kwargs):
-            key = (name, signature(args), tuple(sorted((k, signature(v)) for k, v in kwargs.items())))
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            key = (name, calls[name], None if first is None else tuple(first.shape))
+            calls[name] += 1
             if key not in memo:
-                memo[key] = method(*args, **kwargs)
-            return clone(memo[key])
+                inputs = {}
+                for i, a in enumerate(args):
+                    items = [(None, a)] if isinstance(a, torch.Tensor) else enumerate(a) if isinstance(a, (list, tuple)) else ()
+                    inputs.update((id(b), ArgPosition(i, j)) for j, b in items if isinstance(b, torch.Tensor))
+                memo[key] = template(method(*args, **kwargs), inputs)
+            return build(memo[key], args)
 
         return call
 
     ops = [n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_") and n != "availability"]
     methods = {n: memoized(n, getattr(inner, n)) for n in ops}
+    methods["new_step"] = lambda self: calls.clear()
     return type("InstantBackend", (type(inner),), {"name": "instant", **methods})()
 
 
@@ -133,6 +157,7 @@ def build_layer(experts: int, topk: int, hidden: int, ffn: int):
 
 def layer_step(layer, x, dy):
     """One forward and backward (Megatron's DDP hooks leave every parameter's ``.grad`` None after it)."""
+    layer.routed_dispatcher.backend.new_step()
     out, _ = layer(x)
     out.backward(dy)
     x.grad = None

@@ -1,4 +1,5 @@
-"""tools/moe_host_cost.py on the CPU: its instant backend answers with the reference backend's results, and the MoE
+"""tools/moe_host_cost.py on the CPU: its instant backend answers a step's k-th call of an operation with the
+reference backend's result for the first step's, and the MoE
 layer it measures (the fast spec's, under Megatron's DDP) makes no weight-sized copy per expert in backward."""
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ def test_instant_backend_answers_with_the_references_first_result():
     first = instant.quantize_act(x1, params, rowwise=True, columnwise=False)
     want = ref.quantize_act(x1, params, rowwise=True, columnwise=False)
     assert torch.equal(first.rowwise_data.view(torch.uint8), want.rowwise_data.view(torch.uint8))
-    again = instant.quantize_act(x2, params, rowwise=True, columnwise=False)  # same shapes: the first result
+    instant.new_step()
+    again = instant.quantize_act(x2, params, rowwise=True, columnwise=False)  # a step's first call: the first result
     assert again is first
+    other = instant.quantize_act(x2, params, rowwise=True, columnwise=False)  # its second call: computed from x2
+    want2 = ref.quantize_act(x2, params, rowwise=True, columnwise=False)
+    assert torch.equal(other.rowwise_data.view(torch.uint8), want2.rowwise_data.view(torch.uint8))
     w = torch.randn(256, 256, generator=g).to(torch.bfloat16)
     wq = ref.quantize_weight(w, BlockwiseRecipe().params(TensorRole.WEIGHT))
     y1 = instant.gemm_fwd(want, wq, None, torch.bfloat16)
+    instant.new_step()
     y2 = instant.gemm_fwd(want, wq, None, torch.bfloat16)
     assert torch.equal(y1, ref.gemm_fwd(want, wq, None, torch.bfloat16)) and torch.equal(y1, y2) and y1 is not y2
 
