@@ -73,6 +73,7 @@ plugin arms run with ``PRIMUS_FP8_CHECK_MODEL=1``: the entry shim then stops the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -344,8 +345,6 @@ def combine_rounds(runs: list[dict]) -> dict:
 def megatron_records_callstacks() -> bool:
     """Whether the installed Megatron has ``--pytorch-profiler-collect-callstack`` (megatron-core 0.19 on): with it
     the trace holds the Python frames that ``kernel_profile.idle_by_host_frame`` charges the GPU's idle time to."""
-    import importlib.util
-
     spec = importlib.util.find_spec("megatron.training")
     if spec is None or not spec.submodule_search_locations:
         return False
@@ -396,6 +395,19 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
     print(f"[megatron_lm] {name}: {row['ms_per_iter']:.1f} ms/iter, first loss {row['first_loss']}, "
           f"last loss {row['last_loss']} ({row['wall_s']} s)", flush=True)  # fmt: skip
     return row
+
+
+def multi_tensor_kernels() -> str:
+    """Where Megatron's optimizer gets its multi-tensor kernels (gradient norm, scaling) in this environment: TE's,
+    apex's, or its Python fallbacks, which read one value per parameter on the host for the gradient norm (a device
+    synchronisation each: thousands per step for fine-grained MoE), so a step without TE or apex is not a
+    production one."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return "TE"
+    if importlib.util.find_spec("amp_C") is not None:
+        return "apex"
+    return ("Megatron's Python fallbacks (no TE, no apex): one host read per parameter in the gradient norm; "
+            "install TE or apex for production figures")  # fmt: skip
 
 
 def print_kernel_differences(rows: list[dict], ref: str) -> None:
@@ -510,6 +522,8 @@ def main(argv=None) -> int:
         summary = check_spec(flags, model["args"], name)
         if summary:
             print(f"[megatron_lm] {name}: {summary}", flush=True)
+    kernels = multi_tensor_kernels()
+    print(f"[megatron_lm] Megatron's multi-tensor kernels: {kernels}", flush=True)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     flags_of = dict(plans)
     runs: dict[str, list[dict]] = {n: [] for n in flags_of}
@@ -524,7 +538,8 @@ def main(argv=None) -> int:
     print_kernel_differences(rows, args.ref)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "model_args": model["args"], "common": COMMON,
-                                               "rounds": args.rounds, "rows": rows, "runs": runs}, indent=1))  # fmt: skip
+                                               "rounds": args.rounds, "multi_tensor_kernels": kernels, "rows": rows,
+                                               "runs": runs}, indent=1))  # fmt: skip
     if args.plot:
         plot(rows, args.plot, f"pretrain_gpt.py, {args.model}")
     return 0 if all("ms_per_iter" in r for r in rows) else 1

@@ -374,3 +374,14 @@ def test_profiled_arms_are_compared_kernel_by_kernel_with_the_reference(capsys):
     assert "plugin_fast_mdisp (A) -> plugin_fast (B)" in out and "     4 ->     10      +6" in out
     mlm.print_kernel_differences([rows[1]], "te_fp8")  # nothing profiled: nothing printed
     assert capsys.readouterr().out == ""
+
+
+def test_the_run_says_where_megatrons_multi_tensor_kernels_come_from(monkeypatch):
+    found = set()
+    monkeypatch.setattr(mlm.importlib.util, "find_spec", lambda name: object() if name in found else None)
+    fallback = mlm.multi_tensor_kernels()
+    assert fallback.startswith("Megatron's Python fallbacks") and "host read per parameter" in fallback
+    found.add("amp_C")
+    assert mlm.multi_tensor_kernels() == "apex"
+    found.add("transformer_engine")
+    assert mlm.multi_tensor_kernels() == "TE"
