@@ -283,6 +283,21 @@ def test_main_grad_accumulates_twice_and_grad_stays_empty(op, backend, megatron)
         assert torch.isfinite(w.main_grad).all()
 
 
+def test_zero_out_wgrad_placeholders_are_each_weights_own_zeros(backend):
+    """Megatron's hook adds ``.grad`` into ``main_grad`` for a weight that asks ``zero_out_wgrad`` (a tied
+    embedding): each such weight gets zeros of its own, so a write into one ``.grad`` reaches no other."""
+    ws = [torch.nn.Parameter(make_input((N, 128), seed=40 + i, device=DEVICE)) for i in range(2)]
+    for w in ws:
+        w.main_grad, w.grad_added_to_main_grad, w.zero_out_wgrad = torch.zeros(w.shape, device=DEVICE), False, True
+    x = make_input((ROWS, 128), seed=42, device=DEVICE).requires_grad_(True)
+    fp8_blockwise_linear(x, ws[0], backend=backend).sum().backward()
+    assert ws[0].grad is not None and not ws[0].grad.any()
+    ws[0].grad.add_(3.0)  # what an accumulation into a surviving .grad does
+    fp8_blockwise_linear(x, ws[1], backend=backend).sum().backward()
+    assert not ws[1].grad.any() and ws[0].grad.eq(3.0).all()
+    assert all(w.main_grad.abs().sum() > 0 for w in ws)
+
+
 def test_saved_tensor_hooks_keep_main_grad_and_gradients(op, backend):
     _, grads = train(op, requires(op.leaves(ROWS, 128, N, seed=10)), backend)
     t = requires(op.leaves(ROWS, 128, N, seed=10))

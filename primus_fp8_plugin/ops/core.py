@@ -221,10 +221,13 @@ def placeholder_gradients(weights) -> list:
     """What autograd gets for weights whose gradients went into their ``main_grad``.
 
     Under Megatron's protocol (the weights have a ``grad_added_to_main_grad`` attribute, which Megatron's DDP sets
-    and whose hook then discards ``.grad`` instead of adding it): the attribute is set True and every weight gets
-    one placeholder gradient, so that the parameters' hooks run; one storage per shape, dtype and device shared by
-    all weights and calls (zeros where the weights ask ``zero_out_wgrad``, else uninitialised, as TE does); nothing
-    writes it. Otherwise None: ``.grad`` stays None and the gradient is only in ``main_grad``."""
+    and whose hook then discards ``.grad`` instead of adding it): the attribute is set True and every weight gets a
+    placeholder gradient, so that the parameters' hooks run. Uninitialised placeholders (as TE's) are aliases
+    (``detach``) of one storage per shape, dtype and device, shared by all weights and calls: autograd takes a
+    gradient nothing else refers to as ``.grad`` as it is, where it clones a shared tensor (a weight-sized copy per
+    weight and backward); their values mean nothing and the hook discards them. Where a weight asks
+    ``zero_out_wgrad`` (Megatron's hook then adds ``.grad``, which must be zeros), each weight gets zeros of its own,
+    as Megatron's own layers give. Otherwise None: ``.grad`` stays None and the gradient is only in ``main_grad``."""
     marked = set(map(hasattr, weights, _ADDED))
     if marked == {False}:
         return [None] * len(weights)
@@ -232,15 +235,13 @@ def placeholder_gradients(weights) -> list:
         raise ValueError("either every expert weight follows Megatron's grad_added_to_main_grad protocol or none does")
     list(map(setattr, weights, _ADDED, repeat(True)))
     w0 = weights[0]
-    zero = True in set(map(getattr, weights, repeat("zero_out_wgrad"), repeat(False)))
-    key = (tuple(w0.shape), w0.dtype, w0.device, zero)
+    if True in set(map(getattr, weights, repeat("zero_out_wgrad"), repeat(False))):
+        return [torch.zeros(w.shape, dtype=w.dtype, device=w.device) for w in weights]
+    key = (tuple(w0.shape), w0.dtype, w0.device)
     dummy = _PLACEHOLDERS.get(key)
     if dummy is None:
-        dummy = (torch.zeros if zero else torch.empty)(w0.shape, dtype=w0.dtype, device=w0.device)
+        dummy = torch.empty(w0.shape, dtype=w0.dtype, device=w0.device)
         _PLACEHOLDERS[key] = dummy
-    # one alias per weight (``detach``: a tensor of its own over the placeholder's storage): autograd's
-    # AccumulateGrad takes a gradient that nothing else refers to as ``.grad`` as it is, where a shared one is
-    # cloned, a weight-sized copy per weight and backward
     return list(map(torch.Tensor.detach, repeat(dummy, len(weights))))
 
 
