@@ -113,17 +113,16 @@ def permute_probs(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
 class _UnpermuteFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, probs, routing, backend):
-        ctx.save_for_backward(y, probs)
-        ctx.routing = routing
+        ctx.save_for_backward(*((y, probs) if probs is not None else ()))  # without probs dY needs no y
+        ctx.routing, ctx.y_dtype = routing, y.dtype
         return routing.rows_sum(y, probs, backend)
 
     @staticmethod
     def backward(ctx, grad):
+        if not ctx.saved_tensors:
+            return grad.to(ctx.y_dtype).index_select(0, ctx.routing.sorted_indices), None, None, None
         y, probs = ctx.saved_tensors
-        acc = y.dtype if probs is None else torch.promote_types(y.dtype, probs.dtype)
-        rows = grad.to(acc).index_select(0, ctx.routing.sorted_indices)  # the gradient of the scatter-add
-        if probs is None:
-            return rows.to(y.dtype), None, None, None
+        rows = grad.to(torch.promote_types(y.dtype, probs.dtype)).index_select(0, ctx.routing.sorted_indices)
         dy = (rows * probs.unsqueeze(-1)).to(y.dtype) if ctx.needs_input_grad[0] else None
         dprobs = (rows * y).sum(-1, keepdim=True).to(probs.dtype).view(probs.shape) if ctx.needs_input_grad[1] else None
         return dy, dprobs, None, None

@@ -79,6 +79,21 @@ def test_each_tokens_rows_in_order_and_their_sum_is_index_adds():
         assert same(r.rows_sum(y, None, get_backend(backend, "cpu")), want), backend
 
 
+def test_unpermute_without_probabilities_saves_nothing_for_backward():
+    """Without probabilities the combine's gradient is a gather of dY: it keeps no activation for backward (with
+    them it keeps y and the probabilities)."""
+    routing_map, probs = routing_case(64, 8, 2, seed=13)
+    r = route(routing_map, 128)
+    y = make_input((128, 96), seed=14).requires_grad_(True)
+    for p, want in ((None, 0), (permute_probs(probs, r).requires_grad_(True), 2)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = unpermute(y, r, probs=p, backend="reference")
+        assert len(saved) == want
+        out.float().sum().backward()
+    assert y.grad is not None and y.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_permute_equals_megatrons_permute_and_its_gradient(backend):
     """The permuted bf16 copy (the alltoall exchange sends it) and its gradient: Megatron's ``permute`` and the
