@@ -7,7 +7,7 @@ Megatron's dispatcher (allgather type: Megatron's alltoall one needs CUDA stream
 
 The layer is the fast spec's MoE layer (router, ``Fp8GroupedMLP`` with SwiGLU fused, the plugin's grouped
 linears). The FP8 operations run on an *instant* backend: the reference backend's result for each operation's k-th
-call in a step is computed once, then handed back (cloned) at once, so that what is measured is what a GPU run
+call in a step is computed once, then handed back at once (tensors cloned), so that what is measured is what a GPU run
 spends on the host per layer: Python, autograd, torch's dispatch of the aten operations (each of which is one
 kernel launch or more on a GPU), none of the FP8 arithmetic. The sizes are small, so the aten operations' CPU
 arithmetic is small too (``--tokens``/``--hidden`` scale it).
@@ -52,9 +52,9 @@ class ArgPosition:
 def instant_backend(inner: Backend) -> Backend:
     """A backend answering the ``k``-th call of each FP8 operation within a step (``new_step()`` starts one) with
     ``inner``'s result for the ``k``-th call of the first step that made it (with the same shape of the first tensor
-    argument), cloned (module docstring). A training step calls the same operations in the same order every time,
-    so this costs a dictionary look-up per call. For host-cost measurements only: the results of later calls are
-    not computed from their inputs."""
+    argument and the same plain keyword arguments), its tensors cloned (module docstring). A training step calls
+    the same operations in the same order every time, so this costs a dictionary look-up per call. For host-cost
+    measurements only: the results of later calls are not computed from their inputs."""
     memo: dict = {}
     calls: Counter = Counter()
 
@@ -84,7 +84,8 @@ def instant_backend(inner: Backend) -> Backend:
     def memoized(name, method):
         def call(self, *args, **kwargs):
             first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            key = (name, calls[name], None if first is None else tuple(first.shape))
+            options = tuple((k, v) for k, v in sorted(kwargs.items()) if isinstance(v, (bool, int, float, str, type(None))))
+            key = (name, calls[name], None if first is None else tuple(first.shape), options)
             calls[name] += 1
             if key not in memo:
                 inputs = {}
@@ -141,11 +142,7 @@ def build_layer(experts: int, topk: int, hidden: int, ffn: int):
     layer = block.layers[0].mlp
     if layer.routed_dispatch_off is not None:
         raise RuntimeError(f"the routed dispatch is off: {layer.routed_dispatch_off}")
-    instant = instant_backend(get_backend("reference", "cpu"))
-    for m in layer.modules():
-        if hasattr(m, "fp8_backend"):
-            m.fp8_backend = instant
-    layer.routed_dispatcher.backend = instant
+    use_instant_backend(layer)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from primus_fp8_plugin.megatron.cpu import CudaAsCpu
@@ -153,6 +150,15 @@ def build_layer(experts: int, topk: int, hidden: int, ffn: int):
     with CudaAsCpu():  # Megatron's gradient buffers: main_grad and its backward hooks, as in training
         DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
     return layer
+
+
+def use_instant_backend(layer) -> None:
+    """A fresh instant backend (its own memo) for every FP8 operation of ``layer``."""
+    instant = instant_backend(get_backend("reference", "cpu"))
+    for m in layer.modules():
+        if hasattr(m, "fp8_backend"):
+            m.fp8_backend = instant
+    layer.routed_dispatcher.backend = instant
 
 
 def layer_step(layer, x, dy):
@@ -221,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     routed = layer.routed_dispatcher
     results = {"routed": measure(layer, x, dy, args.iters, args.top)}
     layer.token_dispatcher = routed.megatron  # Megatron's allgather dispatcher, the same experts
+    use_instant_backend(layer)  # its own memo: another sequence of calls
     results["megatron"] = measure(layer, x, dy, args.iters, args.top)
     layer.token_dispatcher = routed
     print(f"MoE layer fwd+bwd on the host: {args.experts} experts, top-{args.topk}, {args.tokens} tokens, "
