@@ -73,6 +73,7 @@ plugin arms run with ``PRIMUS_FP8_CHECK_MODEL=1``: the entry shim then stops the
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -402,10 +403,14 @@ def multi_tensor_kernels() -> str:
     apex's, or its Python fallbacks, which read one value per parameter on the host for the gradient norm (a device
     synchronisation each: thousands per step for fine-grained MoE), so a step without TE or apex is not a
     production one."""
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return "TE"
-    if importlib.util.find_spec("amp_C") is not None:
-        return "apex"
+    for source, modules in (("TE", ("transformer_engine.pytorch.optimizers",)),
+                            ("apex", ("amp_C", "apex.multi_tensor_apply"))):  # what megatron/core/optimizer tries
+        try:
+            for module in modules:
+                importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - an install that does not import is no source
+            continue
+        return source
     return ("Megatron's Python fallbacks (no TE, no apex): one host read per parameter in the gradient norm; "
             "install TE or apex for production figures")  # fmt: skip
 
