@@ -14,9 +14,11 @@ import pytest  # noqa: E402
 
 # Under pytest-xdist each worker process gets its own block of ports (gloo rendezvous, torchrun): every multi-rank
 # test counts from PRIMUS_FP8_TEST_PORT, read when its module is imported, after this file.
+# (shifted from PRIMUS_FP8_TEST_PORT_BASE, so that a process importing this file again does not shift twice)
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _worker.startswith("gw"):
-    os.environ["PRIMUS_FP8_TEST_PORT"] = str(int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")) + 1000 * int(_worker[2:]))
+    _base = int(os.environ.setdefault("PRIMUS_FP8_TEST_PORT_BASE", os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")))
+    os.environ["PRIMUS_FP8_TEST_PORT"] = str(_base + 1000 * int(_worker[2:]))
 
 GOLDEN_DIR = Path(__file__).parent / "data" / "te_golden"
 

@@ -37,9 +37,8 @@ def nccl_world():
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        # one port per pytest-xdist worker: the workers share the host
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-        os.environ.setdefault("MASTER_PORT", str(29811 + int(worker.removeprefix("gw") or 0)))
+        # in the worker's own block of ports (tests/conftest.py), clear of the multi-rank tests' offsets
+        os.environ.setdefault("MASTER_PORT", str(int(os.environ.get("PRIMUS_FP8_TEST_PORT", "29611")) + 90))
         dist.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
