@@ -84,17 +84,6 @@ def permute_quantize(x: torch.Tensor, routing: Routing, params: QuantParams, *, 
                                      rows=routing.sorted_indices)  # fmt: skip
 
 
-class _PermuteFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, routing, backend):
-        ctx.routing, ctx.backend = routing, backend
-        return x.index_select(0, routing.sorted_indices)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.routing.rows_sum(grad.contiguous(), None, ctx.backend), None, None
-
-
 def permute(x: torch.Tensor, routing: Routing, *, backend: str | Backend = "auto") -> torch.Tensor:
     """The permuted copy ``x[routing.sorted_indices]`` ``[N, H]`` of the tokens ``x [T, H]``, where the rows must exist
     (to be sent to other ranks). Differentiable: each token's gradient is the sum of its rows' in fp32 in row order,
@@ -102,7 +91,7 @@ def permute(x: torch.Tensor, routing: Routing, *, backend: str | Backend = "auto
     if x.dim() != 2 or x.shape[0] != routing.num_tokens:
         raise ValueError(f"x must be [{routing.num_tokens}, H] (the tokens the routing map routes), got {tuple(x.shape)}")
     impl = backend if isinstance(backend, Backend) else get_backend(backend, x.device)
-    return _PermuteFn.apply(x, routing, impl)
+    return _TokenRowsFn.apply(x, None, routing, impl, True)
 
 
 def permute_probs(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -110,22 +99,30 @@ def permute_probs(probs: torch.Tensor, routing: Routing) -> torch.Tensor:
     return probs.T.contiguous().reshape(-1)[routing.flat]
 
 
-class _UnpermuteFn(torch.autograd.Function):
+class _TokenRowsFn(torch.autograd.Function):
+    """The permutation's two directions, each the other's gradient: ``gather`` (``permute``): ``t [T, H]`` ->
+    ``t[sorted_indices]`` ``[N, H]``; otherwise (``unpermute``): ``t [N, H]`` -> each token's rows (times ``probs``)
+    summed in fp32 in row order (``Routing.rows_sum``)."""
+
     @staticmethod
-    def forward(ctx, y, probs, routing, backend):
-        ctx.save_for_backward(*((y, probs) if probs is not None else ()))  # without probs dY needs no y
-        ctx.routing, ctx.y_dtype = routing, y.dtype
-        return routing.rows_sum(y, probs, backend)
+    def forward(ctx, t, probs, routing, backend, gather):
+        ctx.routing, ctx.backend, ctx.gather, ctx.t_dtype = routing, backend, gather, t.dtype
+        if gather:
+            return t.index_select(0, routing.sorted_indices)
+        ctx.save_for_backward(*((t, probs) if probs is not None else ()))  # without probs dY needs no y
+        return routing.rows_sum(t, probs, backend)
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.gather:
+            return ctx.routing.rows_sum(grad.contiguous(), None, ctx.backend), None, None, None, None
         if not ctx.saved_tensors:
-            return grad.to(ctx.y_dtype).index_select(0, ctx.routing.sorted_indices), None, None, None
+            return grad.to(ctx.t_dtype).index_select(0, ctx.routing.sorted_indices), None, None, None, None
         y, probs = ctx.saved_tensors
         rows = grad.to(torch.promote_types(y.dtype, probs.dtype)).index_select(0, ctx.routing.sorted_indices)
         dy = (rows * probs.unsqueeze(-1)).to(y.dtype) if ctx.needs_input_grad[0] else None
         dprobs = (rows * y).sum(-1, keepdim=True).to(probs.dtype).view(probs.shape) if ctx.needs_input_grad[1] else None
-        return dy, dprobs, None, None
+        return dy, dprobs, None, None, None
 
 
 def unpermute(y: torch.Tensor, routing: Routing, *, probs: torch.Tensor | None = None,
@@ -138,4 +135,4 @@ def unpermute(y: torch.Tensor, routing: Routing, *, probs: torch.Tensor | None =
     if probs is not None and (probs.shape != (n,) or probs.dtype not in ROW_WEIGHT_DTYPES):
         raise ValueError(f"probs must be [{n}] in one of {ROW_WEIGHT_DTYPES}, got {probs.dtype} {tuple(probs.shape)}")
     impl = backend if isinstance(backend, Backend) else get_backend(backend, y.device)
-    return _UnpermuteFn.apply(y.contiguous(), probs, routing, impl)
+    return _TokenRowsFn.apply(y.contiguous(), probs, routing, impl, False)
