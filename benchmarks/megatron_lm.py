@@ -400,9 +400,9 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
 
 def multi_tensor_kernels() -> str:
     """Where Megatron's optimizer gets its multi-tensor kernels (gradient norm, scaling) in this environment: TE's,
-    apex's, or its Python fallbacks, which read one value per parameter on the host for the gradient norm (a device
-    synchronisation each: thousands per step for fine-grained MoE), so a step without TE or apex is not a
-    production one."""
+    apex's, or its Python fallbacks, which read one value per parameter tensor on the host for the gradient norm (a
+    device synchronisation each: about a thousand a step for fine-grained MoE), so a step without TE or apex is not
+    a production one."""
     for source, modules in (("TE", ("transformer_engine.pytorch.optimizers",)),
                             ("apex", ("amp_C", "apex.multi_tensor_apply"))):  # what megatron/core/optimizer tries
         try:
