@@ -21,7 +21,7 @@ def global_expert_names(grads: dict, ep_rank: int, local_experts: int) -> dict:
 
 def run(rank, world, port, jobs, out_dir):
     """Each job (a dict: name, ep, etp, dispatcher, grouped, backend, num_layers, save, load, megatron_dispatch,
-    host_reads) builds the tiny MoE GPT under its parallel layout (seed 0, or another seed and the weights of the
+    host_reads, build_only) builds the tiny MoE GPT under its parallel layout (seed 0, or another seed and the weights of the
     checkpoint ``load``; ``megatron_dispatch``: Megatron's token dispatcher instead of the routed one), takes the loss
     and gradients of one batch (``host_reads``: recording the host reads of device values that the plugin's and
     Megatron's MoE code make), writes them (rank 0) to ``out_dir/<name>.pt`` with the layers' ``routed_dispatch_off``,
@@ -51,6 +51,12 @@ def run(rank, world, port, jobs, out_dir):
         if job.get("megatron_dispatch"):
             for m in moe_layers:
                 m.token_dispatcher, m.routed_dispatcher = m.routed_dispatcher.megatron, None
+        if job.get("build_only"):  # what blocks the routed path, nothing run
+            if rank == 0:
+                torch.save({"routed_off": routed_off}, f"{out_dir}/{job['name']}.pt")
+            dist.barrier()
+            parallel_state.destroy_model_parallel()
+            continue
         reads = HostReads(roots=(MEGATRON_MOE,)) if job.get("host_reads") else contextlib.nullcontext()
         with reads:
             loss, grads = loss_and_grads(model)

@@ -37,6 +37,7 @@ def runs(tmp_path_factory):
         {"name": "ep2_megatron", "ep": 2, "load": str(ckpt["one"]), "megatron_dispatch": True},
         {"name": "etp2_megatron", "etp": 2, "load": str(ckpt["one"]), "megatron_dispatch": True},
         {"name": "ep2_alltoall", "ep": 2, "dispatcher": "alltoall", "load": str(ckpt["one"])},
+        {"name": "etp2_alltoall", "etp": 2, "dispatcher": "alltoall", "build_only": True},
         # the reference backend reads group counts on the host by design: the host reads are the Triton kernels'
         *([{"name": "ep2_alltoall_reads", "ep": 2, "dispatcher": "alltoall", "backend": "triton", "num_layers": 1,
             "host_reads": True}] if backend_availability("triton", "cpu") else []),
@@ -129,3 +130,7 @@ def test_alltoall_exchange_reads_only_the_split_sizes_on_the_host(runs):
         pytest.skip(backend_availability("triton", "cpu").reason)
     reads = runs["ep2_alltoall_reads"]["host_reads"]
     assert [name for name, _ in reads] == ["tolist"] and reads[0][1].split(":")[0].endswith("megatron/moe.py"), reads
+
+
+def test_alltoall_with_expert_tensor_parallelism_keeps_megatrons_dispatcher_and_says_why(runs):
+    assert all("expert TP size above 1" in off for off in runs["etp2_alltoall"]["routed_off"]), runs["etp2_alltoall"]

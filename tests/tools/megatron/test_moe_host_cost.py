@@ -59,3 +59,13 @@ def test_moe_layer_backward_copies_no_expert_gradient(world, tmp_path, capsys):
         # autograd's copy of a gradient it cannot take as .grad as it is: one per expert weight before the fix
         assert "new_empty_strided" not in r["aten_by_name"], r["aten_by_name"]
         assert r["aten_by_name"].get("detach", 0) >= 2 * 4  # the placeholder's alias per weight, taken as .grad
+
+
+def test_the_aten_counter_counts_a_hand_counted_function():
+    """``AtenCounter`` against a function whose aten operations are counted by hand: add, mm, view, sum (one each);
+    the view is the one that launches no kernel."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with tool.AtenCounter() as counter:
+        (a + b).mm(b).view(16).sum()
+    assert dict(counter.counts) == {"add": 1, "mm": 1, "view": 1, "sum": 1}
+    assert {op for op in counter.counts if op in tool.METADATA_OPS} == {"view"}
