@@ -358,29 +358,31 @@ class GroupedWeightCache:
         )
 
     def get(
-        self, weights: Sequence[torch.Tensor], params: QuantParams, backend: Backend, *, refresh: bool = False
+        self, weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, backend: Backend, *, refresh: bool = False
     ) -> GroupedFp8Weight:
         """All experts' quantized copies, re-made (in one launch) unless every weight is provably unchanged; the held
-        copies while the cache holds the weights' primary form."""
+        copies while the cache holds the weights' primary form. ``weights``: ``E`` ``[N, K]`` tensors, or the
+        experts stacked in one ``[E, N, K]`` tensor (tracked as one tensor)."""
+        tracked = _tracked(weights)
         if self.held:
-            check_held(weights, self._refs, self._held_key, params, backend)
+            check_held(tracked, self._refs, self._held_key, params, backend)
             return self._value
-        untracked = torch.is_inference_mode_enabled() and any(w.is_inference() for w in weights)
+        untracked = torch.is_inference_mode_enabled() and any(w.is_inference() for w in tracked)
         if untracked or capturing() or torch.compiler.is_compiling():
-            _check_weights(weights, weights[0].device)
+            _check_weights(weights, tracked[0].device)
             self.invalidate()  # an entry made here is never served by key (weight_cache.py)
             self.refreshes += 1
             self._value = self._quantize(weights, params, backend)
             return self._value
-        key, storages = self._key_of(weights, params, backend)
-        if not refresh and self._holds(weights, key):
+        key, storages = self._key_of(tracked, params, backend)
+        if not refresh and self._holds(tracked, key):
             if self.check:
                 self._check(weights, params, backend)
             return self._value
-        _check_weights(weights, weights[0].device)
+        _check_weights(weights, tracked[0].device)
         self.invalidate()  # release the old buffers before allocating the new ones
         self._value = self._quantize(weights, params, backend)
-        self._refs = [weakref.ref(w) for w in weights]
+        self._refs = [weakref.ref(w) for w in tracked]
         self._storage_refs = [StorageWeakRef(s) for s in storages]
         self._key = key
         self.refreshes += 1
@@ -388,15 +390,19 @@ class GroupedWeightCache:
 
     def _quantize(self, weights, params: QuantParams, backend: Backend) -> GroupedFp8Weight:
         with torch.no_grad():
-            value = backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params)
+            if isinstance(weights, torch.Tensor):
+                value = backend.quantize_weight_grouped(weights.detach().contiguous(), params)
+            else:
+                value = backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params)
         return value if self.keep_transpose else value.rowwise_only()
 
-    def own(self, weights: Sequence[torch.Tensor], params: QuantParams, backend: Backend) -> GroupedFp8Weight:
+    def own(self, weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, backend: Backend) -> GroupedFp8Weight:
         """As ``WeightCache.own``, for all experts' weights."""
         self.disown()
-        with torch.autocast(weights[0].device.type, enabled=False):
+        tracked = _tracked(weights)
+        with torch.autocast(tracked[0].device.type, enabled=False):
             value = self.get(weights, params, backend, refresh=True).rowwise_only()
-        self._value, self._refs, self.held, self._held_key = value, [weakref.ref(w) for w in weights], True, (params, backend)
+        self._value, self._refs, self.held, self._held_key = value, [weakref.ref(w) for w in tracked], True, (params, backend)
         return value
 
     def disown(self) -> None:
@@ -438,9 +444,19 @@ class GroupedWeightCache:
         return 0 if self._value is None else self._value.nbytes
 
 
+def _tracked(weights) -> list[torch.Tensor]:
+    """The tensors a grouped cache keys on: the ``E`` expert weights, or the one stacked ``[E, N, K]`` tensor."""
+    return [weights] if isinstance(weights, torch.Tensor) else weights
+
+
 def _check_weights(weights, device: torch.device) -> None:
     """Every expert weight 2-D, of weight 0's shape, on ``device`` (one C-level pass per property; the loop over
-    the experts runs only to name the first wrong one)."""
+    the experts runs only to name the first wrong one); stacked weights: one 3-D tensor on ``device``."""
+    if isinstance(weights, torch.Tensor):
+        if weights.dim() != 3 or weights.shape[0] == 0 or weights.device != device:
+            raise ValueError(f"stacked expert weights must be one [E, N, K] tensor (E >= 1) on {device}, got "
+                             f"{tuple(weights.shape)} on {weights.device}")  # fmt: skip
+        return
     w0 = weights[0]
     if w0.dim() == 2 and set(map(_shape_of, weights)) == {w0.shape} and set(map(_device_of, weights)) == {device}:
         return

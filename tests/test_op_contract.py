@@ -9,7 +9,8 @@ weights' primary form (``WeightCache.own``), the weights' high-precision data th
 of them would show, and dgrad's W^T made on demand.
 Behaviours: backward twice with ``retain_graph``, bias-only training, a frozen weight, inference mode,
 ``torch.compile``, ``torch.autocast``, ``main_grad`` accumulated twice (``.grad`` left empty), saved-tensor hooks,
-zero rows, K not a multiple of 128, bad counts / bad dtypes. A new op joins ``OPS`` before it is used.
+zero rows, K not a multiple of 128, bad counts / bad dtypes. The grouped ops also take the experts' weights
+stacked in one ``[E, N, K]`` tensor (``*_stacked``). A new op joins ``OPS`` before it is used.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Op:
     sequence_parallel: bool = False
     held: bool = False  # the weights' FP8 primary form held by a weight cache, their bf16 data gone
     routed: bool = False  # grouped: the tokens in token order and a ``Routing`` (each token to 0-2 experts)
+    stacked: bool = False  # grouped: the experts' weights as one [E, N, K] tensor (t["w"] holds that one tensor)
 
     def leaves(self, rows: int, k: int, n: int, seed: int, dtype=torch.bfloat16, bias: bool = True) -> dict:
         """The op's differentiable inputs: ``x`` (or ``h``), norm parameters, weights, biases."""
@@ -71,6 +73,8 @@ class Op:
             t["beta"] = (0.1 * make_input((k,), seed=seed + 2, spread=False, device=DEVICE)).to(dtype)
         nw = E if self.grouped else 1
         t["w"] = [(0.05 * make_input((n, k), seed=seed + 10 + i, spread=False, device=DEVICE)).to(dtype) for i in range(nw)]
+        if self.stacked:
+            t["w"] = [torch.stack(t["w"])]
         t["b"] = None
         if bias:
             t["b"] = [(0.1 * make_input((n,), seed=seed + 20 + i, spread=False, device=DEVICE)).to(dtype) for i in range(nw)]
@@ -92,11 +96,15 @@ class Op:
             return  # nothing to hold where the op computes without FP8 or refuses the weights
         cache = GroupedWeightCache(keep_transpose=False) if self.grouped else WeightCache(keep_transpose=False)
         impl = get_backend(backend, DEVICE)
-        cache.own(t["w"] if self.grouped else t["w"][0], BlockwiseRecipe().params(TensorRole.WEIGHT), impl)
+        cache.own(self.weights(t), BlockwiseRecipe().params(TensorRole.WEIGHT), impl)
         if not torch.is_inference_mode_enabled():
             for w in t["w"]:
                 w.data = torch.full((), float("nan"), dtype=w.dtype, device=w.device).expand(w.shape)
         t["cache"] = cache
+
+    def weights(self, t: dict):
+        """What the op takes as its weights: the list of experts' weights, the stacked tensor, or the one weight."""
+        return t["w"] if self.grouped and not self.stacked else t["w"][0]
 
     def __call__(self, t: dict, backend: str, **kw) -> torch.Tensor:
         self.hold(t, backend)
@@ -105,10 +113,11 @@ class Op:
         b = t["b"]
         if self.sequence_parallel:
             kw["sequence_parallel_group"] = _group()
+        w = self.weights(t)
         if self.grouped and self.swiglu:
-            return fp8_grouped_swiglu_linear(t["x"], t["counts"], t["w"], b, probs=t["probs"], backend=backend, **kw)
+            return fp8_grouped_swiglu_linear(t["x"], t["counts"], w, b, probs=t["probs"], backend=backend, **kw)
         if self.grouped:
-            return fp8_grouped_linear(t["x"], t.get("routing", t["counts"]), t["w"], b, backend=backend, **kw)
+            return fp8_grouped_linear(t["x"], t.get("routing", t["counts"]), w, b, backend=backend, **kw)
         bias = None if b is None else b[0]
         if self.norm:
             return fp8_norm_linear(t["x"], t["gamma"], t["beta"], t["w"][0], bias, backend=backend, **kw)
@@ -128,6 +137,9 @@ OPS = [
     Op("sp_norm_linear", norm=True, sequence_parallel=True),
     Op("linear_held", held=True),
     Op("grouped_linear_held", grouped=True, held=True),
+    Op("routed_grouped_linear_stacked", grouped=True, routed=True, stacked=True),
+    Op("grouped_swiglu_linear_stacked", grouped=True, swiglu=True, stacked=True),
+    Op("grouped_linear_held_stacked", grouped=True, held=True, stacked=True),
 ]
 
 
@@ -375,6 +387,28 @@ def test_bad_counts_are_refused_naming_the_counts(backend, counts, match):
     t["counts"] = counts
     with pytest.raises(ValueError, match=match):
         op(t, backend)
+
+
+@pytest.mark.parametrize("stacked_op", [o for o in OPS if o.stacked], ids=lambda o: o.name)
+@pytest.mark.parametrize("megatron", [False, True], ids=["grad", "main_grad"])
+def test_stacked_weights_give_the_expert_lists_bits(stacked_op, backend, megatron):
+    """The experts' weights stacked in one ``[E, N, K]`` tensor: the output, every other leaf's gradient and each
+    expert's weight gradient (or ``main_grad``, accumulated twice) are the bits of the same op on ``E`` tensors."""
+    listed = next(o for o in OPS if o.name == stacked_op.name.removesuffix("_stacked"))
+    runs = []
+    for o in (listed, stacked_op):
+        t = requires(o.leaves(ROWS, 128, N, seed=16))
+        if megatron:
+            for w in t["w"]:
+                w.main_grad, w.grad_added_to_main_grad = torch.zeros(w.shape, device=DEVICE), False
+        y, grads = train(o, t, backend)
+        if megatron:
+            train(o, t, backend)
+        dw = [w.main_grad if megatron else g for w, g in zip(t["w"], grads[-len(t["w"]) - len(t["b"]) : -len(t["b"])])]
+        runs.append((y, grads[: -len(t["w"]) - len(t["b"])], torch.stack(dw) if o is listed else dw[0], grads[-len(t["b"]) :]))
+    (y1, other1, dw1, db1), (y2, other2, dw2, db2) = runs
+    assert same(y1, y2) and all(same(a, b) for a, b in zip(other1 + db1, other2 + db2))
+    assert same(dw1, dw2) and dw1.abs().sum() > 0
 
 
 def test_every_public_op_is_in_the_matrix():

@@ -88,19 +88,31 @@ def _run(stage, exchange, layout, inputs, weights, biases, recipe, backend, cach
 
 def _exact(x_hp: torch.Tensor, weights, biases, layout) -> torch.Tensor:
     """``in_features == 0`` or ``out_features == 0``: nothing to quantize; ``y = bias`` or an empty output, exactly."""
-    w0 = weights[0]
     if not layout.grouped:
         b = None if biases is None else biases[0].to(x_hp.dtype)
-        return torch.nn.functional.linear(x_hp, w0.to(x_hp.dtype), b)
+        return torch.nn.functional.linear(x_hp, weights[0].to(x_hp.dtype), b)
     lead = x_hp.shape[:-1]
     rows = math.prod(lead)
-    if biases is None or w0.shape[0] == 0:
-        y = x_hp.new_zeros(rows, w0.shape[0]) + 0 * x_hp.sum()  # keeps the graph to x (its gradient is zero)
+    n = layout.out_features(weights)
+    if biases is None or n == 0:
+        y = x_hp.new_zeros(rows, n) + 0 * x_hp.sum()  # keeps the graph to x (its gradient is zero)
     else:
-        per_row = torch.repeat_interleave(torch.arange(len(weights), device=x_hp.device), layout.layout.counts.long(),
+        per_row = torch.repeat_interleave(torch.arange(len(biases), device=x_hp.device), layout.layout.counts.long(),
                                           output_size=rows)  # fmt: skip
         y = torch.stack(list(biases)).to(x_hp.dtype)[per_row] + 0 * x_hp.sum()
-    return y.view(*lead, w0.shape[0])
+    return y.view(*lead, n)
+
+
+def _expert_weights(weights, in_features: int, device: torch.device, cached: bool) -> tuple[list, int, bool]:
+    """The grouped ops' weights as the core takes them (``E`` tensors, or the one stacked ``[E, N, K]`` tensor in a
+    list), the number of experts, and whether they are stacked; checked (each expert's only without a cache: a
+    grouped weight cache checks them whenever it quantizes)."""
+    if isinstance(weights, torch.Tensor):
+        checks.check_stacked_weight(weights, in_features, device)
+        return [weights], weights.shape[0], True
+    weights = list(weights)
+    checks.check_weights(weights, in_features, device, each=not cached)
+    return weights, len(weights), False
 
 
 def _exchange_for(group, x: torch.Tensor, need_wgrad: bool):
@@ -271,7 +283,7 @@ def fp8_swiglu_linear(
 def fp8_grouped_linear(
     x: torch.Tensor,
     m_splits: GroupLayout | torch.Tensor | Sequence[int] | Routing,
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor] | torch.Tensor,
     biases: Sequence[torch.Tensor] | None = None,
     *,
     recipe: BlockwiseRecipe | None = None,
@@ -292,8 +304,11 @@ def fp8_grouped_linear(
             (``[N, out_features]`` returned, expert order), quantized straight from ``x`` without a permuted copy,
             and ``x``'s gradient sums each token's rows (``exchange.Permuted``): the bits of
             ``fp8_grouped_linear(x[routing.sorted_indices], routing.layout, ...)``.
-        weights: ``E`` tensors ``[out_features, in_features]``; with a ``main_grad`` on every one (Megatron), the weight
-            gradients are accumulated into them in fp32 (``core.main_grads_to_fill``).
+        weights: ``E`` tensors ``[out_features, in_features]``, or one ``[E, out_features, in_features]`` tensor (the
+            experts stacked: one autograd input with one gradient ``[E, out_features, in_features]``, so that autograd,
+            Megatron's DDP hooks and the optimizer do their per-parameter work once, not ``E`` times; the same bits);
+            with a ``main_grad`` on every one (Megatron), the weight gradients are accumulated into them in fp32
+            (``core.main_grads_to_fill``).
         biases: ``E`` tensors ``[out_features]`` or None.
         recipe, backend, weight_cache, refresh_weight_cache: as for ``fp8_blockwise_linear`` (the cache is a
             ``GroupedWeightCache``).
@@ -301,32 +316,33 @@ def fp8_grouped_linear(
     Returns:
         ``[..., out_features]`` in ``x``'s dtype.
     """
-    weights = list(weights)
-    biases = None if biases is None else list(biases)
     checks.check_input(x)
-    checks.check_weights(weights, x.shape[-1], x.device, each=weight_cache is None)
-    checks.check_biases(biases, len(weights), weights[0].shape[0], x.device)
+    weights, experts, stacked = _expert_weights(weights, x.shape[-1], x.device, weight_cache is not None)
+    biases = None if biases is None else list(biases)
+    empty = 0 in weights[0].shape
+    checks.check_biases(biases, experts, weights[0].shape[-2], x.device)
     x = _autocast(x)
     exchange = _LOCAL
     if isinstance(m_splits, Routing):
         backend = backend if isinstance(backend, Backend) else get_backend(backend, x.device)  # the backward's sum too
         exchange, rows = Permuted(m_splits, backend), m_splits.sorted_indices
         exchange.check(x.shape, x.device)
-        if 0 in weights[0].shape:  # computed exactly on the permuted rows (nothing to quantize)
+        if empty:  # computed exactly on the permuted rows (nothing to quantize)
             x, exchange, rows = x.reshape(m_splits.num_tokens, x.shape[-1]).index_select(0, rows), _LOCAL, None
         permuted_rows = m_splits.sorted_indices.numel()
-        grouped = Grouped(_grouped_layout(x, m_splits.layout, len(weights), rows=permuted_rows).layout, rows=rows)
+        layout = _grouped_layout(x, m_splits.layout, experts, rows=permuted_rows).layout
+        grouped = Grouped(layout, rows=rows, stacked=stacked)
     else:
-        grouped = _grouped_layout(x, m_splits, len(weights))
-    if 0 in weights[0].shape:
+        grouped = _grouped_layout(x, m_splits, experts, stacked=stacked)
+    if empty:
         return _exact(x, weights, biases, grouped)
     checks.check_trainable_weights([x], weights, biases)
     return _run(_PLAIN, exchange, grouped, (x,), weights, biases, recipe, backend, weight_cache, refresh_weight_cache)
 
 
-def _grouped_layout(x: torch.Tensor, m_splits, num_experts: int, rows: int | None = None) -> Grouped:
+def _grouped_layout(x: torch.Tensor, m_splits, num_experts: int, rows: int | None = None, stacked: bool = False) -> Grouped:
     """The grouped layout of ``x``'s rows (or ``rows`` permuted rows) split as ``m_splits`` says (a ``GroupLayout``
-    checked against them)."""
+    checked against them); ``stacked``: the weights are one ``[E, N, K]`` tensor."""
     rows = math.prod(x.shape[:-1]) if rows is None else rows
     if isinstance(m_splits, GroupLayout):
         layout = m_splits
@@ -334,8 +350,8 @@ def _grouped_layout(x: torch.Tensor, m_splits, num_experts: int, rows: int | Non
             raise ValueError(f"the layout describes {layout.num_groups} experts and {layout.num_tokens} tokens on "
                              f"{layout.device}; the layer has {num_experts} experts and the input {rows} tokens on "
                              f"{x.device}")  # fmt: skip
-        return Grouped(layout)
-    return Grouped(group_layout(m_splits, rows, x.device, num_groups=num_experts))
+        return Grouped(layout, stacked=stacked)
+    return Grouped(group_layout(m_splits, rows, x.device, num_groups=num_experts), stacked=stacked)
 
 
 _SWIGLU, _WEIGHTED_SWIGLU = Swiglu(), Swiglu(weighted=True)
@@ -345,7 +361,7 @@ _SWIGLU, _WEIGHTED_SWIGLU = Swiglu(), Swiglu(weighted=True)
 def fp8_grouped_swiglu_linear(
     h: torch.Tensor,
     m_splits: GroupLayout | torch.Tensor | Sequence[int],
-    weights: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor] | torch.Tensor,
     biases: Sequence[torch.Tensor] | None = None,
     *,
     probs: torch.Tensor | None = None,
@@ -370,16 +386,15 @@ def fp8_grouped_swiglu_linear(
         swiglu(h)``, or ``a = (swiglu(h) * probs[..., None]).to(h.dtype)``, and the same gradients (h's and probs',
         as autograd gives them for that composition).
     """
-    weights = list(weights)
-    biases = None if biases is None else list(biases)
     checks.check_input(h)
     check_swiglu_input(h)
-    checks.check_weights(weights, h.shape[-1] // 2, h.device, each=weight_cache is None)
-    checks.check_biases(biases, len(weights), weights[0].shape[0], h.device)
+    weights, experts, stacked = _expert_weights(weights, h.shape[-1] // 2, h.device, weight_cache is not None)
+    biases = None if biases is None else list(biases)
+    checks.check_biases(biases, experts, weights[0].shape[-2], h.device)
     if probs is not None:
         check_row_weights(probs, h)
     h = _autocast(h)
-    grouped = _grouped_layout(h, m_splits, len(weights))
+    grouped = _grouped_layout(h, m_splits, experts, stacked=stacked)
     if 0 in weights[0].shape:
         act = swiglu(h, backend=backend)
         return _exact(act if probs is None else weighted(act, probs), weights, biases, grouped)

@@ -65,6 +65,20 @@ def check_weights(weights, in_features: int, device: torch.device, *, each: bool
             raise TypeError(f"weight {i} is {w.dtype} but weight 0 is {w0.dtype}: experts share one dtype")
 
 
+def check_stacked_weight(w, in_features: int, device: torch.device) -> None:
+    """``w``: the experts' weights as one ``[E, N, in_features]`` tensor (``E >= 1``) on ``device`` in bf16/fp16/fp32."""
+    if w.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"the stacked expert weights have dtype {w.dtype}; FP8 blockwise linears take bfloat16, float16 or "
+                        f"float32 weights: {_dtype_fix(w.dtype)}")  # fmt: skip
+    if w.dim() != 3 or w.shape[0] == 0:
+        raise ValueError("expert weights given as one tensor must be 3-D [experts, out_features, in_features] with at "
+                         f"least one expert, got shape {tuple(w.shape)}")  # fmt: skip
+    if w.shape[2] != in_features:
+        raise ValueError(f"the input's last dim is {in_features} but in_features is {w.shape[2]}")
+    if w.device != device:
+        raise ValueError(f"the input is on {device} but the weights are on {w.device}")
+
+
 def check_biases(biases, num_weights: int, out_features: int, device: torch.device) -> None:
     if biases is None:
         return

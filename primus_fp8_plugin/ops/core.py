@@ -70,7 +70,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         if inputs[0].numel() == 0:  # no rows: nothing to quantize; every gradient is zero (``_zero_rows_backward``)
             ctx.meta = None
             ctx.leaves = [None if t is None else (t.shape, t.dtype, t.device) for t in (*inputs, *biases)]
-            return inputs[0].new_empty(*exchange.gathered_shape(inputs[0].shape[:-1]), weights[0].shape[0])
+            return inputs[0].new_empty(*exchange.gathered_shape(inputs[0].shape[:-1]), layout.out_features(weights))
         requantize = stage.requantizes(inputs, plan.need_wgrad)
         p_in = recipe.params(TensorRole.INPUT)
         xq, stage_saved, in_shape = stage.forward(backend, layout, p_in, inputs, columnwise=plan.need_wgrad and not requantize,
@@ -83,7 +83,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.save_for_backward(*x_col, *stage_saved)
         ctx.wq = wq
         ctx.meta = (tuple(xq.shape), xq.fp8_dtype, out_dtype, in_shape, requantize)
-        n = weights[0].shape[0]
+        n = layout.out_features(weights)
         return y.view(*exchange.gathered_shape(in_shape[:-1]), n)
 
     @staticmethod
@@ -106,7 +106,7 @@ def _backward(ctx, dy):
     needs = ctx.needs_input_grad[1:]
     need_stage, need_w, need_b = needs[:ns], needs[ns : ns + nw], needs[ns + nw :]
     need_dx, need_dw = any(need_stage), plan.need_wgrad and any(need_w)
-    n = weights[0].shape[0]
+    n = layout.out_features(weights)
     dy2d = dy.reshape(-1, n)
     if not dy2d.is_contiguous():
         dy2d = dy2d.contiguous()

@@ -7,7 +7,8 @@ written once over this interface.
                        ``Dense``                               ``Grouped(layout)``
 =====================  ======================================  =====================================================
 activations            ``BlockwiseFp8Tensor`` ``[M, K]``       ``GroupedFp8Tensor`` ``[T, K]`` (``grouped_tensor.py``)
-weights                one ``[N, K]``, ``WeightCache``         ``E`` x ``[N, K]``, ``GroupedWeightCache``
+weights                one ``[N, K]``, ``WeightCache``         ``E`` x ``[N, K]``, or one ``[E, N, K]`` (``stacked``);
+                                                               ``GroupedWeightCache``
 W^T for dgrad          held, or ``transpose_weight``           held, or ``transpose_weight_grouped``
 bias gradient          ``dY`` summed over rows (torch's sum)   host counts: each expert's ``dY_e.sum(0)``; device counts:
                                                                each expert's rows summed in token order (``segment_sums``)
@@ -39,6 +40,9 @@ class Dense:
         if probs is not None:
             raise NotImplementedError("row-weighted SwiGLU (probs) has a grouped form only")
         return backend.quantize_swiglu_act(h2d, params, rowwise=rowwise, columnwise=columnwise)
+
+    def out_features(self, weights) -> int:
+        return weights[0].shape[0]
 
     def quantize_weights(self, backend: Backend, weights, params: QuantParams, cache, refresh: bool):
         if cache is not None:
@@ -72,12 +76,17 @@ class Grouped:
     """``E`` experts' weights over permuted tokens (expert 0's rows first): ``Y_e = X_e W_e^T (+ b_e)``.
 
     ``rows`` (int64 ``[N]``, with the ``exchange.Permuted`` exchange): the permuted tokens are ``x[rows]`` of the
-    token-ordered input, read through the permutation by the quantization; plain stage only."""
+    token-ordered input, read through the permutation by the quantization; plain stage only. ``stacked``: the
+    weights are one ``[E, N, K]`` tensor (the core's only weight input), whose gradient is one ``[E, N, K]`` tensor
+    and whose ``main_grad`` is one ``[E, N, K]`` fp32 tensor."""
 
     grouped = True
 
-    def __init__(self, layout: GroupLayout, rows: torch.Tensor | None = None) -> None:
-        self.layout, self.rows = layout, rows
+    def __init__(self, layout: GroupLayout, rows: torch.Tensor | None = None, stacked: bool = False) -> None:
+        self.layout, self.rows, self.stacked = layout, rows, stacked
+
+    def out_features(self, weights) -> int:
+        return weights[0].shape[-2]
 
     def quantize_act(self, backend: Backend, x2d: torch.Tensor, params: QuantParams, *, rowwise: bool, columnwise: bool):
         return backend.quantize_act_grouped(x2d, self.layout, params, rowwise=rowwise, columnwise=columnwise,
@@ -94,9 +103,12 @@ class Grouped:
                                                    probs=probs)  # fmt: skip
 
     def quantize_weights(self, backend: Backend, weights, params: QuantParams, cache, refresh: bool):
+        source = weights[0] if self.stacked else weights
         if cache is not None:
-            return cache.get(weights, params, backend, refresh=refresh)
+            return cache.get(source, params, backend, refresh=refresh)
         with torch.no_grad():
+            if self.stacked:
+                return backend.quantize_weight_grouped(source.detach().contiguous(), params)
             return backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params)
 
     def with_transpose(self, backend: Backend, wq):
@@ -110,7 +122,14 @@ class Grouped:
         return backend.gemm_dgrad_grouped(dyq, wq, out_dtype)
 
     def gemm_wgrad(self, backend: Backend, dyq, xq, out_dtype: torch.dtype, accumulate_into) -> list[torch.Tensor]:
-        return backend.gemm_wgrad_grouped(dyq, xq, out_dtype, accumulate_into)
+        """One gradient per weight input: ``E`` ``[N, K]`` tensors, or (``stacked``) one ``[E, N, K]``; with
+        ``accumulate_into`` (one ``main_grad`` per weight input) added into those in place."""
+        if not self.stacked:
+            return backend.gemm_wgrad_grouped(dyq, xq, out_dtype, accumulate_into)
+        if accumulate_into is not None:
+            backend.gemm_wgrad_grouped(dyq, xq, out_dtype, list(accumulate_into[0].unbind(0)))
+            return list(accumulate_into)
+        return [stack_experts(backend.gemm_wgrad_grouped(dyq, xq, out_dtype, None))]
 
     def columnwise(self, shape, fp8_dtype, orig_dtype, data, scale_inv) -> GroupedFp8Tensor:
         return GroupedFp8Tensor(self.layout, shape, fp8_dtype, orig_dtype, columnwise_data=data, columnwise_scale_inv=scale_inv)
@@ -123,6 +142,21 @@ class Grouped:
         if counts is not None:
             return [part.sum(0) for part in torch.split(dy2d, counts)]
         return list(segment_sums(dy2d, self.layout).unbind(0))
+
+
+def stack_experts(views: list[torch.Tensor]) -> torch.Tensor:
+    """``E`` ``[N, K]`` results as one ``[E, N, K]`` tensor: the buffer they are consecutive slices of (the backends
+    return their grouped wgrad so, ``Backend.gemm_wgrad_grouped``), else a stacked copy."""
+    first = views[0]
+    n, k = first.shape
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    consecutive = all(
+        v.is_contiguous() and v.untyped_storage().data_ptr() == storage.data_ptr() and v.storage_offset() == offset + e * n * k
+        for e, v in enumerate(views)
+    )
+    if not consecutive:
+        return torch.stack(views)
+    return first.as_strided((len(views), n, k), (n * k, k, 1), offset)
 
 
 def segment_sums(dy2d: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
