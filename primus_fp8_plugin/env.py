@@ -11,6 +11,9 @@ variable                               meaning
                                        when the plugin's Megatron layers are built
 ``PRIMUS_FP8_MOE_ROUTED``              ``0``: the plugin's MoE layers keep Megatron's token dispatcher (``megatron/moe.py``;
                                        for A/B measurements), read when each layer is built
+``PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT`` ``0``: the fast spec's grouped experts keep one parameter per expert (``weight0..``)
+                                       instead of one ``[E, out, in]`` per linear (for A/B measurements), read when
+                                       the spec is built (``megatron/fast_specs.py``)
 ``PRIMUS_FP8_KILL_DURING_SAVE``        a test hook: ``STAGE[@STEP]`` makes the trainer's saving process SIGKILL itself
                                        at that stage of a checkpoint save (``training/checkpoint_store.py``)
 =====================================  ==========================================================================
@@ -26,6 +29,7 @@ SDPA_KERNELS = "PRIMUS_FP8_SDPA_KERNELS"
 KILL_DURING_SAVE = "PRIMUS_FP8_KILL_DURING_SAVE"
 FP8_PARAMS = "PRIMUS_FP8_PARAMS"
 MOE_ROUTED = "PRIMUS_FP8_MOE_ROUTED"
+MOE_SINGLE_GROUPED_WEIGHT = "PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT"
 
 
 def fp32_scales() -> bool:
@@ -52,3 +56,7 @@ def fp8_params() -> bool:
 
 def moe_routed() -> bool:
     return os.environ.get(MOE_ROUTED, "1") != "0"
+
+
+def moe_single_grouped_weight() -> bool:
+    return os.environ.get(MOE_SINGLE_GROUPED_WEIGHT, "1") != "0"

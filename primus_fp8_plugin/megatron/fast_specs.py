@@ -10,8 +10,9 @@ For Megatron-LM's ``--spec primus_fp8_plugin.megatron NAME``; Megatron >= 0.19 c
   Core attention through PyTorch's SDPA (``attention.SdpaAttention``), the norm fused with the FP8
   quantization of ``linear_qkv`` / ``linear_fc1``'s input (``Fp8LayerNormColumnParallelLinear``), SwiGLU
   fused with the quantization of fc2's input (``Fp8SwigluMLP``, dense layers with ``--swiglu``), the
-  plugin's RoPE (``Fp8FastSelfAttention``). Numerics: the unfused plugin spec with SDPA attention
-  (``get_gpt_layer_spec(core_attention="sdpa")``) bit for bit.
+  plugin's RoPE (``Fp8FastSelfAttention``); grouped experts with one ``[E, out, in]`` weight per linear
+  (``grouped.py``, ``single_grouped_weight``; ``PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT=0``: one per expert). Numerics:
+  the unfused plugin spec with SDPA attention (``get_gpt_layer_spec(core_attention="sdpa")``) bit for bit.
 * ``fp8_te_gpt_layer_spec``: Transformer Engine's own layer spec (its fused attention, RoPE and, for MoE,
   pre-MLP norm) with the plugin's FP8 linears, the norm+quantization and SwiGLU+quantization fusions as above
   (``--transformer-impl transformer_engine``). Needs TE when called; this module imports without it.
@@ -33,6 +34,7 @@ from __future__ import annotations
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from .. import env
 from .norm import TorchNorm
 from .specs import get_gpt_fast_layer_spec, get_te_gpt_layer_spec, require_transformer_engine
 
@@ -66,7 +68,7 @@ def fp8_gpt_fast_layer_spec(config, vp_stage: int | None = None) -> TransformerB
     """``--spec primus_fp8_plugin.megatron fp8_gpt_fast_layer_spec``: the TE-free fast layers for ``config``,
     as the decoder block of this pipeline stage (``vp_stage``: its virtual stage) with the plugin's final norm
     (``TorchNorm``: sequence parallelism works without apex, where Megatron's fallback norm refuses it)."""
-    layer = get_gpt_fast_layer_spec(**spec_options(config))
+    layer = get_gpt_fast_layer_spec(**spec_options(config), single_grouped_weight=env.moe_single_grouped_weight())
     return TransformerBlockSubmodules(layer_specs=[layer] * _num_layers_to_build(config, vp_stage), layer_norm=TorchNorm)
 
 

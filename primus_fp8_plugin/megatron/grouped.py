@@ -35,6 +35,13 @@ permutation. Elsewhere it is exactly ``TEGroupedMLP``.
 ``Fp8Experts`` is an experts builder for ``MoESubmodules.experts``: ``Fp8GroupedMLP`` with these linears, or
 ``SequentialMLP`` with the dense FP8 linears, chosen by ``grouped`` or (None) by ``config.moe_grouped_gemm``
 when the layer is built (Megatron-LM's ``--moe-grouped-gemm``).
+
+``single_grouped_weight=True`` (the fast spec's choice; TE's option of that name): each grouped linear holds its
+experts' weights as one parameter ``weight [E, out, in]`` instead of ``weight0..``, so that autograd's gradient
+accumulation, Megatron's DDP hook, the optimizer and the gradient norm do their per-parameter work once per linear,
+not once per expert; the same bits. Checkpoints keep the per-expert keys: ``sharded_state_dict`` gives expert ``i``'s
+view ``weight[i]`` under ``weight{i}``'s sharded key, and a load pre-hook stacks ``weight0..`` into ``weight`` (and
+splits ``weight`` for a per-expert layer), so checkpoints move between the two layouts, ``SequentialMLP`` and TE's.
 """
 
 from __future__ import annotations
@@ -98,6 +105,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         fp8_backend: str = "auto",
         fuse_wgrad_accumulation: bool = True,
         input_stage: str = "plain",
+        single_grouped_weight: bool = False,
     ) -> None:
         super().__init__()
         if not is_expert:
@@ -126,8 +134,17 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         dim = 0 if parallel_mode == "column" else 1
         per_partition = self.out_features if dim == 0 else self.in_features
         device, dtype = _device(config), config.params_dtype
+        self.single_grouped_weight = bool(single_grouped_weight)
+        if self.single_grouped_weight:  # one [E, out, in] parameter, each expert initialised as its own weight{i}
+            stacked = torch.nn.Parameter(torch.empty(num_gemms, self.out_features, self.in_features, device=device, dtype=dtype))
+            set_tensor_model_parallel_attributes(stacked, True, dim + 1, 1)
+            stacked.allreduce = not use_expert_pgs
+            self.register_parameter("weight", stacked)
         for i in range(num_gemms):
-            w = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, device=device, dtype=dtype))
+            if self.single_grouped_weight:
+                w = self.weight.data[i]
+            else:
+                w = torch.nn.Parameter(torch.empty(self.out_features, self.in_features, device=device, dtype=dtype))
             if config.perform_initialization and device.type != "meta":
                 if config.use_cpu_initialization:
                     _initialize_affine_weight_cpu(w, output_size, input_size, per_partition, dim, init_method,
@@ -136,8 +153,9 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
                     _initialize_affine_weight_gpu(w, init_method, dim, is_expert=True)
             else:
                 set_tensor_model_parallel_attributes(w, True, dim, 1)
-            w.allreduce = not use_expert_pgs
-            self.register_parameter(f"weight{i}", w)
+            if not self.single_grouped_weight:
+                w.allreduce = not use_expert_pgs
+                self.register_parameter(f"weight{i}", w)
             if bias:
                 b = torch.nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype))
                 if config.perform_initialization and device.type != "meta":
@@ -152,6 +170,8 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
             else:
                 self.register_parameter(f"bias{i}", None)
         self.weight_names, self.bias_names = expert_parameter_names(num_gemms)
+        if self.single_grouped_weight:
+            self.weight_names = ("weight",)
         self.fp8_recipe = fp8_recipe or BlockwiseRecipe()
         self.fp8_backend = fp8_backend
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
@@ -161,6 +181,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         if env.fp8_params():  # FP8 primary weights in a loop the plugin does not own (Megatron-LM)
             install_hooks()
         self._register_load_state_dict_pre_hook(self._merge_extra_states)
+        self._register_load_state_dict_pre_hook(self._match_weight_layout)
 
     @staticmethod
     def _merge_extra_states(state_dict, prefix, *args, **kwargs):
@@ -169,6 +190,25 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         for key in [k for k in state_dict if k.startswith(f"{prefix}_extra_state") and k != f"{prefix}_extra_state"]:
             state_dict.pop(key)
         state_dict.setdefault(f"{prefix}_extra_state")
+
+    def _match_weight_layout(self, state_dict, prefix, *args, **kwargs):
+        """Load ``weight0..`` (per-expert parameters, TE's and Megatron's grouped linears, distributed checkpoints)
+        into the single ``[E, out, in]`` weight, and a single ``weight`` into per-expert ones (TE's
+        ``_normalize_grouped_parameter_keys`` rule), so that state dicts move between the two layouts."""
+        grouped, indexed = f"{prefix}weight", [f"{prefix}weight{i}" for i in range(self.num_gemms)]
+        if self.single_grouped_weight and grouped not in state_dict and all(k in state_dict for k in indexed):
+            state_dict[grouped] = torch.stack([state_dict.pop(k) for k in indexed])
+        elif not self.single_grouped_weight and grouped in state_dict and not any(k in state_dict for k in indexed):
+            for k, w in zip(indexed, self._split_grouped_checkpoint_tensor(state_dict.pop(grouped), grouped)):
+                state_dict[k] = w
+
+    def _split_grouped_checkpoint_tensor(self, tensor: torch.Tensor, checkpoint_key: str) -> list[torch.Tensor]:
+        """A single grouped weight ``[E, out, in]`` as ``E`` per-expert tensors (Megatron's distributed optimizer
+        calls this, by name, on grouped linears when a checkpoint's layout differs from the model's)."""
+        if tensor.dim() != 3 or tensor.shape[0] != self.num_gemms:
+            raise RuntimeError(f"cannot split {checkpoint_key} of shape {tuple(tensor.shape)} into {self.num_gemms} "
+                               "experts' weights: a single grouped weight is [experts, out_features, in_features]")  # fmt: skip
+        return list(tensor.unbind(0))
 
     def get_extra_state(self) -> None:
         """Nothing (as Megatron's linears): kept for TE-compatible state dicts."""
@@ -179,25 +219,33 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
 
     @property
     def weights(self) -> list[torch.nn.Parameter]:
+        """The weight parameters: ``weight0..`` or, with ``single_grouped_weight``, the one ``[E, out, in]``."""
         return expert_parameters(self, self.weight_names)
 
     @property
     def biases(self) -> list[torch.nn.Parameter] | None:
         return expert_parameters(self, self.bias_names) if self.use_bias else None
 
+    def expert_weights(self, i: int) -> torch.Tensor:
+        """Expert ``i``'s ``[out, in]`` weight (a view of the single grouped weight where there is one)."""
+        return self.weight[i] if self.single_grouped_weight else getattr(self, f"weight{i}")
+
     def fp8_weight_source(self):
-        return self.weights, self.fp8_recipe, self.fp8_backend
+        """The weights as the grouped ops take them: ``E`` tensors, or the single ``[E, out, in]`` one."""
+        weights = self.weight if self.single_grouped_weight else self.weights
+        return weights, self.fp8_recipe, self.fp8_backend
 
     def forward(self, x: torch.Tensor, m_splits, probs: torch.Tensor | None = None):
         biases = None if self.te_return_bias else self.biases
+        weights = self.fp8_weight_source()[0]
         kw = dict(recipe=self.fp8_recipe, backend=self.fp8_backend, weight_cache=self.weight_cache,
                   refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
         if self.input_stage == "swiglu":
-            out = fp8_grouped_swiglu_linear(x, m_splits, self.weights, biases, probs=probs, **kw)
+            out = fp8_grouped_swiglu_linear(x, m_splits, weights, biases, probs=probs, **kw)
         elif probs is not None:
             raise ValueError("routing probabilities (probs) are an input of the swiglu stage only (input_stage='swiglu')")
         else:
-            out = fp8_grouped_linear(x, m_splits, self.weights, biases, **kw)
+            out = fp8_grouped_linear(x, m_splits, weights, biases, **kw)
         return (out, self.biases) if self.te_return_bias else (out, None)
 
     def backward_dw(self) -> None:
@@ -214,7 +262,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         axis_map = {"weight": 0, "bias": 0} if self.parallel_mode == "column" else {"weight": 1}
         out = {}
         for i in range(self.num_gemms):
-            state = {f"{i}.weight": getattr(self, f"weight{i}"), f"{i}._extra_state": None}
+            state = {f"{i}.weight": self.expert_weights(i), f"{i}._extra_state": None}
             if self.use_bias:
                 state[f"{i}.bias"] = getattr(self, f"bias{i}")
             if singleton:
@@ -239,7 +287,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         return (
             f"num_gemms={self.num_gemms}, in={self.in_features}, out={self.out_features} (per expert, local shard), "
             f"bias={self.use_bias}, parallel_mode={self.parallel_mode}, input_stage={self.input_stage}, "
-            f"backend={self.fp8_backend}"
+            f"single_grouped_weight={self.single_grouped_weight}, backend={self.fp8_backend}"
         )
 
 
@@ -317,10 +365,11 @@ class Fp8GroupedMLP(TEGroupedMLP):
         return out, None
 
 
-def grouped_mlp(recipe: BlockwiseRecipe | None = None, backend: str = "auto"):
+def grouped_mlp(recipe: BlockwiseRecipe | None = None, backend: str = "auto", single_grouped_weight: bool = False):
     """Experts builder: ``Fp8GroupedMLP`` (Megatron's ``TEGroupedMLP``, SwiGLU fused into fc2 where it can be) with
-    the plugin's grouped FP8 linears (no TE needed)."""
-    kw = {"fp8_recipe": recipe, "fp8_backend": backend}
+    the plugin's grouped FP8 linears (no TE needed); ``single_grouped_weight``: each linear's experts in one
+    ``[E, out, in]`` parameter."""
+    kw = {"fp8_recipe": recipe, "fp8_backend": backend, "single_grouped_weight": single_grouped_weight}
     sub = GroupedMLPSubmodules(linear_fc1=grouped_linear(Fp8ColumnParallelGroupedLinear, **kw),
                                linear_fc2=grouped_linear(Fp8RowParallelGroupedLinear, **kw))  # fmt: skip
     return partial(Fp8GroupedMLP, submodules=sub)
@@ -339,14 +388,17 @@ class Fp8Experts:
     ``SequentialMLP`` (``sequential_mlp``); ``grouped=None`` decides by ``config.moe_grouped_gemm`` when the
     layer is built."""
 
-    def __init__(self, recipe: BlockwiseRecipe | None = None, backend: str = "auto", grouped: bool | None = None):
+    def __init__(self, recipe: BlockwiseRecipe | None = None, backend: str = "auto", grouped: bool | None = None,
+                 single_grouped_weight: bool = False):  # fmt: skip
         self.recipe, self.backend, self.grouped = recipe, backend, grouped
+        self.single_grouped_weight = single_grouped_weight
 
     def __call__(self, num_local_experts, config, /, *, pg_collection=None, **kwargs):
         # kwargs: what this MoELayer passes on (``name`` from megatron-core 0.18, which older experts lack)
         grouped = self.grouped if self.grouped is not None else bool(getattr(config, "moe_grouped_gemm", False))
-        build = grouped_mlp if grouped else sequential_mlp
-        return build(self.recipe, self.backend)(num_local_experts, config, pg_collection=pg_collection, **kwargs)
+        build = grouped_mlp(self.recipe, self.backend, self.single_grouped_weight) if grouped else sequential_mlp(
+            self.recipe, self.backend)  # fmt: skip
+        return build(num_local_experts, config, pg_collection=pg_collection, **kwargs)
 
     def __repr__(self) -> str:
         mode = {None: "by config.moe_grouped_gemm", True: "grouped", False: "sequential"}[self.grouped]

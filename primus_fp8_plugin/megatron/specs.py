@@ -239,6 +239,7 @@ def get_gpt_layer_spec(
     fused_norm: bool = True,
     core_attention: str = "local",
     moe_grouped_gemm: bool | None = False,
+    single_grouped_weight: bool = False,
     recipe: BlockwiseRecipe | None = None,
     backend: str = "auto",
 ) -> ModuleSpec:
@@ -252,7 +253,8 @@ def get_gpt_layer_spec(
     with ``False`` ``SequentialMLP`` with the dense FP8 linears, and with ``None`` the one that
     ``config.moe_grouped_gemm`` (``--moe-grouped-gemm``) names when the layer is built.
     ``core_attention``: ``"local"`` (Megatron's unfused attention) or ``"sdpa"`` (fused, TE-free;
-    see ``with_core_attention``).
+    see ``with_core_attention``). ``single_grouped_weight``: each grouped linear's experts in one ``[E, out, in]``
+    parameter (``grouped.py``).
     """
     spec = apply_fp8_blockwise(
         _local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm, normalization=normalization),
@@ -261,7 +263,8 @@ def get_gpt_layer_spec(
     )
     spec = with_core_attention(_norms_to_torch_norm(spec), core_attention)
     if num_experts is not None and moe_grouped_gemm is not False:
-        experts = grouped_mlp(recipe, backend) if moe_grouped_gemm else Fp8Experts(recipe, backend, grouped=None)
+        experts = (grouped_mlp(recipe, backend, single_grouped_weight) if moe_grouped_gemm
+                   else Fp8Experts(recipe, backend, grouped=None, single_grouped_weight=single_grouped_weight))  # fmt: skip
         mlp = _with_experts(spec.submodules.mlp, moe_experts(experts))
         spec = ModuleSpec(module=spec.module, params=spec.params, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
     if not fused_norm:
@@ -337,14 +340,16 @@ def get_gpt_fast_layer_spec(
     qk_layernorm: bool = False,
     normalization: str = "LayerNorm",
     moe_grouped_gemm: bool | None = False,
+    single_grouped_weight: bool = True,
     recipe: BlockwiseRecipe | None = None,
     backend: str = "auto",
 ) -> ModuleSpec:
     """The TE-free fast GPT layer (see the module docstring); arguments as ``get_gpt_layer_spec``'s
-    (``moe_grouped_gemm=None``: grouped experts when ``config.moe_grouped_gemm`` is set at build time)."""
+    (``moe_grouped_gemm=None``: grouped experts when ``config.moe_grouped_gemm`` is set at build time; grouped
+    experts hold a single grouped weight per linear unless ``single_grouped_weight=False``)."""
     spec = get_gpt_layer_spec(num_experts, qk_layernorm=qk_layernorm, normalization=normalization, fused_norm=True,
-                              core_attention="sdpa", moe_grouped_gemm=moe_grouped_gemm, recipe=recipe,
-                              backend=backend)  # fmt: skip
+                              core_attention="sdpa", moe_grouped_gemm=moe_grouped_gemm,
+                              single_grouped_weight=single_grouped_weight, recipe=recipe, backend=backend)  # fmt: skip
     return _fast_layer(spec, dense=num_experts is None, backend=backend, attention_cls=Fp8FastSelfAttention,
                        qk_norm=TorchNorm)  # fmt: skip
 

@@ -49,14 +49,16 @@ def without_host_sync(step) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["per_expert_weights", "single_grouped_weight"])
 @pytest.mark.parametrize("main_grad", [True, False], ids=["main_grad", "grad"])
-def test_grouped_experts_make_no_host_sync(nccl_world, main_grad):
+def test_grouped_experts_make_no_host_sync(nccl_world, main_grad, single):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from primus_fp8_plugin.megatron.grouped import Fp8GroupedMLP, grouped_mlp
 
     torch.manual_seed(0)
-    experts = grouped_mlp()(E, config(), pg_collection=ProcessGroupCollection.use_mpu_process_groups()).cuda()
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    experts = grouped_mlp(single_grouped_weight=single)(E, config(), pg_collection=pgs).cuda()
     assert isinstance(experts, Fp8GroupedMLP) and experts.fused_swiglu
     if main_grad:
         for p in experts.parameters():

@@ -52,7 +52,7 @@ class HookAdds:
 
 
 @functools.cache
-def train(flag: bool, fuse: bool = True):
+def train(flag: bool, fuse: bool = True, single: bool = True):
     """Losses, final weights, hook adds per parameter and the plugin's weight names of a short DDP run."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -66,12 +66,13 @@ def train(flag: bool, fuse: bool = True):
     cfg = tiny_config(num_layers=1, num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather",
                       add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, moe_ffn_hidden_size=384,
                       gradient_accumulation_fusion=flag)  # fmt: skip
-    spec = get_gpt_fast_layer_spec(num_experts=4, moe_grouped_gemm=True, backend="reference")
+    spec = get_gpt_fast_layer_spec(num_experts=4, moe_grouped_gemm=True, single_grouped_weight=single, backend="reference")
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         block = TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=[spec], layer_norm=TorchNorm))
-    assert set_wgrad_accumulation_fusion(block, fuse) == 2 + 2 * 4  # qkv, proj; 4 experts' fc1, fc2
+    # qkv, proj; fc1 and fc2 of 4 experts: one single grouped weight each, or 4 per-expert weights each
+    assert set_wgrad_accumulation_fusion(block, fuse) == 2 + 2 * (1 if single else 4)
     plugin = {n for n, p in block.named_parameters() for m in block.modules()
               if isinstance(m, HoldsWeightCache) and any(p is q for q in m.parameters(recurse=False))}  # fmt: skip
     plugin = {n for n in plugin if ".weight" in n and "layer_norm" not in n}
@@ -100,16 +101,17 @@ def train(flag: bool, fuse: bool = True):
     return losses, weights, counter.adds, plugin, filled, flags
 
 
-def test_the_layers_fill_main_grad_with_the_flag_off_and_the_hook_adds_nothing():
-    losses_off, weights_off, adds_off, plugin, filled, flags = train(flag=False)
-    assert len(plugin) == 10 and all(all(f.values()) for f in filled), filled
+@pytest.mark.parametrize("single", [True, False], ids=["single_grouped_weight", "per_expert_weights"])
+def test_the_layers_fill_main_grad_with_the_flag_off_and_the_hook_adds_nothing(single):
+    losses_off, weights_off, adds_off, plugin, filled, flags = train(flag=False, single=single)
+    assert len(plugin) == (4 if single else 10) and all(all(f.values()) for f in filled), filled
     assert all(flags.values()), flags  # the layer told Megatron's hook it already added dW
     assert not any(adds_off.get(n) for n in plugin), {n: adds_off[n] for n in plugin if adds_off.get(n)}
     # the counter sees the hook: Megatron's own parameters (router, norms) get one add per microbatch
     others = set(weights_off) - plugin
     assert others and all(adds_off.get(n) == STEPS * MICRO for n in others), adds_off
 
-    losses_on, weights_on, adds_on, *_ = train(flag=True)
+    losses_on, weights_on, adds_on, *_ = train(flag=True, single=single)
     assert losses_on == losses_off
     assert all(torch.equal(weights_on[n], weights_off[n]) for n in weights_off)
     assert adds_on == adds_off
@@ -126,3 +128,18 @@ def test_the_opt_out_hands_dw_to_megatrons_hook():
     assert changed  # the paths differ in rounding...
     for n in plugin:  # ...only
         assert torch.allclose(weights[n].float(), weights_fused[n].float(), rtol=0, atol=2e-2), n
+
+
+def test_single_grouped_weights_train_as_per_expert_weights():
+    """Megatron's DDP and optimizer over one ``[E, out, in]`` weight per grouped linear: the losses and, after every
+    step, each expert's weights are the per-expert parameters' bit for bit."""
+    losses_single, weights_single, *_ = train(flag=False, single=True)
+    losses_experts, weights_experts, *_ = train(flag=False, single=False)
+    assert losses_single == losses_experts
+    for name, w in weights_experts.items():
+        head, _, tail = name.rpartition(".")
+        if ".experts.linear_fc" in name and tail.startswith("weight"):
+            w_single = weights_single[f"{head}.weight"][int(tail.removeprefix("weight"))]
+        else:
+            w_single = weights_single[name]
+        assert torch.equal(w_single, w), name

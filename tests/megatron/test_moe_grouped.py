@@ -26,10 +26,11 @@ def moe_config(**overrides):
     return tiny_config(**kw)
 
 
-def moe_spec(grouped, backend="reference"):
+def moe_spec(grouped, backend="reference", single_grouped_weight=False):
     from primus_fp8_plugin.megatron import get_gpt_layer_spec
 
-    return get_gpt_layer_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=grouped, backend=backend)
+    return get_gpt_layer_spec(num_experts=NUM_EXPERTS, moe_grouped_gemm=grouped, backend=backend,
+                              single_grouped_weight=single_grouped_weight)  # fmt: skip
 
 
 def sequential_name(name: str) -> str:
@@ -118,6 +119,60 @@ def test_grouped_experts_equal_sequential_experts_and_share_their_checkpoints(tm
     for name, p in seq2.named_parameters():
         src = next(n for n in params_g if sequential_name(n) == name)
         assert torch.equal(p, params_g[src]), name
+
+
+def per_expert_name(name: str) -> str | None:
+    """``...experts.linear_fc1.weight3`` -> ``...experts.linear_fc1.weight`` (its single grouped weight)."""
+    head, _, tail = name.rpartition(".")
+    return f"{head}.weight" if ".experts.linear_fc" in name and tail.startswith("weight") else None
+
+
+def test_single_grouped_weight_equals_per_expert_weights_and_shares_their_checkpoints(tmp_path):
+    """Each grouped linear's experts in one ``weight [E, out, in]`` parameter: the per-expert model's distributed
+    checkpoint loads into it, loss and gradients are the per-expert model's bit for bit (expert ``i``'s gradient is
+    ``weight.grad[i]``), its checkpoint loads back into a SequentialMLP model, and plain state dicts move between
+    the two layouts both ways."""
+    from megatron.core import dist_checkpointing
+
+    cfg = moe_config()
+    per_expert = build_gpt(moe_spec(True), cfg, seed=0)
+    ckpt = tmp_path / "per_expert"
+    ckpt.mkdir()
+    dist_checkpointing.save(per_expert.module.sharded_state_dict(), str(ckpt))
+    single = build_gpt(moe_spec(True, single_grouped_weight=True), cfg, seed=5)
+    fc1 = single.module.decoder.layers[0].mlp.experts.linear_fc1
+    assert fc1.single_grouped_weight and [n for n, _ in fc1.named_parameters()] == ["weight"]
+    assert fc1.weight.shape == (NUM_EXPERTS, 768, 256) and fc1.weight.allreduce and fc1.weight.partition_dim == 1
+    single.module.load_state_dict(dist_checkpointing.load(single.module.sharded_state_dict(), str(ckpt)))
+    loss_p, grads_p = loss_and_grads(per_expert)
+    loss_s, grads_s = loss_and_grads(single)
+    assert loss_s == loss_p
+    for name, g in grads_p.items():
+        stacked = per_expert_name(name)
+        if stacked is None:
+            assert torch.equal(grads_s[name], g), name
+        else:
+            assert torch.equal(grads_s[stacked][int(name.rpartition("weight")[2])], g), name
+    assert {per_expert_name(n) or n for n in grads_p} == set(grads_s)
+
+    back = tmp_path / "single"
+    back.mkdir()
+    with torch.no_grad():
+        for p in single.parameters():
+            p.mul_(0.5)
+    dist_checkpointing.save(single.module.sharded_state_dict(), str(back))
+    seq = build_gpt(moe_spec(False), cfg, seed=9)
+    seq.module.load_state_dict(dist_checkpointing.load(seq.module.sharded_state_dict(), str(back)))
+    loss_q, _ = loss_and_grads(seq)
+    assert loss_q == loss_and_grads(single)[0]
+
+    # plain state dicts: the single layout's into a per-expert model and back
+    other = build_gpt(moe_spec(True), cfg, seed=11)
+    other.module.load_state_dict(single.module.state_dict())
+    assert torch.equal(other.module.decoder.layers[0].mlp.experts.linear_fc1.weight2, fc1.weight[2])
+    again = build_gpt(moe_spec(True, single_grouped_weight=True), cfg, seed=12)
+    again.module.load_state_dict(other.module.state_dict())
+    assert torch.equal(again.module.decoder.layers[0].mlp.experts.linear_fc1.weight, fc1.weight)
 
 
 def test_sharded_keys_are_sequential_mlps():
