@@ -12,8 +12,9 @@ spends on the host per layer: Python, autograd, torch's dispatch of the aten ope
 kernel launch or more on a GPU), none of the FP8 arithmetic. The sizes are small, so the aten operations' CPU
 arithmetic is small too (``--tokens``/``--hidden`` scale it).
 
-Printed per dispatch: ms per layer forward+backward (median of ``--iters``), aten operations per layer (a
-``TorchDispatchMode`` count: autograd runs backward in the calling thread on the CPU, so both directions count) and
+Printed per dispatch (the routed one, Megatron's) and expert weight layout (one ``[E, out, in]`` parameter per
+grouped linear, the fast spec's; one per expert, TE's): ms per layer forward+backward (median of ``--iters``),
+aten operations per layer (a ``TorchDispatchMode`` count: autograd runs backward in the calling thread on the CPU, so both directions count) and
 how many of them compute (not a view: ``METADATA_OPS``), Python calls; with ``--top N`` also the aten operations
 by count and a cProfile of the functions by own time.
 """
@@ -120,8 +121,9 @@ class AtenCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build_layer(experts: int, topk: int, hidden: int, ffn: int):
-    """The fast spec's MoE layer (one transformer layer's ``mlp``) on the CPU, gloo world of one."""
+def build_layer(experts: int, topk: int, hidden: int, ffn: int, single_grouped_weight: bool = True):
+    """The fast spec's MoE layer (one transformer layer's ``mlp``) on the CPU, gloo world of one; its grouped
+    linears with one ``[E, out, in]`` weight each (``single_grouped_weight``) or one weight per expert."""
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
     from primus_fp8_plugin.megatron import TorchNorm
@@ -134,7 +136,8 @@ def build_layer(experts: int, topk: int, hidden: int, ffn: int):
                                  moe_router_topk=topk, moe_token_dispatcher_type="allgather", add_bias_linear=False,
                                  gated_linear_unit=True, activation_func=F.silu, moe_ffn_hidden_size=ffn,
                                  moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss")  # fmt: skip
-    spec = get_gpt_fast_layer_spec(num_experts=experts, moe_grouped_gemm=True, backend="reference")
+    spec = get_gpt_fast_layer_spec(num_experts=experts, moe_grouped_gemm=True, single_grouped_weight=single_grouped_weight,
+                                   backend="reference")  # fmt: skip
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -220,20 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         p.error("a CPU measurement: run it where no GPU is visible (CUDA_VISIBLE_DEVICES=)")
     torch.set_num_threads(1)
-    layer = build_layer(args.experts, args.topk, args.hidden, args.ffn)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, 1, args.hidden, generator=g).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(torch.bfloat16)
-    routed = layer.routed_dispatcher
-    results = {"routed": measure(layer, x, dy, args.iters, args.top)}
-    layer.token_dispatcher = routed.megatron  # Megatron's allgather dispatcher, the same experts
-    use_instant_backend(layer)  # its own memo: another sequence of calls
-    results["megatron"] = measure(layer, x, dy, args.iters, args.top)
-    layer.token_dispatcher = routed
+    results = {}
+    for weights in ("single", "per_expert"):  # one [E, out, in] weight per grouped linear, or one per expert
+        layer = build_layer(args.experts, args.topk, args.hidden, args.ffn, single_grouped_weight=weights == "single")
+        routed = layer.routed_dispatcher
+        results[f"routed/{weights}"] = measure(layer, x, dy, args.iters, args.top)
+        layer.token_dispatcher = routed.megatron  # Megatron's allgather dispatcher, the same experts
+        use_instant_backend(layer)  # its own memo: another sequence of calls
+        results[f"megatron/{weights}"] = measure(layer, x, dy, args.iters, args.top)
     print(f"MoE layer fwd+bwd on the host: {args.experts} experts, top-{args.topk}, {args.tokens} tokens, "
           f"hidden {args.hidden}, expert FFN {args.ffn}; instant FP8 backend, one CPU thread")  # fmt: skip
+    print("  dispatch/expert weights")
     for name, r in results.items():
-        print(f"  {name:<9} {r['ms']:7.2f} ms  {r['aten_ops']:5d} aten ops, {r['aten_kernel_ops']:5d} of them computing "
+        print(f"  {name:<20} {r['ms']:7.2f} ms  {r['aten_ops']:5d} aten ops, {r['aten_kernel_ops']:5d} of them computing "
               f"(a GPU kernel or more each)  {r['python_calls']:6d} Python calls")  # fmt: skip
     if args.top:
         for name, r in results.items():

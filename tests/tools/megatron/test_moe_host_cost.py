@@ -1,6 +1,7 @@
 """tools/moe_host_cost.py on the CPU: its instant backend answers a step's k-th call of an operation with the
 reference backend's result for the first step's, and the MoE
-layer it measures (the fast spec's, under Megatron's DDP) makes no weight-sized copy per expert in backward."""
+layer it measures (the fast spec's, under Megatron's DDP) makes no weight-sized copy per expert in backward, and
+with single grouped weights its host work does not grow with the experts."""
 
 from __future__ import annotations
 
@@ -46,19 +47,35 @@ def test_instant_backend_answers_with_the_references_first_result():
     assert torch.equal(y1, ref.gemm_fwd(want, wq, None, torch.bfloat16)) and torch.equal(y1, y2) and y1 is not y2
 
 
-def test_moe_layer_backward_copies_no_expert_gradient(world, tmp_path, capsys):
-    out = tmp_path / "host.json"
-    assert tool.main(["--experts", "4", "--topk", "2", "--tokens", "64", "--iters", "2", "--top", "60",
+def run_tool(tmp_path, experts: int) -> dict:
+    out = tmp_path / f"host{experts}.json"
+    assert tool.main(["--experts", str(experts), "--topk", "2", "--tokens", "64", "--iters", "2", "--top", "60",
                       "--json", str(out)]) == 0  # fmt: skip
+    return json.loads(out.read_text())["results"]
+
+
+def test_moe_layer_backward_copies_no_expert_gradient(world, tmp_path, capsys):
+    results = run_tool(tmp_path, 4)
     printed = capsys.readouterr().out
-    assert "routed" in printed and "megatron" in printed
-    results = json.loads(out.read_text())["results"]
-    for name in ("routed", "megatron"):
-        r = results[name]
+    assert all(name in printed for name in ("routed/single", "megatron/single", "routed/per_expert", "megatron/per_expert"))
+    for name, r in results.items():
         assert r["ms"] > 0 and 0 < r["aten_kernel_ops"] < r["aten_ops"] and r["python_calls"] > 0
         # autograd's copy of a gradient it cannot take as .grad as it is: one per expert weight before the fix
         assert "new_empty_strided" not in r["aten_by_name"], r["aten_by_name"]
-        assert r["aten_by_name"].get("detach", 0) >= 2 * 4  # the placeholder's alias per weight, taken as .grad
+        # the placeholder's alias per weight parameter, taken as .grad: 2 per expert, or 2 single grouped weights
+        assert r["aten_by_name"].get("detach", 0) >= (2 if name.endswith("single") else 2 * 4), (name, r["aten_by_name"])
+
+
+def test_single_grouped_weights_keep_the_layers_host_work_flat_in_the_experts(world, tmp_path):
+    """One ``[E, out, in]`` weight per grouped linear: the layer's aten operations and Python calls (autograd's and
+    Megatron's DDP hooks' per-parameter work included) are the same at 4 and at 12 experts; with one weight per
+    expert they grow with the experts."""
+    few, more = run_tool(tmp_path, 4), run_tool(tmp_path, 12)
+    for dispatch in ("routed", "megatron"):
+        single_few, single_more = few[f"{dispatch}/single"], more[f"{dispatch}/single"]
+        assert (single_few["aten_ops"], single_few["python_calls"]) == (single_more["aten_ops"], single_more["python_calls"])
+        experts_few, experts_more = few[f"{dispatch}/per_expert"], more[f"{dispatch}/per_expert"]
+        assert experts_more["python_calls"] > experts_few["python_calls"] and experts_more["aten_ops"] > experts_few["aten_ops"]
 
 
 def test_the_aten_counter_counts_a_hand_counted_function():
