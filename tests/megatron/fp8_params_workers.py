@@ -25,7 +25,7 @@ def build(job: dict):
         kw.update(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", add_bias_linear=False,
                   gated_linear_unit=True, activation_func=F.silu, moe_ffn_hidden_size=384, moe_grouped_gemm=True,
                   expert_model_parallel_size=job.get("ep", 1))  # fmt: skip
-        spec = dict(num_experts=4, moe_grouped_gemm=True)
+        spec = dict(num_experts=4, moe_grouped_gemm=True, single_grouped_weight=job.get("single", False))
     config = tiny_config(**kw)
     return build_gpt(get_gpt_block_spec(config.num_layers, backend="reference", **spec), config, seed=0)
 

@@ -43,6 +43,7 @@ def check_same_run(result: dict, dist_opt: bool) -> None:
         {"name": "dense_distributed", "dist_opt": True},
         {"name": "moe_grouped", "moe": True},
         {"name": "moe_grouped_distributed", "moe": True, "dist_opt": True},
+        {"name": "moe_single_grouped_weight_distributed", "moe": True, "dist_opt": True, "single": True},
     ],
     ids=lambda j: j["name"],
 )
