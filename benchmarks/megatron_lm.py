@@ -36,8 +36,8 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
 * ``plugin_fast_mdisp``: ``plugin_fast`` with Megatron's own MoE token dispatcher (``PRIMUS_FP8_MOE_ROUTED=0``:
   the permuted bf16 copy and the dispatcher's host reads; ``plugin_fast`` routes tokens straight into the grouped
   FP8 layout, ``megatron/moe.py``): the routed layer's gain, measured;
-* ``plugin_fast_per_expert``: ``plugin_fast`` with one parameter per expert (``weight0..``, as TE's grouped linears;
-  ``PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT=0``) instead of one ``[E, out, in]`` weight per grouped linear: the
+* ``plugin_fast_single``: ``plugin_fast`` with one ``[E, out, in]`` weight per grouped linear
+  (``PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT=1``) instead of one parameter per expert (``weight0..``, TE's layout): the
   per-parameter work of autograd, Megatron's DDP hooks and the optimizer, measured;
 * ``plugin_fast_flash``: ``plugin_fast`` with ``PRIMUS_FP8_SDPA_KERNELS=flash,efficient,math`` (PyTorch's flash
   attention kernel first; ``plugin_fast`` puts cuDNN's first on Hopper);
@@ -240,7 +240,7 @@ ARM_ENV = {
     "plugin_fp8w": ("plugin", {"PRIMUS_FP8_PARAMS": "1"}),
     "plugin_fast_fp8w": ("plugin_fast", {"PRIMUS_FP8_PARAMS": "1"}),
     "plugin_fast_mdisp": ("plugin_fast", {"PRIMUS_FP8_MOE_ROUTED": "0"}),
-    "plugin_fast_per_expert": ("plugin_fast", {"PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT": "0"}),
+    "plugin_fast_single": ("plugin_fast", {"PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT": "1"}),
 }
 # Megatron's FP8 parameter all-gather (TE's FP8 weights): only with the distributed optimizer
 FP8_PARAM_GATHER = "--fp8-param-gather"

@@ -11,9 +11,9 @@ variable                               meaning
                                        when the plugin's Megatron layers are built
 ``PRIMUS_FP8_MOE_ROUTED``              ``0``: the plugin's MoE layers keep Megatron's token dispatcher (``megatron/moe.py``;
                                        for A/B measurements), read when each layer is built
-``PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT`` ``0``: the fast spec's grouped experts keep one parameter per expert (``weight0..``)
-                                       instead of one ``[E, out, in]`` per linear (for A/B measurements), read when
-                                       the spec is built (``megatron/fast_specs.py``)
+``PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT`` ``1``: the fast spec's grouped experts hold one ``[E, out, in]`` weight per linear
+                                       instead of one parameter per expert (``megatron/grouped.py``: its checkpoint
+                                       limits), read when the spec is built (``megatron/fast_specs.py``)
 ``PRIMUS_FP8_KILL_DURING_SAVE``        a test hook: ``STAGE[@STEP]`` makes the trainer's saving process SIGKILL itself
                                        at that stage of a checkpoint save (``training/checkpoint_store.py``)
 =====================================  ==========================================================================
@@ -59,4 +59,4 @@ def moe_routed() -> bool:
 
 
 def moe_single_grouped_weight() -> bool:
-    return os.environ.get(MOE_SINGLE_GROUPED_WEIGHT, "1") != "0"
+    return os.environ.get(MOE_SINGLE_GROUPED_WEIGHT, "0") == "1"

@@ -13,10 +13,11 @@ kernel launch or more on a GPU), none of the FP8 arithmetic. The sizes are small
 arithmetic is small too (``--tokens``/``--hidden`` scale it).
 
 Printed per dispatch (the routed one, Megatron's) and expert weight layout (one ``[E, out, in]`` parameter per
-grouped linear, the fast spec's; one per expert, TE's): ms per layer forward+backward (median of ``--iters``),
-aten operations per layer (a ``TorchDispatchMode`` count: autograd runs backward in the calling thread on the CPU, so both directions count) and
-how many of them compute (not a view: ``METADATA_OPS``), Python calls; with ``--top N`` also the aten operations
-by count and a cProfile of the functions by own time.
+grouped linear, ``single_grouped_weight``; one per expert, the default and TE's): ms per layer forward+backward
+(median of ``--iters``), aten operations per layer (a ``TorchDispatchMode`` count: autograd runs backward in the
+calling thread on the CPU, so both directions count) and how many of them compute (not a view:
+``METADATA_OPS``), Python calls; with ``--top N`` also the aten operations by count and a cProfile of the functions
+by own time.
 """
 
 from __future__ import annotations

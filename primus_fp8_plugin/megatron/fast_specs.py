@@ -10,8 +10,8 @@ For Megatron-LM's ``--spec primus_fp8_plugin.megatron NAME``; Megatron >= 0.19 c
   Core attention through PyTorch's SDPA (``attention.SdpaAttention``), the norm fused with the FP8
   quantization of ``linear_qkv`` / ``linear_fc1``'s input (``Fp8LayerNormColumnParallelLinear``), SwiGLU
   fused with the quantization of fc2's input (``Fp8SwigluMLP``, dense layers with ``--swiglu``), the
-  plugin's RoPE (``Fp8FastSelfAttention``); grouped experts with one ``[E, out, in]`` weight per linear
-  (``grouped.py``, ``single_grouped_weight``; ``PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT=0``: one per expert). Numerics:
+  plugin's RoPE (``Fp8FastSelfAttention``); ``PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT=1``: grouped experts with one
+  ``[E, out, in]`` weight per linear (``grouped.py``, ``single_grouped_weight``, and its checkpoint limits). Numerics:
   the unfused plugin spec with SDPA attention (``get_gpt_layer_spec(core_attention="sdpa")``) bit for bit.
 * ``fp8_te_gpt_layer_spec``: Transformer Engine's own layer spec (its fused attention, RoPE and, for MoE,
   pre-MLP norm) with the plugin's FP8 linears, the norm+quantization and SwiGLU+quantization fusions as above

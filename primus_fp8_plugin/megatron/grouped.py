@@ -36,12 +36,18 @@ permutation. Elsewhere it is exactly ``TEGroupedMLP``.
 ``SequentialMLP`` with the dense FP8 linears, chosen by ``grouped`` or (None) by ``config.moe_grouped_gemm``
 when the layer is built (Megatron-LM's ``--moe-grouped-gemm``).
 
-``single_grouped_weight=True`` (the fast spec's choice; TE's option of that name): each grouped linear holds its
-experts' weights as one parameter ``weight [E, out, in]`` instead of ``weight0..``, so that autograd's gradient
-accumulation, Megatron's DDP hook, the optimizer and the gradient norm do their per-parameter work once per linear,
-not once per expert; the same bits. Checkpoints keep the per-expert keys: ``sharded_state_dict`` gives expert ``i``'s
-view ``weight[i]`` under ``weight{i}``'s sharded key, and a load pre-hook stacks ``weight0..`` into ``weight`` (and
-splits ``weight`` for a per-expert layer), so checkpoints move between the two layouts, ``SequentialMLP`` and TE's.
+``single_grouped_weight=True`` (opt-in; TE's option of that name): each grouped linear holds its experts' weights
+as one parameter ``weight [E, out, in]`` instead of ``weight0..``, so that autograd's gradient accumulation,
+Megatron's DDP hook, the optimizer and the gradient norm do their per-parameter work once per linear, not once per
+expert; the same bits. Model checkpoints keep the per-expert keys: ``sharded_state_dict`` gives expert ``i``'s view
+``weight[i]`` under ``weight{i}``'s sharded key, and a load pre-hook stacks ``weight0..`` into ``weight`` (and splits
+``weight`` for a per-expert layer), so model weights move between the two layouts, ``SequentialMLP`` and TE's.
+Optimizer state does not (as with Megatron's own ``--moe-single-grouped-weight``): Megatron's optimizers find a
+parameter's checkpoint entry by the parameter object, which the per-expert views are not, so saving optimizer state
+works with the distributed optimizer's default ``dp_reshardable`` format only (the plain optimizer and
+``fully_reshardable`` fail in Megatron's save); that format stores the state in parameter order, so resuming it
+after switching layouts would give each expert another expert's state: switch layouts with model weights only
+(``--no-load-optim``). Megatron's Muon-type optimizers treat a 3-D weight as a non-matrix (Adam).
 """
 
 from __future__ import annotations
@@ -196,7 +202,9 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         into the single ``[E, out, in]`` weight, and a single ``weight`` into per-expert ones (TE's
         ``_normalize_grouped_parameter_keys`` rule), so that state dicts move between the two layouts."""
         grouped, indexed = f"{prefix}weight", [f"{prefix}weight{i}" for i in range(self.num_gemms)]
-        if self.single_grouped_weight and grouped not in state_dict and all(k in state_dict for k in indexed):
+        if self.single_grouped_weight and all(k in state_dict for k in indexed):
+            # per-expert weights win over a grouped one beside them (Megatron's upcycling adds them to the state
+            # dict of the model it loads into, which holds ``weight`` already)
             state_dict[grouped] = torch.stack([state_dict.pop(k) for k in indexed])
         elif not self.single_grouped_weight and grouped in state_dict and not any(k in state_dict for k in indexed):
             for k, w in zip(indexed, self._split_grouped_checkpoint_tensor(state_dict.pop(grouped), grouped)):

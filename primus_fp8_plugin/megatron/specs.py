@@ -340,13 +340,12 @@ def get_gpt_fast_layer_spec(
     qk_layernorm: bool = False,
     normalization: str = "LayerNorm",
     moe_grouped_gemm: bool | None = False,
-    single_grouped_weight: bool = True,
+    single_grouped_weight: bool = False,
     recipe: BlockwiseRecipe | None = None,
     backend: str = "auto",
 ) -> ModuleSpec:
     """The TE-free fast GPT layer (see the module docstring); arguments as ``get_gpt_layer_spec``'s
-    (``moe_grouped_gemm=None``: grouped experts when ``config.moe_grouped_gemm`` is set at build time; grouped
-    experts hold a single grouped weight per linear unless ``single_grouped_weight=False``)."""
+    (``moe_grouped_gemm=None``: grouped experts when ``config.moe_grouped_gemm`` is set at build time)."""
     spec = get_gpt_layer_spec(num_experts, qk_layernorm=qk_layernorm, normalization=normalization, fused_norm=True,
                               core_attention="sdpa", moe_grouped_gemm=moe_grouped_gemm,
                               single_grouped_weight=single_grouped_weight, recipe=recipe, backend=backend)  # fmt: skip

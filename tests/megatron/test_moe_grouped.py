@@ -173,6 +173,12 @@ def test_single_grouped_weight_equals_per_expert_weights_and_shares_their_checkp
     again = build_gpt(moe_spec(True, single_grouped_weight=True), cfg, seed=12)
     again.module.load_state_dict(other.module.state_dict())
     assert torch.equal(again.module.decoder.layers[0].mlp.experts.linear_fc1.weight, fc1.weight)
+    # per-expert weights beside the grouped one (Megatron's upcycling adds them to the model's own state dict): they win
+    state = fc1.state_dict()
+    experts = [torch.randn(768, 256).to(torch.bfloat16) for _ in range(NUM_EXPERTS)]
+    state.update({f"weight{i}": w for i, w in enumerate(experts)})
+    fc1.load_state_dict(state)
+    assert torch.equal(fc1.weight, torch.stack(experts))
 
 
 def test_sharded_keys_are_sequential_mlps():
