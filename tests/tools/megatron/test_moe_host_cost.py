@@ -70,8 +70,9 @@ def test_single_grouped_weights_keep_the_layers_host_work_flat_in_the_experts(wo
     """One ``[E, out, in]`` weight per grouped linear: with the routed dispatch the layer's aten operations and Python
     calls (autograd's and Megatron's DDP hooks' per-parameter work included) are the same at 4 and at 12 experts; with
     one weight per expert they grow by at least the 16 further weights' hooks (four Python calls and two aten
-    operations each). Megatron's dispatcher does a few operations more or less with the routing (which experts get
-    tokens), so there only the per-expert growth is checked against the single layout's."""
+    operations each). Megatron's dispatcher does a few operations more or less from one process to the next (seen in
+    CI: 9 Python calls, 2 aten operations), so there both changes are checked with half the per-expert hooks'
+    work as the margin."""
     few, more = run_tool(tmp_path, 4), run_tool(tmp_path, 12)
     added = 2 * (12 - 4)  # further weight parameters of the per-expert layout
     for dispatch in ("routed", "megatron"):
@@ -79,9 +80,11 @@ def test_single_grouped_weights_keep_the_layers_host_work_flat_in_the_experts(wo
         experts_few, experts_more = few[f"{dispatch}/per_expert"], more[f"{dispatch}/per_expert"]
         if dispatch == "routed":
             assert (single_few["aten_ops"], single_few["python_calls"]) == (single_more["aten_ops"], single_more["python_calls"])
+        exact = dispatch == "routed"
         for what, per_weight in (("python_calls", 4), ("aten_ops", 2)):
-            single_growth = single_more[what] - single_few[what]
-            assert experts_more[what] - experts_few[what] >= single_growth + per_weight * added, (dispatch, what)
+            grown = per_weight * added
+            assert experts_more[what] - experts_few[what] >= (grown if exact else grown / 2), (dispatch, what)
+            assert abs(single_more[what] - single_few[what]) < grown / 2, (dispatch, what)
 
 
 def test_the_aten_counter_counts_a_hand_counted_function():
