@@ -17,6 +17,8 @@ bias gradient          ``dY`` summed over rows (torch's sum)   host counts: each
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..backends import Backend
@@ -144,15 +146,20 @@ class Grouped:
         return list(segment_sums(dy2d, self.layout).unbind(0))
 
 
+_untyped_storage = operator.methodcaller("untyped_storage")
+
+
 def stack_experts(views: list[torch.Tensor]) -> torch.Tensor:
     """``E`` ``[N, K]`` results as one ``[E, N, K]`` tensor: the buffer they are consecutive slices of (the backends
     return their grouped wgrad so, ``Backend.gemm_wgrad_grouped``), else a stacked copy."""
     first = views[0]
     n, k = first.shape
-    storage, offset = first.untyped_storage(), first.storage_offset()
-    consecutive = all(
-        v.is_contiguous() and v.untyped_storage().data_ptr() == storage.data_ptr() and v.storage_offset() == offset + e * n * k
-        for e, v in enumerate(views)
+    offset = first.storage_offset()
+    # C-level passes over the experts (no Python call per expert, as everywhere in the core)
+    consecutive = (
+        set(map(torch.UntypedStorage.data_ptr, map(_untyped_storage, views))) == {first.untyped_storage().data_ptr()}
+        and list(map(torch.Tensor.storage_offset, views)) == list(range(offset, offset + len(views) * n * k, n * k))
+        and all(map(torch.Tensor.is_contiguous, views))
     )
     if not consecutive:
         return torch.stack(views)
