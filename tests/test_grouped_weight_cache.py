@@ -218,3 +218,21 @@ def test_a_weight_of_another_shape_is_refused_with_or_without_a_cache():
     layer.weight3.data = torch.randn(N, K + 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"weight 3 is \(128, 256\)"):
         run(layer, x)
+
+
+def test_stacked_weights_are_one_tracked_tensor():
+    """Experts stacked in one ``[E, N, K]`` tensor: served while it is unchanged (the copies of the same weights as
+    a list of ``E``), re-made after an in-place write to one expert's slice, and a tensor that is not 3-D is refused."""
+    cache, params, ref = GroupedWeightCache(), BlockwiseRecipe().params(TensorRole.WEIGHT), get_backend("reference", "cpu")
+    stacked = make_input((E, N, K), seed=9)
+    first = cache.get(stacked, params, ref)
+    assert cache.get(stacked, params, ref) is first and cache.refreshes == 1
+    listed = GroupedWeightCache().get(list(stacked.unbind(0)), params, ref)
+    assert torch.equal(first.rowwise_data.view(torch.uint8), listed.rowwise_data.view(torch.uint8))
+    with torch.no_grad():
+        stacked[2].mul_(0.3)  # not a power of 2: the FP8 data change, not only the scales
+    again = cache.get(stacked, params, ref)
+    assert again is not first and cache.refreshes == 2
+    assert not torch.equal(again.expert(2).rowwise_data.view(torch.uint8), first.expert(2).rowwise_data.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"must be one \[E, N, K\] tensor \(E >= 1\) on cpu, got \(128, 128\)"):
+        GroupedWeightCache().get(stacked[0], params, ref)

@@ -411,6 +411,38 @@ def test_stacked_weights_give_the_expert_lists_bits(stacked_op, backend, megatro
     assert same(dw1, dw2) and dw1.abs().sum() > 0
 
 
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda w: w[0], ValueError, r"3-D \[experts, out_features, in_features\].*got shape \(96, 128\)"),
+        (lambda w: w[:0], ValueError, r"at least one expert, got shape \(0, 96, 128\)"),
+        (lambda w: w[..., :64], ValueError, r"last dim is 128 but in_features is 64"),
+        (lambda w: w.to(torch.int32), TypeError, r"stacked expert weights have dtype torch.int32"),
+        (lambda w: w.to("meta"), ValueError, r"weights are on meta"),
+    ],
+    ids=["2d", "no_experts", "in_features", "dtype", "device"],
+)
+def test_bad_stacked_weights_are_refused_with_the_fix(make, error, match):
+    op = next(o for o in OPS if o.name == "grouped_swiglu_linear_stacked")
+    t = op.leaves(ROWS, 128, N, seed=17)
+    t["w"] = [make(t["w"][0])]
+    with pytest.raises(error, match=match):
+        op(t, "reference")
+
+
+def test_stack_experts_returns_their_buffer_or_a_stacked_copy():
+    """The stacked weight gradient: the buffer the backend's ``E`` results are consecutive slices of (no copy), else
+    ``torch.stack`` (slices in another order, separate tensors)."""
+    from primus_fp8_plugin.ops.layouts import stack_experts
+
+    buffer = make_input((3, 8, 16), seed=18)
+    whole = stack_experts(list(buffer.unbind(0)))
+    assert whole.data_ptr() == buffer.data_ptr() and torch.equal(whole, buffer)
+    for parts in (list(buffer.unbind(0))[::-1], [p.clone() for p in buffer.unbind(0)]):
+        stacked = stack_experts(parts)
+        assert torch.equal(stacked, torch.stack(parts)) and stacked.data_ptr() != buffer.data_ptr()
+
+
 def test_every_public_op_is_in_the_matrix():
     import primus_fp8_plugin
 

@@ -179,6 +179,8 @@ def test_single_grouped_weight_equals_per_expert_weights_and_shares_their_checkp
     state.update({f"weight{i}": w for i, w in enumerate(experts)})
     fc1.load_state_dict(state)
     assert torch.equal(fc1.weight, torch.stack(experts))
+    with pytest.raises(RuntimeError, match=r"cannot split k of shape \(3, 768, 256\) into 4 experts' weights"):
+        fc1._split_grouped_checkpoint_tensor(torch.zeros(3, 768, 256), "k")
 
 
 def test_sharded_keys_are_sequential_mlps():
