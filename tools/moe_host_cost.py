@@ -173,6 +173,23 @@ def layer_step(layer, x, dy):
     x.grad = None
 
 
+def python_calls(fn) -> int:
+    """Python-level function calls ``fn()`` makes, ``fn`` itself included (``sys.setprofile``'s "call" events; C
+    functions report "c_call" and are not counted)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def measure(layer, x, dy, iters: int, top: int) -> dict:
     step = lambda: layer_step(layer, x, dy)  # noqa: E731
     for _ in range(3):  # the instant backend computes each operation's result once
@@ -184,17 +201,7 @@ def measure(layer, x, dy, iters: int, top: int) -> dict:
         times.append(time.perf_counter() - t0)
     with AtenCounter() as counter:
         step()
-    calls = 0
-
-    def count(frame, event, arg):
-        nonlocal calls
-        calls += event == "call"
-
-    sys.setprofile(count)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
+    calls = python_calls(step)
     kernels = sum(n for op, n in counter.counts.items() if op not in METADATA_OPS)
     result = {"ms": sorted(times)[len(times) // 2] * 1e3, "aten_ops": sum(counter.counts.values()), "aten_kernel_ops": kernels,
               "python_calls": calls, "aten_by_name": dict(counter.counts.most_common(top))}  # fmt: skip

@@ -95,3 +95,17 @@ def test_the_aten_counter_counts_a_hand_counted_function():
         (a + b).mm(b).view(16).sum()
     assert dict(counter.counts) == {"add": 1, "mm": 1, "view": 1, "sum": 1}
     assert {op for op in counter.counts if op in tool.METADATA_OPS} == {"view"}
+
+
+def test_the_python_call_counter_counts_a_hand_counted_function():
+    """``python_calls`` against functions counted by hand: ``outer`` calls ``inner`` twice and a C function (``len``,
+    not counted) once: 3 calls; a lambda around them: 4."""
+
+    def inner():
+        return 1
+
+    def outer():
+        return inner() + inner() + len("ab")
+
+    assert tool.python_calls(outer) == 3
+    assert tool.python_calls(lambda: outer()) == 4
