@@ -39,15 +39,18 @@ when the layer is built (Megatron-LM's ``--moe-grouped-gemm``).
 ``single_grouped_weight=True`` (opt-in; TE's option of that name): each grouped linear holds its experts' weights
 as one parameter ``weight [E, out, in]`` instead of ``weight0..``, so that autograd's gradient accumulation,
 Megatron's DDP hook, the optimizer and the gradient norm do their per-parameter work once per linear, not once per
-expert; the same bits. Model checkpoints keep the per-expert keys: ``sharded_state_dict`` gives expert ``i``'s view
-``weight[i]`` under ``weight{i}``'s sharded key, and a load pre-hook stacks ``weight0..`` into ``weight`` (and splits
-``weight`` for a per-expert layer), so model weights move between the two layouts, ``SequentialMLP`` and TE's.
-Optimizer state does not (as with Megatron's own ``--moe-single-grouped-weight``): Megatron's optimizers find a
-parameter's checkpoint entry by the parameter object, which the per-expert views are not, so saving optimizer state
-works with the distributed optimizer's default ``dp_reshardable`` format only (the plain optimizer and
-``fully_reshardable`` fail in Megatron's save); that format stores the state in parameter order, so resuming it
-after switching layouts would give each expert another expert's state: switch layouts with model weights only
-(``--no-load-optim``). Megatron's Muon-type optimizers treat a 3-D weight as a non-matrix (Adam).
+expert; the same bits, except Megatron's global gradient norm (a sum of per-parameter fp32 norms: the one tensor is
+summed in another order, ~6e-7 relative) and so a clipped step. Checkpoints are the per-expert ones:
+``sharded_state_dict`` gives the weight as one ``ShardedTensorFactory`` whose data is the parameter (Megatron's
+optimizers look a parameter's entry up by the tensor) and which writes each expert's ``weight{i}`` tensor (a gated
+fc1's gate and up halves split as Megatron's SwiGLU factory splits them); a load pre-hook stacks ``weight0..`` into
+``weight`` (and splits ``weight`` for a per-expert layer). So model weights and optimizer state (the plain
+optimizer; the distributed optimizer's ``fully_reshardable`` format) move between the two layouts, SequentialMLP
+and TE's. Except the distributed optimizer's default ``dp_reshardable`` format: it stores the state as the DDP
+buffers lie, in parameter order, where per-expert weights lie in reverse expert order, so resumed after switching
+layouts it would give each expert another expert's state (as with Megatron's own ``--moe-single-grouped-weight``):
+switch layouts from a ``fully_reshardable`` checkpoint or with model weights only (``--no-load-optim``).
+Megatron's Muon-type optimizers treat a 3-D weight as a non-matrix (Adam).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import dataclasses
 from functools import partial
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import (
@@ -63,7 +67,7 @@ from megatron.core.tensor_parallel.layers import (
     _initialize_affine_weight_gpu,
     set_tensor_model_parallel_attributes,
 )
-from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules, apply_swiglu_sharded_factory
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
@@ -261,35 +265,80 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Expert ``i``'s weight (bias, extra state) under the keys of SequentialMLP's ``...linear_fc1.weight``
-        with the global expert index on a new leading axis (``singleton_local_shards``: one key per expert)."""
+        with the global expert index on a new leading axis (``singleton_local_shards``: one key per expert).
+        A single grouped weight is one ``ShardedTensorFactory`` whose data is the parameter (Megatron's optimizers
+        find a parameter's entry by the tensor) and that writes the per-expert tensors: the same checkpoint."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         singleton = metadata.get("singleton_local_shards", False)
         ep = self._pg_collection.ep
         num_global = get_pg_size(ep) * self.num_gemms
         first = get_pg_rank(ep) * self.num_gemms
         axis_map = {"weight": 0, "bias": 0} if self.parallel_mode == "column" else {"weight": 1}
-        out = {}
-        for i in range(self.num_gemms):
-            state = {f"{i}.weight": self.expert_weights(i), f"{i}._extra_state": None}
-            if self.use_bias:
-                state[f"{i}.bias"] = getattr(self, f"bias{i}")
+
+        def expert_offsets(i):
             if singleton:
-                expert_prefix, offsets = f"{first + i}.{prefix}", sharded_offsets
-            else:
-                expert_prefix, offsets = prefix, (*sharded_offsets, (len(sharded_offsets), first + i, num_global))
+                return f"{first + i}.{prefix}", sharded_offsets
+            return prefix, (*sharded_offsets, (len(sharded_offsets), first + i, num_global))
+
+        def expert_shards(state, i):
+            expert_prefix, offsets = expert_offsets(i)
             sub = make_sharded_tensors_for_checkpoint(
                 state, "", {f"{i}.{k}": v for k, v in axis_map.items()}, offsets,
                 tp_group=self._tp_group, dp_cp_group=metadata["dp_cp_group"],
             )  # fmt: skip
             replace_prefix_for_sharding(sub, f"{i}.", expert_prefix)
-            out[f"{prefix}weight{i}"] = sub[f"{i}.weight"]
-            out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+            return sub
+
+        out = {}
+        for i in range(self.num_gemms):
+            state = {f"{i}._extra_state": None}
+            if not self.single_grouped_weight:
+                state[f"{i}.weight"] = self.expert_weights(i)
             if self.use_bias:
-                out[f"{prefix}bias{i}"] = sub[f"{i}.bias"]
+                state[f"{i}.bias"] = getattr(self, f"bias{i}")
+            sub = expert_shards(state, i)
+            out[f"{prefix}_extra_state{'' if i == 0 else i}"] = sub[f"{i}._extra_state"]
+            for name in ("weight", "bias"):
+                if f"{i}.{name}" in sub:
+                    out[f"{prefix}{name}{i}"] = sub[f"{i}.{name}"]
+        if self.single_grouped_weight:
+            out[f"{prefix}weight"] = self._single_weight_factory(prefix, expert_offsets, metadata)
         dp_rank = get_pg_rank(self._pg_collection.expt_dp)  # replicas along the expert data-parallel group
         for sh in out.values():
             sh.replica_id = (*sh.replica_id[:2], dp_rank)
         return out
+
+    def _single_weight_factory(self, prefix: str, expert_offsets, metadata: dict) -> ShardedTensorFactory:
+        """The single ``[E, out, in]`` weight (or an optimizer state of its shape: Megatron's optimizers rebuild the
+        factory with their tensor) as the per-expert ``ShardedTensor``s of ``weight{i}``; a gated fc1's experts split
+        into their gate and up halves as ``TEGroupedMLP`` splits ``weight{i}`` (Megatron's SwiGLU factory, which
+        finds indexed keys only). Merged back by stacking the experts."""
+        glu = self.parallel_mode == "column" and bool(getattr(self.config, "gated_linear_unit", False))
+        singleton = metadata.get("singleton_local_shards", False)
+        suffix, tp_axis = f"{prefix}weight", (0 if self.parallel_mode == "column" else 1)
+        tp_rank, tp_size = get_pg_rank(self._tp_group), get_pg_size(self._tp_group)
+
+        def build(key, data, replica_id, flattened_range):
+            if flattened_range is not None:
+                raise NotImplementedError("a flattened single grouped weight (Megatron's deprecated flattened "
+                                          "optimizer formats): use the fully_reshardable or dp_reshardable format")  # fmt: skip
+            head = key[: len(key) - len(suffix)]  # Megatron's optimizers prepend "optimizer.state.<name>."
+            shards = {}
+            for i in range(self.num_gemms):
+                expert_prefix, offsets = expert_offsets(i)
+                sh = ShardedTensor.from_rank_offsets(
+                    f"{head}{expert_prefix}weight", data[i], *offsets,
+                    (len(offsets) + tp_axis, tp_rank, tp_size), replica_id=replica_id, prepend_axis_num=len(offsets),
+                )  # fmt: skip
+                if glu:  # (its FSDP groups left out: megatron-core 0.16 takes none; no FSDP here)
+                    sh = apply_swiglu_sharded_factory(sh, offsets, singleton).build()
+                shards[i] = sh
+            return shards
+
+        def merge(loaded):
+            return torch.stack([torch.cat(loaded[i]) if glu else loaded[i] for i in range(self.num_gemms)])
+
+        return ShardedTensorFactory(f"{prefix}weight", self.weight, build, merge, replica_id=(0, 0, 0))
 
     def extra_repr(self) -> str:
         return (

@@ -19,9 +19,21 @@ def global_expert_names(grads: dict, ep_rank: int, local_experts: int) -> dict:
     return out
 
 
+def per_expert_grads(grads: dict) -> dict:
+    """A single grouped weight's gradient ``...linear_fc1.weight [E, out, in]`` as ``...linear_fc1.weight{i}``."""
+    out = {}
+    for name, g in grads.items():
+        if re.fullmatch(r".*\.experts\.linear_fc[12]\.weight", name):
+            out.update({f"{name}{i}": gi for i, gi in enumerate(g.unbind(0))})
+        else:
+            out[name] = g
+    return out
+
+
 def run(rank, world, port, jobs, out_dir):
-    """Each job (a dict: name, ep, etp, dispatcher, grouped, backend, num_layers, save, load, megatron_dispatch,
-    host_reads, build_only) builds the tiny MoE GPT under its parallel layout (seed 0, or another seed and the weights of the
+    """Each job (a dict: name, ep, etp, dispatcher, grouped, single, backend, num_layers, save, load, megatron_dispatch,
+    host_reads, build_only) builds the tiny MoE GPT under its parallel layout (``single``: each grouped linear's
+    experts in one weight; its gradients reported under the per-expert names) (seed 0, or another seed and the weights of the
     checkpoint ``load``; ``megatron_dispatch``: Megatron's token dispatcher instead of the routed one), takes the loss
     and gradients of one batch (``host_reads``: recording the host reads of device values that the plugin's and
     Megatron's MoE code make), writes them (rank 0) to ``out_dir/<name>.pt`` with the layers' ``routed_dispatch_off``,
@@ -42,7 +54,7 @@ def run(rank, world, port, jobs, out_dir):
         config = moe_config(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                             moe_token_dispatcher_type=job.get("dispatcher", "allgather"),
                             **({"num_layers": job["num_layers"]} if "num_layers" in job else {}))  # fmt: skip
-        spec = moe_spec(job.get("grouped", True), job.get("backend", "reference"))
+        spec = moe_spec(job.get("grouped", True), job.get("backend", "reference"), job.get("single", False))
         model = build_gpt(spec, config, seed=0 if job.get("load") is None else 123)
         if job.get("load") is not None:
             model.module.load_state_dict(dist_checkpointing.load(model.module.sharded_state_dict(), job["load"]))
@@ -60,6 +72,7 @@ def run(rank, world, port, jobs, out_dir):
         reads = HostReads(roots=(MEGATRON_MOE,)) if job.get("host_reads") else contextlib.nullcontext()
         with reads:
             loss, grads = loss_and_grads(model)
+        grads = per_expert_grads(grads)
         if etp == 1:  # expert grads with global expert indices, from every EP rank
             ep_rank = parallel_state.get_expert_model_parallel_rank()
             mine = {n: g for n, g in global_expert_names(grads, ep_rank, NUM_EXPERTS // ep).items() if ".experts." in n}

@@ -183,6 +183,136 @@ def test_single_grouped_weight_equals_per_expert_weights_and_shares_their_checkp
         fc1._split_grouped_checkpoint_tensor(torch.zeros(3, 768, 256), "k")
 
 
+def adam_run(single: bool, distributed: bool = False, clip_grad: float = 0.0, seed: int = 0):
+    """The tiny MoE GPT (grouped experts in either layout) under Megatron's DDP and Adam with fp32 masters."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from primus_fp8_plugin.megatron.cpu import CudaAsCpu
+
+    model = build_gpt(moe_spec(True, single_grouped_weight=single), moe_config(), seed=seed)
+    with CudaAsCpu():
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed), model)  # fmt: skip
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, clip_grad=clip_grad,
+                                                     use_distributed_optimizer=distributed), [ddp])  # fmt: skip
+    return ddp, opt
+
+
+def adam_step(ddp, opt, step: int) -> tuple[list[float], float]:
+    """One step of two microbatches: their losses and the gradient norm."""
+    from primus_fp8_plugin.megatron.cpu import CudaAsCpu
+
+    from .common import batch
+
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    losses = []
+    for micro in range(2):
+        ids, pos = batch(seed=100 * step + micro)
+        loss = ddp(ids, pos, None, labels=ids).float().mean() / 2
+        loss.backward()
+        losses.append(loss.item())
+    ddp.finish_grad_sync()
+    with CudaAsCpu():
+        ok, norm, _ = opt.step()
+    assert ok
+    return losses, float(norm)
+
+
+def expert_weights_by_name(ddp) -> dict:
+    """Every parameter by name, a single grouped weight as its experts' ``weight{i}``."""
+    out = {}
+    for name, p in ddp.module.named_parameters():
+        if per_expert_name(name + "0") == name:  # a single grouped weight
+            out.update({f"{name}{i}": w.detach().clone() for i, w in enumerate(p.unbind(0))})
+        else:
+            out[name] = p.detach().clone()
+    return out
+
+
+def built_shards(sharded_state_dict) -> dict:
+    """``(key, global offset) -> (global shape, replica id, data)`` of every ShardedTensor, factories built."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sharded_state_dict)
+    return {(t.key, t.global_offset): (t.global_shape, t.replica_id, t.data) for t in nested_values(sharded_state_dict)
+            if isinstance(t, ShardedTensor)}  # fmt: skip
+
+
+@pytest.mark.parametrize("singleton", [False, True], ids=["expert_axis", "singleton_local_shards"])
+def test_single_grouped_weight_writes_the_per_expert_checkpoint(singleton):
+    """The single weight's sharded state dict, built, is the per-expert layer's: the same keys, global shapes and
+    offsets (fc1's gate and up halves split as Megatron's SwiGLU factory splits ``weight{i}``), replica ids and
+    bits; its factory's data is the parameter itself (what Megatron's optimizers look parameters up by)."""
+    metadata = {"singleton_local_shards": singleton}
+    per_expert = build_gpt(moe_spec(True), moe_config(), seed=0)
+    single = build_gpt(moe_spec(True, single_grouped_weight=True), moe_config(), seed=0)
+    sd = single.module.sharded_state_dict(metadata=metadata)
+    fc1 = single.module.decoder.layers[0].mlp.experts.linear_fc1
+    assert any(getattr(v, "data", None) is fc1.weight for v in sd.values())
+    want, got = built_shards(per_expert.module.sharded_state_dict(metadata=metadata)), built_shards(sd)
+    assert want.keys() == got.keys() and any("linear_fc1.weight" in k for k, _ in got)
+    for k, (shape, replica, data) in want.items():
+        assert got[k][:2] == (shape, replica) and torch.equal(got[k][2], data), k
+
+
+def test_optimizer_checkpoints_move_between_the_weight_layouts(tmp_path):
+    """Adam's fp32 masters and moments checkpointed by Megatron's optimizer in one layout resume in the other: a step
+    after loading gives the saving run's losses and every weight bit for bit, both ways (the per-expert views the
+    single weight used to hand out were not parameters, and the optimizer's save failed). Megatron's distributed
+    optimizer's ``fully_reshardable`` state, what it writes, is the per-expert run's, bit for bit."""
+    from megatron.core import dist_checkpointing
+
+    from primus_fp8_plugin.megatron.cpu import CudaAsCpu
+
+    for src, dst in ((False, True), (True, False)):
+        ddp, opt = adam_run(src)
+        adam_step(ddp, opt, 0)
+        ckpt = tmp_path / f"single_{src}"
+        ckpt.mkdir()
+        model_sd = ddp.module.sharded_state_dict()
+        dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, str(ckpt))
+        want_losses, _ = adam_step(ddp, opt, 1)
+        want = expert_weights_by_name(ddp)
+
+        ddp, opt = adam_run(dst, seed=7)
+        adam_step(ddp, opt, 0)  # Adam's state exists before loading, as in a resumed Megatron-LM run
+        model_sd = ddp.module.sharded_state_dict()
+        state = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)},
+                                        str(ckpt))  # fmt: skip
+        ddp.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        losses, _ = adam_step(ddp, opt, 1)
+        assert losses == want_losses, (src, dst)
+        got = expert_weights_by_name(ddp)
+        assert got.keys() == want.keys()
+        assert not [n for n in want if not torch.equal(got[n], want[n])], (src, dst)
+
+    fully = {"distrib_optim_sharding_type": "fully_reshardable"}
+    shards = []
+    for single in (False, True):
+        ddp, opt = adam_run(single, distributed=True)
+        adam_step(ddp, opt, 0)
+        with CudaAsCpu():
+            shards.append(built_shards(opt.sharded_state_dict(ddp.module.sharded_state_dict(), metadata=fully)))
+    assert shards[0].keys() == shards[1].keys()
+    assert any(k.startswith("optimizer.state.exp_avg.") and "linear_fc1.weight" in k for k, _ in shards[0])
+    for k, (shape, replica, data) in shards[0].items():
+        assert shards[1][k][:2] == (shape, replica) and torch.equal(shards[1][k][2], data), k
+
+
+def test_the_gradient_norm_sums_the_single_weight_in_another_order():
+    """Megatron's global gradient norm sums per-parameter norms in fp32: one ``[E, out, in]`` tensor is summed in
+    another order than E expert tensors, so the norm differs in its last bits (measured ~6e-7 relative), and with
+    it a clipped step; the unclipped steps are bit-identical (test_main_grad_fusion)."""
+    norms = [[adam_step(*run, k)[1] for k in range(2)] for run in (adam_run(False, clip_grad=1.0), adam_run(True, clip_grad=1.0))]
+    assert all(a > 1.0 for a in norms[0])  # clipped
+    for a, b in zip(*norms):
+        assert abs(a - b) <= 1e-5 * a, norms
+
+
 def test_sharded_keys_are_sequential_mlps():
     """One key per expert linear with an expert axis, as SequentialMLP's (not weight0, weight1, ...)."""
     cfg = moe_config()

@@ -27,13 +27,15 @@ def launch(tmp_path, world, jobs):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
-    ckpt = {name: tmp / f"{name}_ckpt" for name in ("one", "ep2", "etp2")}
+    ckpt = {name: tmp / f"{name}_ckpt" for name in ("one", "ep2", "etp2", "ep2_single", "etp2_single")}
     for path in ckpt.values():
         path.mkdir()
     out = launch(tmp, 1, [{"name": "one", "save": str(ckpt["one"])}])
     out |= launch(tmp, 2, [
         {"name": "ep2", "ep": 2, "save": str(ckpt["ep2"]), "load": str(ckpt["one"])},
         {"name": "etp2", "etp": 2, "save": str(ckpt["etp2"]), "load": str(ckpt["one"])},
+        {"name": "ep2_single", "ep": 2, "single": True, "save": str(ckpt["ep2_single"]), "load": str(ckpt["one"])},
+        {"name": "etp2_single", "etp": 2, "single": True, "save": str(ckpt["etp2_single"]), "load": str(ckpt["one"])},
         {"name": "ep2_megatron", "ep": 2, "load": str(ckpt["one"]), "megatron_dispatch": True},
         {"name": "etp2_megatron", "etp": 2, "load": str(ckpt["one"]), "megatron_dispatch": True},
         {"name": "ep2_alltoall", "ep": 2, "dispatcher": "alltoall", "load": str(ckpt["one"])},
@@ -45,6 +47,8 @@ def runs(tmp_path_factory):
     out |= launch(tmp, 1, [
         {"name": "seq_from_ep2", "grouped": False, "load": str(ckpt["ep2"])},
         {"name": "one_from_etp2", "load": str(ckpt["etp2"])},
+        {"name": "seq_from_ep2_single", "grouped": False, "load": str(ckpt["ep2_single"])},
+        {"name": "one_from_etp2_single", "load": str(ckpt["etp2_single"])},
     ])  # fmt: skip
     return out
 
@@ -93,6 +97,24 @@ def test_checkpoint_saved_at_expert_tp2_loads_at_one_rank_exactly(runs):
     assert back["loss"] == one["loss"]
     for n, g in one["grads"].items():
         assert torch.equal(back["grads"][n], g), n
+
+
+@pytest.mark.parametrize("layout", ["ep2", "etp2"])
+def test_single_grouped_weights_match_per_expert_ones_across_ranks_and_checkpoints(runs, layout):
+    """Each grouped linear's experts in one ``[E, out, in]`` weight, under EP=2 and expert TP=2 (fc1's gate and up
+    halves sharded over the expert TP ranks): loaded from the one-rank per-expert checkpoint, the per-expert run's
+    loss and every gradient bit for bit; its own checkpoint read back by one rank (SequentialMLP experts from the
+    EP=2 one, per-expert grouped ones from the expert TP=2 one) gives the one-rank run's."""
+    single, per_expert = runs[f"{layout}_single"], runs[layout]
+    assert single["loss"] == per_expert["loss"] and single["grads"].keys() == per_expert["grads"].keys()
+    different = [n for n, g in single["grads"].items() if not torch.equal(g, per_expert["grads"][n])]
+    assert not different, different
+    one = runs["one"]
+    back = runs["seq_from_ep2_single" if layout == "ep2" else "one_from_etp2_single"]
+    assert back["loss"] == one["loss"]
+    name = sequential_name if layout == "ep2" else (lambda n: n)
+    for n, g in one["grads"].items():
+        assert torch.equal(back["grads"][name(n)], g), n
 
 
 @pytest.mark.parametrize("layout", ["ep2", "etp2"])
