@@ -17,7 +17,11 @@ grouped linear, ``single_grouped_weight``; one per expert, the default and TE's)
 (median of ``--iters``), aten operations per layer (a ``TorchDispatchMode`` count: autograd runs backward in the
 calling thread on the CPU, so both directions count) and how many of them compute (not a view:
 ``METADATA_OPS``), Python calls; with ``--top N`` also the aten operations by count and a cProfile of the functions
-by own time.
+by own time. Per layout also the layer's optimizer step (``optimizer/...``: Megatron's Adam with fp32 masters, the
+gradient norm, clipping, the zeroing of the gradient buffers), which a training step runs once: on the CPU torch's
+Adam runs its per-parameter loop (on a GPU its ``foreach`` form launches kernels for many parameters at once), and
+its ms include the CPU's Adam arithmetic over the layer's weights; Megatron's own per-parameter Python loops (the
+gradient and master copies, the norm) are what a GPU run does on the host as well.
 """
 
 from __future__ import annotations
@@ -123,8 +127,10 @@ class AtenCounter(TorchDispatchMode):
 
 
 def build_layer(experts: int, topk: int, hidden: int, ffn: int, single_grouped_weight: bool = True):
-    """The fast spec's MoE layer (one transformer layer's ``mlp``) on the CPU, gloo world of one; its grouped
-    linears with one ``[E, out, in]`` weight each (``single_grouped_weight``) or one weight per expert."""
+    """The fast spec's MoE layer (one transformer layer's ``mlp``) on the CPU, gloo world of one, under Megatron's
+    DDP; its grouped linears with one ``[E, out, in]`` weight each (``single_grouped_weight``) or one weight per
+    expert. Returns the layer and its optimizer step: Megatron's Adam over the layer (bf16 weights, fp32 masters,
+    the gradient norm and clipping at 1.0), then the zeroing of the gradient buffers, as a training step ends."""
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
     from primus_fp8_plugin.megatron import TorchNorm
@@ -148,12 +154,23 @@ def build_layer(experts: int, topk: int, hidden: int, ffn: int, single_grouped_w
         raise RuntimeError(f"the routed dispatch is off: {layer.routed_dispatch_off}")
     use_instant_backend(layer)
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from primus_fp8_plugin.megatron.cpu import CudaAsCpu
 
     with CudaAsCpu():  # Megatron's gradient buffers: main_grad and its backward hooks, as in training
-        DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
-    return layer
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, clip_grad=1.0), [ddp])
+
+    def optimizer_step():
+        with CudaAsCpu():
+            ok, _, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError("Megatron's optimizer skipped the step (gradients not finite)")
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+
+    return layer, optimizer_step
 
 
 def use_instant_backend(layer) -> None:
@@ -190,9 +207,11 @@ def python_calls(fn) -> int:
     return calls
 
 
-def measure(layer, x, dy, iters: int, top: int) -> dict:
-    step = lambda: layer_step(layer, x, dy)  # noqa: E731
-    for _ in range(3):  # the instant backend computes each operation's result once
+def measure(step, iters: int, top: int) -> dict:
+    """``step()``'s host cost: median ms over ``iters`` runs after three warm-up runs (the instant backend computes
+    each operation's result once), aten operations (computing ones), Python calls; ``top``: the aten operations by
+    count and a cProfile."""
+    for _ in range(3):
         step()
     times = []
     for _ in range(iters):
@@ -236,16 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     dy = torch.randn(args.tokens, 1, args.hidden, generator=g).to(torch.bfloat16)
     results = {}
     for weights in ("single", "per_expert"):  # one [E, out, in] weight per grouped linear, or one per expert
-        layer = build_layer(args.experts, args.topk, args.hidden, args.ffn, single_grouped_weight=weights == "single")
+        layer, optimizer_step = build_layer(args.experts, args.topk, args.hidden, args.ffn,
+                                            single_grouped_weight=weights == "single")  # fmt: skip
         routed = layer.routed_dispatcher
-        results[f"routed/{weights}"] = measure(layer, x, dy, args.iters, args.top)
+        results[f"routed/{weights}"] = measure(lambda: layer_step(layer, x, dy), args.iters, args.top)
         layer.token_dispatcher = routed.megatron  # Megatron's allgather dispatcher, the same experts
         use_instant_backend(layer)  # its own memo: another sequence of calls
-        results[f"megatron/{weights}"] = measure(layer, x, dy, args.iters, args.top)
+        results[f"megatron/{weights}"] = measure(lambda: layer_step(layer, x, dy), args.iters, args.top)
+        results[f"optimizer/{weights}"] = measure(optimizer_step, args.iters, args.top)
     print(f"MoE layer fwd+bwd on the host: {args.experts} experts, top-{args.topk}, {args.tokens} tokens, "
           f"hidden {args.hidden}, expert FFN {args.ffn}; instant FP8 backend, one CPU thread")  # fmt: skip
-    print("  dispatch/expert weights")
-    for name, r in results.items():
+    print("  dispatch/expert weights (optimizer: the layer's optimizer step, once per training step, not per layer call)")
+    for name, r in sorted(results.items(), key=lambda kv: kv[0].startswith("optimizer")):
         print(f"  {name:<20} {r['ms']:7.2f} ms  {r['aten_ops']:5d} aten ops, {r['aten_kernel_ops']:5d} of them computing "
               f"(a GPU kernel or more each)  {r['python_calls']:6d} Python calls")  # fmt: skip
     if args.top:

@@ -58,8 +58,11 @@ def test_moe_layer_backward_copies_no_expert_gradient(world, tmp_path, capsys):
     results = run_tool(tmp_path, 4)
     printed = capsys.readouterr().out
     assert all(name in printed for name in ("routed/single", "megatron/single", "routed/per_expert", "megatron/per_expert"))
+    assert {"optimizer/single", "optimizer/per_expert"} < results.keys()
     for name, r in results.items():
         assert r["ms"] > 0 and 0 < r["aten_kernel_ops"] < r["aten_ops"] and r["python_calls"] > 0
+        if name.startswith("optimizer/"):  # the optimizer step: no layer forward or backward
+            continue
         # autograd's copy of a gradient it cannot take as .grad as it is: one per expert weight before the fix
         assert "new_empty_strided" not in r["aten_by_name"], r["aten_by_name"]
         # the placeholder's alias per weight parameter, taken as .grad: 2 per expert, or 2 single grouped weights
@@ -70,17 +73,19 @@ def test_single_grouped_weights_keep_the_layers_host_work_flat_in_the_experts(wo
     """One ``[E, out, in]`` weight per grouped linear: with the routed dispatch the layer's aten operations and Python
     calls (autograd's and Megatron's DDP hooks' per-parameter work included) are the same at 4 and at 12 experts; with
     one weight per expert they grow by at least the 16 further weights' hooks (four Python calls and two aten
-    operations each). Megatron's dispatcher does a few operations more or less from one process to the next (seen in
-    CI: 9 Python calls, 2 aten operations), so there both changes are checked with half the per-expert hooks'
-    work as the margin."""
+    operations each). So does the layer's optimizer step (Megatron's Adam, fp32 masters, gradient norm, zeroing):
+    flat with the single weights, growing with per-expert ones (measured: ~85 Python calls and ~15 aten operations a
+    weight). Megatron's dispatcher does a few operations more or less from one process to the next (seen in CI: 9
+    Python calls, 2 aten operations), so there both changes are checked with half the per-expert hooks' work as the
+    margin."""
     few, more = run_tool(tmp_path, 4), run_tool(tmp_path, 12)
     added = 2 * (12 - 4)  # further weight parameters of the per-expert layout
-    for dispatch in ("routed", "megatron"):
+    for dispatch in ("routed", "megatron", "optimizer"):
         single_few, single_more = few[f"{dispatch}/single"], more[f"{dispatch}/single"]
         experts_few, experts_more = few[f"{dispatch}/per_expert"], more[f"{dispatch}/per_expert"]
-        if dispatch == "routed":
+        if dispatch != "megatron":
             assert (single_few["aten_ops"], single_few["python_calls"]) == (single_more["aten_ops"], single_more["python_calls"])
-        exact = dispatch == "routed"
+        exact = dispatch != "megatron"
         for what, per_weight in (("python_calls", 4), ("aten_ops", 2)):
             grown = per_weight * added
             assert experts_more[what] - experts_few[what] >= (grown if exact else grown / 2), (dispatch, what)
