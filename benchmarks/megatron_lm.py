@@ -46,7 +46,8 @@ Arms (``--arms``; ``--extra-arm NAME='ARGS'`` adds one):
   captured at the end of the first iteration, after ``--cuda-graph-warmup-steps`` eager runs, and replayed from
   the second on; embedding, final norm, loss and optimizer stay eager). The same mechanism for the plugin's
   TE-free layers and for TE's (Megatron turns on ``--te-rng-tracker`` for TE's); the plugin's run needs no
-  TE (Megatron's own graph-safe RNG tracker). See docs/CUDA_GRAPHS.md.
+  TE (Megatron's own graph-safe RNG tracker). See docs/CUDA_GRAPHS.md. ``plugin_fast_single_graph``:
+  ``plugin_fast_single`` so captured (on MoE models the routed MoE layer is captured whole, router and experts).
 
 For MoE models the TE arms (``te_hybrid`` too) add ``--moe-grouped-gemm``; the plugin arms add it when
 ``--plugin-grouped`` is given (the specs honour it) and for the fine-grained MoE proxies, whose point is the grouped
@@ -241,6 +242,7 @@ ARM_ENV = {
     "plugin_fast_fp8w": ("plugin_fast", {"PRIMUS_FP8_PARAMS": "1"}),
     "plugin_fast_mdisp": ("plugin_fast", {"PRIMUS_FP8_MOE_ROUTED": "0"}),
     "plugin_fast_single": ("plugin_fast", {"PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT": "1"}),
+    "plugin_fast_single_graph": ("plugin_fast_graph", {"PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT": "1"}),
 }
 # Megatron's FP8 parameter all-gather (TE's FP8 weights): only with the distributed optimizer
 FP8_PARAM_GATHER = "--fp8-param-gather"

@@ -126,6 +126,10 @@ def test_graph_arms_are_their_eager_arms_under_megatrons_local_cuda_graphs():
     assert "--transformer-impl transformer_engine" in mlm.arm_args("te_bf16_graph", mlm.MODELS["gpt125m"], False)
     with pytest.raises(SystemExit, match="unknown arm"):
         mlm.arm_args("plugin_graph", mlm.MODELS["gpt125m"], False)  # only the arms of GRAPH_ARMS have a twin
+    # the single grouped weight under graphs: the graph arm's flags, the single arm's environment
+    moe = mlm.MODELS["qwen3_30b_a3b_proxy"]
+    assert mlm.arm_args("plugin_fast_single_graph", moe, False) == mlm.arm_args("plugin_fast_graph", moe, False)
+    assert mlm.arm_env("plugin_fast_single_graph")["PRIMUS_FP8_MOE_SINGLE_GROUPED_WEIGHT"] == "1"
 
 
 def megatron_args(monkeypatch, model: dict, *extra: str):
