@@ -322,6 +322,9 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
             if flattened_range is not None:
                 raise NotImplementedError("a flattened single grouped weight (Megatron's deprecated flattened "
                                           "optimizer formats): use the fully_reshardable or dp_reshardable format")  # fmt: skip
+            if not key.endswith(suffix):
+                raise ValueError(f"the single grouped weight's checkpoint key {key!r} no longer ends with {suffix!r}: "
+                                 "renaming the layer's own prefix is not supported (prefixes before it are)")  # fmt: skip
             head = key[: len(key) - len(suffix)]  # Megatron's optimizers prepend "optimizer.state.<name>."
             shards = {}
             for i in range(self.num_gemms):

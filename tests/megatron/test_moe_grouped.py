@@ -256,6 +256,11 @@ def test_single_grouped_weight_writes_the_per_expert_checkpoint(singleton):
     assert want.keys() == got.keys() and any("linear_fc1.weight" in k for k, _ in got)
     for k, (shape, replica, data) in want.items():
         assert got[k][:2] == (shape, replica) and torch.equal(got[k][2], data), k
+    # its key renamed past the layer's own prefix: refused, not written under a wrong expert key
+    factory = fc1.sharded_state_dict(prefix="linear_fc1.")["linear_fc1.weight"]
+    factory.key = "renamed.weight"
+    with pytest.raises(ValueError, match="no longer ends with 'linear_fc1.weight'"):
+        factory.build()
 
 
 def test_optimizer_checkpoints_move_between_the_weight_layouts(tmp_path):
