@@ -81,6 +81,26 @@ def expert_parameter_names(num_experts: int) -> tuple[tuple[str, ...], tuple[str
     return tuple(f"weight{i}" for i in range(num_experts)), tuple(f"bias{i}" for i in range(num_experts))
 
 
+def split_stacked_weight(tensor: torch.Tensor, num_gemms: int, key: str) -> list[torch.Tensor]:
+    """A single grouped weight ``[E, out, in]`` as its ``E`` experts' ``[out, in]`` weights (views)."""
+    if tensor.dim() != 3 or tensor.shape[0] != num_gemms:
+        raise RuntimeError(f"cannot split {key} of shape {tuple(tensor.shape)} into {num_gemms} experts' weights: a "
+                           "single grouped weight is [experts, out_features, in_features]")  # fmt: skip
+    return list(tensor.unbind(0))
+
+
+def match_expert_weight_layout(state_dict: dict, prefix: str, num_gemms: int, single: bool) -> None:
+    """A grouped layer's state dict in the other weight layout, made this layer's in place (TE's rule): ``weight0..``
+    stacked into a single ``weight [E, out, in]``, or a single ``weight`` split into ``weight0..``. Per-expert
+    weights win over a single one beside them (Megatron's upcycling adds them to the model's own state dict)."""
+    grouped, indexed = f"{prefix}weight", [f"{prefix}weight{i}" for i in range(num_gemms)]
+    if single and all(k in state_dict for k in indexed):
+        state_dict[grouped] = torch.stack([state_dict.pop(k) for k in indexed])
+    elif not single and grouped in state_dict and not any(k in state_dict for k in indexed):
+        for k, w in zip(indexed, split_stacked_weight(state_dict.pop(grouped), num_gemms, grouped)):
+            state_dict[k] = w
+
+
 def expert_parameters(module: nn.Module, names: tuple[str, ...]) -> list:
     """The module's parameters of these names, as they are now (a replaced parameter is the new one), in one
     C-level pass (``getattr`` would run ``nn.Module.__getattr__``, a Python call per expert)."""
@@ -189,6 +209,9 @@ class Fp8GroupedLinear(HoldsWeightCache, nn.Module):
         num_gemms: number of experts ``E``.
         in_features, out_features, bias, device, dtype: per expert, as for ``torch.nn.Linear``.
         recipe, backend, cache_weight: as for ``Fp8BlockwiseLinear`` (the cache holds all experts' W and W^T).
+        single_grouped_weight: the experts' weights as one parameter ``weight [E, out_features, in_features]``
+            (TE's option of that name): autograd, an optimizer and a gradient norm then work on one tensor, not
+            ``E``; the same bits, the same initial weights for a seed; state dicts of either layout load into both.
 
     ``forward(x, m_splits)``: ``x [T, in_features]`` (or ``[..., in_features]``), ``m_splits`` the tokens per
     expert (a list, an integer device tensor, or a ``GroupLayout``). ``is_first_microbatch`` as for
@@ -207,6 +230,7 @@ class Fp8GroupedLinear(HoldsWeightCache, nn.Module):
         recipe: BlockwiseRecipe | None = None,
         backend: str = "auto",
         cache_weight: bool = True,
+        single_grouped_weight: bool = False,
     ) -> None:
         super().__init__()
         if num_gemms < 1:
@@ -214,43 +238,62 @@ class Fp8GroupedLinear(HoldsWeightCache, nn.Module):
         check_weight_dtype(dtype, "Fp8GroupedLinear")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias = bias
+        self.single_grouped_weight = bool(single_grouped_weight)
         make = lambda *shape: nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))  # noqa: E731
+        if self.single_grouped_weight:
+            self.register_parameter("weight", make(num_gemms, out_features, in_features))
         for i in range(num_gemms):
-            self.register_parameter(f"weight{i}", make(out_features, in_features))
+            if not self.single_grouped_weight:
+                self.register_parameter(f"weight{i}", make(out_features, in_features))
             self.register_parameter(f"bias{i}", make(out_features) if bias else None)
         self.weight_names, self.bias_names = expert_parameter_names(num_gemms)
+        if self.single_grouped_weight:
+            self.weight_names = ("weight",)
         self.recipe = recipe or BlockwiseRecipe()
         self.backend = backend
-        check_backend(backend, self.weight0)
+        check_backend(backend, self.weights[0])
         self.weight_cache = GroupedWeightCache() if cache_weight else None
         self.is_first_microbatch: bool | None = None
         self.reset_parameters()
+        self._register_load_state_dict_pre_hook(self._match_weight_layout)
+
+    def _match_weight_layout(self, state_dict, prefix, *args, **kwargs):
+        match_expert_weight_layout(state_dict, prefix, self.num_gemms, self.single_grouped_weight)
 
     @property
     def weights(self) -> list[nn.Parameter]:
+        """The weight parameters: ``weight0..``, or the one ``[E, out, in]`` ``weight``."""
         return expert_parameters(self, self.weight_names)
 
     @property
     def biases(self) -> list[nn.Parameter] | None:
         return expert_parameters(self, self.bias_names) if self.use_bias else None
 
+    def expert_weight(self, i: int) -> torch.Tensor:
+        """Expert ``i``'s ``[out, in]`` weight (a view of the single grouped weight where there is one)."""
+        return self.weight[i] if self.single_grouped_weight else getattr(self, f"weight{i}")
+
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialisation for every expert."""
+        """``nn.Linear``'s initialisation for every expert (in the same order in either layout)."""
         bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
         for i in range(self.num_gemms):
-            nn.init.kaiming_uniform_(getattr(self, f"weight{i}"), a=math.sqrt(5))
+            nn.init.kaiming_uniform_(self.expert_weight(i), a=math.sqrt(5))
             if self.use_bias:
                 nn.init.uniform_(getattr(self, f"bias{i}"), -bound, bound)
 
     def fp8_weight_source(self):
-        return self.weights, self.recipe, self.backend
+        """``E`` weight tensors, or the single ``[E, out, in]`` one, as the op takes them."""
+        weights = self.weight if self.single_grouped_weight else self.weights
+        return weights, self.recipe, self.backend
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        return fp8_grouped_linear(x, m_splits, self.weights, self.biases, recipe=self.recipe, backend=self.backend,
+        weights = self.weight if self.single_grouped_weight else self.weights
+        return fp8_grouped_linear(x, m_splits, weights, self.biases, recipe=self.recipe, backend=self.backend,
                                   weight_cache=self.weight_cache, refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.use_bias}, fp8={self.recipe.fp8_format.value}, backend={self.backend}"
+            f"bias={self.use_bias}, fp8={self.recipe.fp8_format.value}, backend={self.backend}, "
+            f"single_grouped_weight={self.single_grouped_weight}"
         )

@@ -99,6 +99,54 @@ def test_grouped_linear_equals_dense_linear_per_expert(backend, counts, k, n, bi
             assert same(getattr(layer, f"bias{i}").grad, d.bias.grad), f"bias grad of expert {i}"
 
 
+def test_single_grouped_weight_is_the_per_expert_layer_in_one_parameter(backend):
+    """``single_grouped_weight=True``: one ``weight [E, out, in]`` parameter, the per-expert layer's initial weights for
+    a seed, its output and every gradient bit for bit (expert ``i``'s in ``weight.grad[i]``; ``main_grad`` accumulated
+    twice), and state dicts of either layout load into the other."""
+    counts, k, n = [33, 0, 140, 20], 128, 136
+    layers = []
+    for single in (False, True):
+        torch.manual_seed(4)
+        layers.append(Fp8GroupedLinear(4, k, n, bias=True, dtype=torch.bfloat16, backend=backend,
+                                       single_grouped_weight=single))  # fmt: skip
+    per_expert, single = layers
+    assert [name for name, _ in single.named_parameters()] == ["weight", *(f"bias{i}" for i in range(4))]
+    assert single.weight.shape == (4, n, k) and "single_grouped_weight=True" in repr(single)
+    assert all(torch.equal(single.weight[i], w) for i, w in enumerate(per_expert.weights))
+    x, dy = make_input((193, k), seed=6), make_input((193, n), seed=7)
+    outs = []
+    for layer in layers:
+        xg = x.clone().requires_grad_(True)
+        y = layer(xg, counts)
+        y.backward(dy)
+        outs.append((y, xg.grad, [w.grad for w in layer.weights], [b.grad for b in layer.biases]))
+    (y0, dx0, dw0, db0), (y1, dx1, dw1, db1) = outs
+    assert same(y0, y1) and same(dx0, dx1) and all(same(a, b) for a, b in zip(db0, db1))
+    assert len(dw1) == 1 and all(same(dw1[0][i], g) for i, g in enumerate(dw0))
+    assert dw1[0][0].abs().sum() > 0 and dw1[0][1].abs().sum() == 0  # expert 1 has no tokens
+    # main_grad: the grouped wgrad accumulates into the single weight's main_grad, twice
+    for layer in layers:
+        for w in layer.weights:
+            w.grad, w.main_grad, w.grad_added_to_main_grad = None, torch.zeros(w.shape), False
+        for _ in range(2):
+            layer(x, counts).backward(dy)
+    assert all(same(single.weight.main_grad[i], w.main_grad) for i, w in enumerate(per_expert.weights))
+    # state dicts both ways (new weights first, so that a no-op load would fail)
+    with torch.no_grad():
+        single.weight.mul_(0.5)
+    per_expert.load_state_dict(single.state_dict())
+    assert all(torch.equal(w, single.weight[i]) for i, w in enumerate(per_expert.weights))
+    with torch.no_grad():
+        for w in per_expert.weights:
+            w.mul_(-1)
+    single.load_state_dict(per_expert.state_dict())
+    assert torch.equal(single.weight, torch.stack(per_expert.weights))
+    state = single.state_dict()
+    state["weight"] = state["weight"][:3]
+    with pytest.raises(RuntimeError, match=r"cannot split weight of shape \(3, 136, 128\) into 4 experts"):
+        per_expert.load_state_dict(state)
+
+
 def test_device_counts_give_the_host_counts_results(backend):
     counts = [3, 0, 140, 20]
     torch.manual_seed(1)

@@ -75,7 +75,14 @@ from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
 from .. import env
 from ..grouped_tensor import group_layout
-from ..modules import HoldsWeightCache, expert_parameter_names, expert_parameters, take_first_microbatch
+from ..modules import (
+    HoldsWeightCache,
+    expert_parameter_names,
+    expert_parameters,
+    match_expert_weight_layout,
+    split_stacked_weight,
+    take_first_microbatch,
+)
 from ..ops import fp8_grouped_linear, fp8_grouped_swiglu_linear
 from ..permutation import Routing
 from ..recipe import BlockwiseRecipe
@@ -203,24 +210,14 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
 
     def _match_weight_layout(self, state_dict, prefix, *args, **kwargs):
         """Load ``weight0..`` (per-expert parameters, TE's and Megatron's grouped linears, distributed checkpoints)
-        into the single ``[E, out, in]`` weight, and a single ``weight`` into per-expert ones (TE's
-        ``_normalize_grouped_parameter_keys`` rule), so that state dicts move between the two layouts."""
-        grouped, indexed = f"{prefix}weight", [f"{prefix}weight{i}" for i in range(self.num_gemms)]
-        if self.single_grouped_weight and all(k in state_dict for k in indexed):
-            # per-expert weights win over a grouped one beside them (Megatron's upcycling adds them to the state
-            # dict of the model it loads into, which holds ``weight`` already)
-            state_dict[grouped] = torch.stack([state_dict.pop(k) for k in indexed])
-        elif not self.single_grouped_weight and grouped in state_dict and not any(k in state_dict for k in indexed):
-            for k, w in zip(indexed, self._split_grouped_checkpoint_tensor(state_dict.pop(grouped), grouped)):
-                state_dict[k] = w
+        into the single ``[E, out, in]`` weight, and a single ``weight`` into per-expert ones
+        (``modules.match_expert_weight_layout``), so that state dicts move between the two layouts."""
+        match_expert_weight_layout(state_dict, prefix, self.num_gemms, self.single_grouped_weight)
 
     def _split_grouped_checkpoint_tensor(self, tensor: torch.Tensor, checkpoint_key: str) -> list[torch.Tensor]:
         """A single grouped weight ``[E, out, in]`` as ``E`` per-expert tensors (Megatron's distributed optimizer
         calls this, by name, on grouped linears when a checkpoint's layout differs from the model's)."""
-        if tensor.dim() != 3 or tensor.shape[0] != self.num_gemms:
-            raise RuntimeError(f"cannot split {checkpoint_key} of shape {tuple(tensor.shape)} into {self.num_gemms} "
-                               "experts' weights: a single grouped weight is [experts, out_features, in_features]")  # fmt: skip
-        return list(tensor.unbind(0))
+        return split_stacked_weight(tensor, self.num_gemms, checkpoint_key)
 
     def get_extra_state(self) -> None:
         """Nothing (as Megatron's linears): kept for TE-compatible state dicts."""
