@@ -32,6 +32,8 @@ gradients and temporaries); ``floor ms`` the shape's memory floor: the bytes a c
 weight gradient written, or ``main_grad`` read and written in fp32) over the GPU's HBM bandwidth (``HBM_TBPS``,
 ``--hbm-tbps``), and ``x floor`` the cached step over it. ``--main-grad``: ours and TE accumulate the weight
 gradients into fp32 ``main_grad`` (Megatron's training path; the BF16 and sequential contenders write ``.grad``).
+``--single-grouped-weight`` adds ours with the experts' weights in one ``[E, N, K]`` parameter
+(``ours-BACKEND-single``: one tensor for the weight cache's checks, autograd and ``main_grad``).
 Geometric means over the shapes end the table.
 
 Timing (default): each contender run back to back for ``--sustained`` seconds (0.75) after an untimed settle,
@@ -134,18 +136,20 @@ def contenders(args, experts, k, n, counts, te):
     bf16 = Bf16Grouped(experts, k, n, args.bf16_grouped)
     out["bf16 grouped" if bf16.grouped else "bf16 loop"] = (bf16, lambda m, x, first: m(x, counts, offs))
     counts_dev = torch.tensor(counts, device="cuda", dtype=torch.int32)
+    def call(m, x, first, split=counts_dev if args.device_counts else counts):
+        m.is_first_microbatch = first
+        return m(x, split)
+
+    layouts = (False, True) if args.single_grouped_weight else (False,)
     for b in args.backends:
         if not backend_availability(b, "cuda"):
             continue
-        layer = Fp8GroupedLinear(experts, k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=b)
-        if args.main_grad:
-            give_main_grads(layer.weights)
-
-        def call(m, x, first, split=counts_dev if args.device_counts else counts):
-            m.is_first_microbatch = first
-            return m(x, split)
-
-        out[f"ours-{b}"] = (layer, call)
+        for single in layouts:  # one weight per expert (TE's layout), or one [E, N, K] weight
+            layer = Fp8GroupedLinear(experts, k, n, bias=False, device="cuda", dtype=torch.bfloat16, backend=b,
+                                     single_grouped_weight=single)  # fmt: skip
+            if args.main_grad:
+                give_main_grads(layer.weights)
+            out[f"ours-{b}" + ("-single" if single else "")] = (layer, call)
     if not args.no_sequential:
         seq_backend = args.sequential_backend
         dense = torch.nn.ModuleList(
@@ -241,6 +245,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sequential-backend", default="auto", help="backend of the SequentialMLP contender")
     ap.add_argument("--no-sequential", action="store_true", help="leave out the SequentialMLP path (slow at 128 experts)")
     ap.add_argument("--device-counts", action="store_true", help="pass ours the counts as a device tensor")
+    ap.add_argument("--single-grouped-weight", action="store_true",
+                    help="also ours with the experts' weights in one [E, N, K] parameter (ours-BACKEND-single)")  # fmt: skip
     ap.add_argument("--sustained", type=float, default=0.75, metavar="S",
                     help="time each contender over S seconds back to back, with SM clock and power (nvidia-smi); "
                          "0: triton do_bench instead (default 0.75)")  # fmt: skip
@@ -256,9 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.hbm_tbps is None:
         args.hbm_tbps = hbm_tbps(torch.cuda.get_device_name())
     shapes = len(args.models) * len(args.linears) * len(args.tokens_per_expert or args.tokens) * len(args.routing)
-    n_contenders = (
-        1 + len([b for b in args.backends if backend_availability(b, "cuda")]) + (not args.no_sequential) + (te is not None)
-    )
+    ours = len([b for b in args.backends if backend_availability(b, "cuda")]) * (2 if args.single_grouped_weight else 1)
+    n_contenders = 1 + ours + (not args.no_sequential) + (te is not None)
     print(f"bench_grouped: {shapes} shapes x {n_contenders} contenders, expected about "
           f"{expected_seconds(shapes, n_contenders, args.sustained) / 60:.1f} min", flush=True)  # fmt: skip
     with Timing(args.sustained) as timing:

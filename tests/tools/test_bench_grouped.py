@@ -97,6 +97,8 @@ def test_fine_grained_expert_options(bench):
     args = bench.parser().parse_args(["--models", "qwen3", "e256", "--tokens-per-expert", "128", "2048", "--main-grad",
                                       "--hbm-tbps", "4.8", "--no-sequential"])  # fmt: skip
     assert args.models == ["qwen3", "e256"] and args.tokens_per_expert == [128, 2048] and args.main_grad
+    assert bench.parser().parse_args(["--single-grouped-weight"]).single_grouped_weight
+    assert not bench.parser().parse_args([]).single_grouped_weight
     assert bench.EXTRA_MODELS["e256"] == (256, 2048, 768) and "e256" not in bench.parser().parse_args([]).models
     counts = bench.routing("balanced", 256, 256 * 2048, 16)
     assert counts == [2048] * 256
