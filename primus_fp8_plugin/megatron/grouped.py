@@ -235,7 +235,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
     def biases(self) -> list[torch.nn.Parameter] | None:
         return expert_parameters(self, self.bias_names) if self.use_bias else None
 
-    def expert_weights(self, i: int) -> torch.Tensor:
+    def expert_weight(self, i: int) -> torch.Tensor:
         """Expert ``i``'s ``[out, in]`` weight (a view of the single grouped weight where there is one)."""
         return self.weight[i] if self.single_grouped_weight else getattr(self, f"weight{i}")
 
@@ -290,7 +290,7 @@ class Fp8GroupedLinearBase(HoldsWeightCache, torch.nn.Module):
         for i in range(self.num_gemms):
             state = {f"{i}._extra_state": None}
             if not self.single_grouped_weight:
-                state[f"{i}.weight"] = self.expert_weights(i)
+                state[f"{i}.weight"] = self.expert_weight(i)
             if self.use_bias:
                 state[f"{i}.bias"] = getattr(self, f"bias{i}")
             sub = expert_shards(state, i)
