@@ -287,7 +287,7 @@ class Fp8GroupedLinear(HoldsWeightCache, nn.Module):
         return weights, self.recipe, self.backend
 
     def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
-        weights = self.weight if self.single_grouped_weight else self.weights
+        weights = self.fp8_weight_source()[0]
         return fp8_grouped_linear(x, m_splits, weights, self.biases, recipe=self.recipe, backend=self.backend,
                                   weight_cache=self.weight_cache, refresh_weight_cache=take_first_microbatch(self))  # fmt: skip
 
