@@ -258,6 +258,9 @@ def test_single_grouped_weight_writes_the_per_expert_checkpoint(singleton):
         assert got[k][:2] == (shape, replica) and torch.equal(got[k][2], data), k
     # its key renamed past the layer's own prefix: refused, not written under a wrong expert key
     factory = fc1.sharded_state_dict(prefix="linear_fc1.")["linear_fc1.weight"]
+    flat = dataclasses.replace(factory, flattened_range=slice(0, 8))  # Megatron's deprecated flattened formats
+    with pytest.raises(NotImplementedError, match="use the fully_reshardable or dp_reshardable format"):
+        flat.build()
     factory.key = "renamed.weight"
     with pytest.raises(ValueError, match="no longer ends with 'linear_fc1.weight'"):
         factory.build()
