@@ -2,6 +2,7 @@
 portable dense kernel, per register split and epilogue (H200 only).
 
     python -m tools.grouped_wgrad_repeat [--reps 10] [--splits 24:240 40:232 56:224] [--output main_grad|bf16]
+                                         [--diagnose 8]
 
 Why: at the default 240 / 24 consumer / producer registers the Gluon kernel gave wrong tiles in a few experts per
 call, differing from run to run (so main_grad takes the portable kernel: kernels/sm90/heuristics.grouped_wgrad;
@@ -9,7 +10,10 @@ issue 39). The routing is tests/gpu/test_gpu_grouped.py's ``qwen-like-128`` (128
 N 1536) with device-side counts. The main_grads are views of one buffer, as Megatron's gradient buffer holds them:
 the TMA-stored epilogue (the wrapper refuses to accumulate through stores from registers, which failed at every
 split tried). ``--output bf16``: new bf16 dW instead (no accumulation), as the backend's grouped wgrad runs it at
-240 / 24 (``GROUPED_WGRAD_256x128``), compared with the portable grouped kernel's bf16 dW."""
+240 / 24 (``GROUPED_WGRAD_256x128``), compared with the portable grouped kernel's bf16 dW.
+``--diagnose N`` (main_grad output): for up to N wrong 256 x 128 tiles of each call, what the error looks like
+(``explain_tile``): the tile left as it was, dW added without the old value, dW added twice, one 128-token block of
+the expert's dW missing or added twice, or another tile's dW in its place."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--splits", nargs="*", default=["24:240", "40:232", "56:224"], help="PRODUCER:CONSUMER registers")
     ap.add_argument("--output", choices=["main_grad", "bf16"], default="main_grad")
+    ap.add_argument("--diagnose", type=int, default=0, metavar="N", help="explain up to N wrong tiles per call")
     args = ap.parse_args(argv)
     if not (torch.cuda.is_available() and runs_on(torch.device("cuda"))):
         raise SystemExit("grouped_wgrad_repeat runs the Gluon grouped kernel: it needs an NVIDIA sm_90 GPU")
@@ -58,13 +63,69 @@ def main(argv=None) -> None:
         mg = list(buf.clone().view(num, n, k).unbind(0))
         assert gg.output_span(mg, n, k) is not None, "views of one buffer lie in one span"
         gg.grouped_wgrad_gluon(*ops, out_dtype=torch.float32, accumulate_into=mg, config=cfg)
-        return sum(not same(a, b) for a, b in zip(mg, ref))
+        wrong = [e for e, (a, b) in enumerate(zip(mg, ref)) if not same(a, b)]
+        if args.diagnose:
+            for line in diagnose(mg, ref, start, xs, dys, wrong, args.diagnose):
+                print("    " + line)
+        return len(wrong)
 
     print(f"qwen-like-128: {num} experts, K {k}, N {n}, device counts, {args.output} output; experts differing per call")
     for split in args.splits:
         pr, cr = (int(v) for v in split.split(":"))
         cfg = gg.GroupedConfig(block_m=256, block_n=128, producer_regs=pr, consumer_regs=cr)
         print(f"  producer {pr:3d} / consumer {cr:3d}: {[run(cfg) for _ in range(args.reps)]}", flush=True)
+
+
+TILE_M, TILE_N, BLOCK_T = 256, 128, 128  # the kernel's output tile (rows of dW x columns) and its token block
+
+
+def block_contributions(dy_e: torch.Tensor, x_e: torch.Tensor) -> list[torch.Tensor]:
+    """Each 128-token block's share of ``dW_e = dY_e^T X_e`` (dequantized operands, fp32): what one K block of
+    the kernel adds."""
+    return [dy_e[t : t + BLOCK_T].T @ x_e[t : t + BLOCK_T] for t in range(0, dy_e.shape[0], BLOCK_T)]
+
+
+def explain_tile(r: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str:
+    """The candidate that best matches the residual ``r`` (result minus expected, one tile), by relative error."""
+    scale = r.abs().max().item()
+    best = min(((torch.dist(r, c).item() / (r.norm().item() or 1.0), name) for name, c in candidates.items()))
+    return f"max |err| {scale:.3e}; best match {best[1]} (relative distance {best[0]:.2e})"
+
+
+def diagnose(out, ref, start, xs, dys, wrong, most: int) -> list[str]:
+    """Lines explaining up to ``most`` wrong tiles of the experts ``wrong``: each tile's residual against what a
+    skipped store, a lost old value, a doubled dW, one missing or doubled token block, or another tile's dW
+    would leave."""
+    lines, seen = [], 0
+    for e in wrong:
+        x_e = xs[e].dequantize(torch.float32, copy="columnwise")
+        dy_e = dys[e].dequantize(torch.float32, copy="columnwise")
+        blocks = block_contributions(dy_e, x_e)
+        d = (out[e] - ref[e]).abs()
+        for tm in range(0, d.shape[0], TILE_M):
+            for tn in range(0, d.shape[1], TILE_N):
+                if seen >= most or not bool((d[tm : tm + TILE_M, tn : tn + TILE_N] > 0).any()):
+                    continue
+                seen += 1
+                sl = (slice(tm, tm + TILE_M), slice(tn, tn + TILE_N))
+                r = out[e][sl] - ref[e][sl]
+                dw = ref[e][sl] - start[e][sl]
+                cands = {"store skipped (-dW)": -dw, "old value lost (-C)": -start[e][sl], "dW twice (+dW)": dw}
+                for b, c in enumerate(blocks):
+                    cands[f"token block {b} missing"] = -c[sl]
+                    cands[f"token block {b} twice"] = c[sl]
+                for e2 in range(len(ref)):  # another expert's tile at the same place
+                    if e2 != e:
+                        cands[f"expert {e2}'s dW instead"] = (ref[e2][sl] - start[e2][sl]) - dw
+                for tm2 in range(0, d.shape[0], TILE_M):  # another tile of the same expert
+                    for tn2 in range(0, d.shape[1], TILE_N):
+                        if (tm2, tn2) != (tm, tn):
+                            o = (slice(tm2, tm2 + TILE_M), slice(tn2, tn2 + TILE_N))
+                            cands[f"tile ({tm2},{tn2})'s dW instead"] = (ref[e][o] - start[e][o]) - dw
+                rows = (d[sl] > 0).any(1).nonzero().flatten()
+                lines.append(f"expert {e} tile ({tm},{tn}): {int((d[sl] > 0).sum())} wrong values in rows "
+                             f"{int(rows.min())}-{int(rows.max())}; {explain_tile(r, cands)}")  # fmt: skip
+    return lines
 
 
 if __name__ == "__main__":
