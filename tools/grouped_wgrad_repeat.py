@@ -13,7 +13,8 @@ split tried). ``--output bf16``: new bf16 dW instead (no accumulation), as the b
 240 / 24 (``GROUPED_WGRAD_256x128``), compared with the portable grouped kernel's bf16 dW.
 ``--diagnose N`` (main_grad output): for up to N wrong 256 x 128 tiles of each call, what the error looks like
 (``explain_tile``): the tile left as it was, dW added without the old value, dW added twice, one 128-token block of
-the expert's dW missing or added twice, or another tile's dW in its place."""
+the expert's dW missing or added twice, or another tile's dW in its place; and how well one token block's share
+with a factor per row or per column fits it (``scale_fit``: a wrong row or column scale of that block)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,25 @@ def explain_tile(r: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str:
     return f"max |err| {scale:.3e}; best match {best[1]} (relative distance {best[0]:.2e})"
 
 
+def scale_fit(r: torch.Tensor, blocks: list[torch.Tensor], per_row: bool) -> str:
+    """How well one token block's contribution times one factor per row (``per_row``) or per column explains the
+    residual ``r``: what a wrong row scale (1x128 of dY) or column scale (of X) of that block would leave. The
+    best block, its relative distance and where its factors are not 0."""
+    dim = 1 if per_row else 0
+    best = None
+    for b, c in enumerate(blocks):
+        f = (r * c).sum(dim) / (c * c).sum(dim).clamp_min(1e-30)
+        rel = torch.dist(r, f.unsqueeze(dim) * c).item() / (r.norm().item() or 1.0)
+        if best is None or rel < best[0]:
+            best = (rel, b, f)
+    rel, b, f = best
+    hit = (f.abs() > 1e-6).nonzero().flatten()
+    where = "none"
+    if len(hit):
+        where = f"{int(hit.min())}-{int(hit.max())}, factors {f[hit].min().item():.3g}..{f[hit].max().item():.3g}"
+    return f"{'row' if per_row else 'column'} factors on token block {b}: relative distance {rel:.2e} ({where})"
+
+
 def diagnose(out, ref, start, xs, dys, wrong, most: int) -> list[str]:
     """Lines explaining up to ``most`` wrong tiles of the experts ``wrong``: each tile's residual against what a
     skipped store, a lost old value, a doubled dW, one missing or doubled token block, or another tile's dW
@@ -123,8 +143,11 @@ def diagnose(out, ref, start, xs, dys, wrong, most: int) -> list[str]:
                             o = (slice(tm2, tm2 + TILE_M), slice(tn2, tn2 + TILE_N))
                             cands[f"tile ({tm2},{tn2})'s dW instead"] = (ref[e][o] - start[e][o]) - dw
                 rows = (d[sl] > 0).any(1).nonzero().flatten()
-                lines.append(f"expert {e} tile ({tm},{tn}): {int((d[sl] > 0).sum())} wrong values in rows "
-                             f"{int(rows.min())}-{int(rows.max())}; {explain_tile(r, cands)}")  # fmt: skip
+                cols = (d[sl] > 0).any(0).nonzero().flatten()
+                lines.append(f"expert {e} tile ({tm},{tn}): {int((d[sl] > 0).sum())} wrong values in {len(rows)} rows "
+                             f"{int(rows.min())}-{int(rows.max())}, {len(cols)} columns {int(cols.min())}-{int(cols.max())}; "
+                             f"{explain_tile(r, cands)}; {scale_fit(r, [c[sl] for c in blocks], True)}; "
+                             f"{scale_fit(r, [c[sl] for c in blocks], False)}")  # fmt: skip
     return lines
 
 

@@ -47,3 +47,19 @@ def test_diagnose_names_each_kind_of_wrong_tile():
     assert lines[1].startswith("expert 1 tile (256,128)") and "best match token block 1 missing" in lines[1]
     assert lines[2].startswith("expert 2 tile (0,0)") and "best match store skipped (-dW)" in lines[2]
     assert diagnose(ref, ref, start, xs, dys, [0, 1, 2], most=8) == []  # right tiles: nothing to explain
+
+
+def test_scale_fit_finds_a_wrong_row_scale_of_one_token_block():
+    """Rows 200-231 of a tile where token block 2's row scale was 1000x too large: the per-row fit on block 2
+    explains the residual exactly, with factor 999 on those rows; the per-column fit does not."""
+    from tools.grouped_wgrad_repeat import scale_fit
+
+    g = torch.Generator().manual_seed(1)
+    blocks = [torch.randn(256, 128, generator=g, dtype=torch.float64) for _ in range(3)]
+    r = torch.zeros(256, 128, dtype=torch.float64)
+    r[200:232] = 999.0 * blocks[2][200:232]
+    row = scale_fit(r, blocks, per_row=True)
+    assert row.startswith("row factors on token block 2: relative distance ") and row.endswith("(200-231, factors 999..999)")
+    assert float(row.split("distance ")[1].split(" ")[0]) < 1e-12
+    col = scale_fit(r, blocks, per_row=False)
+    assert col.startswith("column factors on token block 2") and float(col.split("distance ")[1].split(" ")[0]) > 0.1
