@@ -6,6 +6,7 @@ fp32 main_grads), all contenders in one run.
 
     python benchmarks/bench_grouped_gemm.py [--models mixtral qwen3 dsv3] [--tokens 8192 32768]
         [--routing balanced skewed] [--ops fwd dgrad wgrad] [--sustained S] [--json out.json] [--plot out.png]
+        [--wgrad-configs 128x128w4s3 64x128w4s3 ...]
 
 Shapes (one expert linear of SwiGLU experts per row: ``fc1`` [hidden -> 2 x ffn], ``fc2`` [ffn -> hidden]):
 ``mixtral`` (8 experts, hidden 4096, ffn 14336), ``qwen3`` (128 experts, hidden 2048, ffn 768), ``dsv3``
@@ -19,11 +20,18 @@ the output (bf16; wgrad: fp32 main_grad read and written)), and ``% ceil`` the G
 ratios ``x portable``, ``x loop``, ``x bf16`` = that contender's time / the Gluon time (above 1: Gluon faster).
 Geometric means end the table. Timing: triton's do_bench (median, L2 flushed) by default, or ``--sustained S``
 seconds per contender back to back (benchlib.Timing).
+
+``--wgrad-configs``: the portable grouped wgrad (into the fp32 main_grads) also with other launch configs
+(``BMxBNwWARPSsSTAGES``, optionally ``gGROUP_M``; ``parse_config``), each a contender ``portable-NAME`` with its
+``x portable-NAME`` ratio and ``portable-NAME bits`` (True where it adds into main_grad the bits the default
+config adds: the tile config must not change the numerics).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -86,8 +94,29 @@ def grouped_mm_works() -> bool:
         return False
 
 
-def contenders(e, k, n, counts, bf16_grouped):
-    """op -> {name: fn} for one expert linear and routing."""
+CONFIG_NAME = re.compile(r"^(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?$")
+
+
+def parse_config(name: str):
+    """``BMxBNwWARPSsSTAGES[gGROUP_M]`` (e.g. ``128x128w8s3``, ``64x128w4s3g4``) as the portable kernels'
+    ``GemmConfig`` (group_m 8 unless given)."""
+    from primus_fp8_plugin.kernels.triton.heuristics import GemmConfig
+
+    m = CONFIG_NAME.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a config name: BMxBNwWARPSsSTAGES[gGROUP_M], e.g. 128x128w8s3 or 64x128w4s3g4")
+    bm, bn, warps, stages, group_m = (int(v) if v else None for v in m.groups())
+    for what, v in (("block_m", bm), ("block_n", bn)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name!r}: {what} {v} is not a power of 2 of at least 16")
+    if warps not in (1, 2, 4, 8, 16) or stages < 1:
+        raise ValueError(f"{name!r}: {warps} warps, {stages} stages (warps: 1, 2, 4, 8 or 16; stages >= 1)")
+    return GemmConfig(block_m=bm, block_n=bn, group_m=group_m or 8, num_warps=warps, num_stages=stages)
+
+
+def contenders(e, k, n, counts, bf16_grouped, wgrad_configs=()):
+    """op -> {name: fn} for one expert linear and routing, and {``portable-NAME``: whether that wgrad config adds
+    the default config's bits} for ``wgrad_configs`` (names, ``parse_config``)."""
     from primus_fp8_plugin import BlockwiseRecipe, TensorRole
     from primus_fp8_plugin.grouped import group_layout, quantize_activation_grouped, quantize_weight_grouped
     from primus_fp8_plugin.kernels.sm90 import heuristics as H
@@ -132,6 +161,18 @@ def contenders(e, k, n, counts, bf16_grouped):
 
     offs = layout.offsets[1:].contiguous()
     bf = _bf16_fns(x, dy, w, counts, offs, bf16_grouped)
+    variants, same_bits = {}, {}
+    if wgrad_configs:
+        start = torch.randn(e, n, k, device="cuda")
+        want = start.clone()
+        grouped_wgrad(*wgrad, out_dtype=torch.float32, accumulate_into=list(want.unbind(0)))
+        for name in wgrad_configs:
+            cfg = parse_config(name)
+            got = start.clone()
+            grouped_wgrad(*wgrad, out_dtype=torch.float32, accumulate_into=list(got.unbind(0)), config=cfg)
+            same_bits[f"portable-{name}"] = torch.equal(got.view(torch.int32), want.view(torch.int32))
+            variants[f"portable-{name}"] = functools.partial(grouped_wgrad, *wgrad, out_dtype=torch.float32,
+                                                             accumulate_into=mg, config=cfg)  # fmt: skip
     return {
         "fwd": {"gluon": lambda: grouped_gemm_gluon(*fwd, out_dtype=torch.bfloat16, config=fwd_cfg),
                 "portable": lambda: grouped_gemm(*fwd, out_dtype=torch.bfloat16), "loop": loop("fwd"), "bf16": bf["fwd"]},
@@ -141,8 +182,8 @@ def contenders(e, k, n, counts, bf16_grouped):
         "wgrad": {"gluon": lambda: grouped_wgrad_gluon(*wgrad, out_dtype=torch.float32, config=wgrad_cfg,
                                                        accumulate_into=mg),
                   "portable": lambda: grouped_wgrad(*wgrad, out_dtype=torch.float32, accumulate_into=mg),
-                  "loop": loop("wgrad"), "bf16": bf["wgrad"]},
-    }  # fmt: skip
+                  "loop": loop("wgrad"), "bf16": bf["wgrad"], **variants},
+    }, same_bits  # fmt: skip
 
 
 def plot(rows, path):
@@ -170,9 +211,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", nargs="*", default=["fwd", "dgrad", "wgrad"], choices=["fwd", "dgrad", "wgrad"])
     ap.add_argument("--no-loop", action="store_true", help="skip the dense per-expert loop")
     ap.add_argument("--sustained", type=float, default=0.0, help="seconds per contender (0: do_bench)")
+    ap.add_argument("--wgrad-configs", nargs="*", default=[], metavar="NAME",
+                    help="also the portable wgrad with these launch configs (BMxBNwWARPSsSTAGES[gGROUP_M])")  # fmt: skip
     args = ap.parse_args(argv)
+    for name in args.wgrad_configs:
+        try:
+            parse_config(name)
+        except ValueError as err:
+            ap.error(str(err))
     if not require_cuda("bench_grouped_gemm"):
         return 1
+    variant_names = [f"portable-{name}" for name in args.wgrad_configs]
     bf16_grouped = grouped_mm_works()
     rows = []
     with Timing(args.sustained) as timing:
@@ -181,7 +230,7 @@ def main(argv=None) -> int:
                 for tokens in args.tokens:
                     for kind in args.routing:
                         counts = routing(kind, e, tokens, 16)
-                        fns = contenders(e, k, n, counts, bf16_grouped)
+                        fns, same_bits = contenders(e, k, n, counts, bf16_grouped, args.wgrad_configs)
                         t = sum(counts)
                         for op in args.ops:
                             # dgrad: [T, N] x [N, K] (the same FLOPs, K and N swapped)
@@ -202,9 +251,11 @@ def main(argv=None) -> int:
                             row["TF"] = 2.0 * t * kk * nn / g / 1e9
                             row["ceil ms"] = ceiling_ms(op, t, kk, nn, e)
                             row["% ceil"] = 100.0 * row["ceil ms"] / g
-                            for c in ("portable", "loop", "bf16"):
+                            for c in ("portable", "loop", "bf16", *variant_names):
                                 if f"{c} ms" in row:
                                     row[f"x {c}"] = row[f"{c} ms"] / g
+                            if op == "wgrad":
+                                row.update({f"{c} bits": same for c, same in same_bits.items()})
                             rows.append(row)
                             print({k_: (round(v, 3) if isinstance(v, float) else v) for k_, v in row.items()
                                    if "MHz" not in k_ and " W" not in k_ and "throttle" not in k_}, flush=True)  # fmt: skip
@@ -220,6 +271,8 @@ def main(argv=None) -> int:
                ("portable ms", ".3f"), ("loop ms", ".3f"), ("bf16 ms", ".3f"),
                ("TF", ".0f"), ("ceil ms", ".3f"), ("% ceil", ".0f"), ("x portable", ".2f"), ("x loop", ".2f"),
                ("x bf16", ".2f")]  # fmt: skip
+    for c in variant_names:
+        columns += [(f"{c} ms", ".3f"), (f"x {c}", ".2f"), (f"{c} bits", "")]
     notes = [f"timing: {timing.describe()}; bf16: {'torch._grouped_mm' if bf16_grouped else 'a loop of matmuls'}",
              f"ceiling: max(FLOPs / {PEAK_TFLOPS:g} TF/s, bytes / {HBM_TBPS:g} TB/s)"]  # fmt: skip
     report("bench_grouped_gemm", environment(), rows + [geo], columns, args, plot, notes)
