@@ -3,21 +3,15 @@ before anything runs, and its refusal without a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import bench_grouped_gemm
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_grouped_gemm", ROOT / "benchmarks" / "bench_grouped_gemm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_grouped_gemm
 
 
 @pytest.mark.parametrize(
