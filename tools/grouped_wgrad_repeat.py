@@ -1,5 +1,5 @@
 """Repeat the Gluon grouped wgrad into main_grad and count the experts whose result differs from a loop of the
-portable dense kernel, per register split and epilogue (H200 only).
+portable dense kernel, per register split and epilogue (Hopper only).
 
     python -m tools.grouped_wgrad_repeat [--reps 10] [--splits 24:240 40:232 56:224] [--output main_grad|bf16]
                                          [--diagnose 8]
@@ -37,6 +37,8 @@ def main(argv=None) -> None:
     ap.add_argument("--output", choices=["main_grad", "bf16"], default="main_grad")
     ap.add_argument("--diagnose", type=int, default=0, metavar="N", help="explain up to N wrong tiles per call")
     args = ap.parse_args(argv)
+    if args.diagnose and args.output != "main_grad":
+        ap.error("--diagnose explains wrong main_grad tiles: use it with --output main_grad")
     if not (torch.cuda.is_available() and runs_on(torch.device("cuda"))):
         raise SystemExit("grouped_wgrad_repeat runs the Gluon grouped kernel: it needs an NVIDIA sm_90 GPU")
     _, counts, k, n = ROUTINGS[2]
@@ -57,7 +59,7 @@ def main(argv=None) -> None:
             w = (dys[e].columnwise_data, dys[e].columnwise_scale_inv, xs[e].columnwise_data, xs[e].columnwise_scale_inv)
             ref.append(blockwise_gemm(*w, b_block_dim=1, out_dtype=torch.float32, accumulate_into=start[e].clone()))
 
-    def run(cfg) -> int:
+    def run(cfg, call: int) -> int:
         if args.output == "bf16":
             dw = gg.grouped_wgrad_gluon(*ops, out_dtype=torch.bfloat16, config=cfg)
             return sum(not same(a, b) for a, b in zip(dw, ref))
@@ -65,16 +67,16 @@ def main(argv=None) -> None:
         assert gg.output_span(mg, n, k) is not None, "views of one buffer lie in one span"
         gg.grouped_wgrad_gluon(*ops, out_dtype=torch.float32, accumulate_into=mg, config=cfg)
         wrong = [e for e, (a, b) in enumerate(zip(mg, ref)) if not same(a, b)]
-        if args.diagnose:
+        if args.diagnose:  # (GPU work between calls: the counts of such a run are not a plain run's)
             for line in diagnose(mg, ref, start, xs, dys, wrong, args.diagnose):
-                print("    " + line)
+                print(f"    call {call}: {line}")
         return len(wrong)
 
     print(f"qwen-like-128: {num} experts, K {k}, N {n}, device counts, {args.output} output; experts differing per call")
     for split in args.splits:
         pr, cr = (int(v) for v in split.split(":"))
         cfg = gg.GroupedConfig(block_m=256, block_n=128, producer_regs=pr, consumer_regs=cr)
-        print(f"  producer {pr:3d} / consumer {cr:3d}: {[run(cfg) for _ in range(args.reps)]}", flush=True)
+        print(f"  producer {pr:3d} / consumer {cr:3d}: {[run(cfg, i) for i in range(args.reps)]}", flush=True)
 
 
 TILE_M, TILE_N, BLOCK_T = 256, 128, 128  # the kernel's output tile (rows of dW x columns) and its token block
@@ -86,17 +88,28 @@ def block_contributions(dy_e: torch.Tensor, x_e: torch.Tensor) -> list[torch.Ten
     return [dy_e[t : t + BLOCK_T].T @ x_e[t : t + BLOCK_T] for t in range(0, dy_e.shape[0], BLOCK_T)]
 
 
+FITS = 0.5  # a candidate whose relative distance to the residual is above this explains nothing
+
+
 def explain_tile(r: torch.Tensor, candidates: dict[str, torch.Tensor]) -> str:
-    """The candidate that best matches the residual ``r`` (result minus expected, one tile), by relative error."""
-    scale = r.abs().max().item()
-    best = min(((torch.dist(r, c).item() / (r.norm().item() or 1.0), name) for name, c in candidates.items()))
-    return f"max |err| {scale:.3e}; best match {best[1]} (relative distance {best[0]:.2e})"
+    """The candidate that best matches the residual ``r`` (result minus expected, one tile, finite), by relative
+    distance (``candidates`` in order of preference); "no candidate fits" where even the best is farther than
+    ``FITS`` (a residual unlike every candidate, e.g. garbage, is as far from a near-zero candidate as from
+    nothing: distance 1)."""
+    norm = r.norm().item() or 1.0
+    # ties (e.g. an expert without tokens, whose dW is 0, against "store skipped") go to the earlier candidate
+    rel, _, name = min((torch.dist(r, c).item() / norm, i, name) for i, (name, c) in enumerate(candidates.items()))
+    verdict = f"best match {name}" if rel <= FITS else f"no candidate fits (nearest: {name})"
+    return f"max |err| {r.abs().max().item():.3e}; {verdict} (relative distance {rel:.2e})"
 
 
 def scale_fit(r: torch.Tensor, blocks: list[torch.Tensor], per_row: bool) -> str:
     """How well one token block's contribution times one factor per row (``per_row``) or per column explains the
     residual ``r``: what a wrong row scale (1x128 of dY) or column scale (of X) of that block would leave. The
     best block, its relative distance and where its factors are not 0."""
+    kind = "row" if per_row else "column"
+    if not blocks:
+        return f"{kind} factors: no token blocks (an expert without tokens)"
     dim = 1 if per_row else 0
     best = None
     for b, c in enumerate(blocks):
@@ -109,26 +122,39 @@ def scale_fit(r: torch.Tensor, blocks: list[torch.Tensor], per_row: bool) -> str
     where = "none"
     if len(hit):
         where = f"{int(hit.min())}-{int(hit.max())}, factors {f[hit].min().item():.3g}..{f[hit].max().item():.3g}"
-    return f"{'row' if per_row else 'column'} factors on token block {b}: relative distance {rel:.2e} ({where})"
+    return f"{kind} factors on token block {b}: relative distance {rel:.2e} ({where})"
+
+
+def _span(idx: torch.Tensor) -> str:
+    return f"{len(idx)} ({int(idx.min())}-{int(idx.max())})" if len(idx) else "0"
 
 
 def diagnose(out, ref, start, xs, dys, wrong, most: int) -> list[str]:
-    """Lines explaining up to ``most`` wrong tiles of the experts ``wrong``: each tile's residual against what a
-    skipped store, a lost old value, a doubled dW, one missing or doubled token block, or another tile's dW
-    would leave."""
+    """Lines explaining up to ``most`` wrong tiles of the experts ``wrong`` (a value is wrong where its bits differ
+    from ``ref``'s, NaN and Inf included): where the wrong values lie, how many are not finite, and, for a tile
+    whose wrong values are finite, its residual against what a skipped store, a lost old value, a doubled dW, one
+    missing or doubled token block, or another tile's or expert's dW would leave (``explain_tile``), and the best
+    per-row and per-column scale fits (``scale_fit``)."""
     lines, seen = [], 0
     for e in wrong:
         x_e = xs[e].dequantize(torch.float32, copy="columnwise")
         dy_e = dys[e].dequantize(torch.float32, copy="columnwise")
         blocks = block_contributions(dy_e, x_e)
-        d = (out[e] - ref[e]).abs()
-        for tm in range(0, d.shape[0], TILE_M):
-            for tn in range(0, d.shape[1], TILE_N):
-                if seen >= most or not bool((d[tm : tm + TILE_M, tn : tn + TILE_N] > 0).any()):
+        bad = out[e].view(torch.int32) != ref[e].view(torch.int32)
+        for tm in range(0, bad.shape[0], TILE_M):
+            for tn in range(0, bad.shape[1], TILE_N):
+                sl = (slice(tm, tm + TILE_M), slice(tn, tn + TILE_N))
+                if seen >= most or not bool(bad[sl].any()):
                     continue
                 seen += 1
-                sl = (slice(tm, tm + TILE_M), slice(tn, tn + TILE_N))
-                r = out[e][sl] - ref[e][sl]
+                tile_bad, r = bad[sl], out[e][sl] - ref[e][sl]
+                nonfinite = int((~torch.isfinite(out[e][sl]) & tile_bad).sum())
+                where = (f"expert {e} tile ({tm},{tn}): {int(tile_bad.sum())} wrong values ({nonfinite} NaN or Inf) in "
+                         f"rows {_span(tile_bad.any(1).nonzero().flatten())}, columns "
+                         f"{_span(tile_bad.any(0).nonzero().flatten())}")  # fmt: skip
+                if nonfinite or not bool(torch.isfinite(r).all()):
+                    lines.append(where + "; not fitted (values not finite)")
+                    continue
                 dw = ref[e][sl] - start[e][sl]
                 cands = {"store skipped (-dW)": -dw, "old value lost (-C)": -start[e][sl], "dW twice (+dW)": dw}
                 for b, c in enumerate(blocks):
@@ -137,17 +163,15 @@ def diagnose(out, ref, start, xs, dys, wrong, most: int) -> list[str]:
                 for e2 in range(len(ref)):  # another expert's tile at the same place
                     if e2 != e:
                         cands[f"expert {e2}'s dW instead"] = (ref[e2][sl] - start[e2][sl]) - dw
-                for tm2 in range(0, d.shape[0], TILE_M):  # another tile of the same expert
-                    for tn2 in range(0, d.shape[1], TILE_N):
-                        if (tm2, tn2) != (tm, tn):
-                            o = (slice(tm2, tm2 + TILE_M), slice(tn2, tn2 + TILE_N))
-                            cands[f"tile ({tm2},{tn2})'s dW instead"] = (ref[e][o] - start[e][o]) - dw
-                rows = (d[sl] > 0).any(1).nonzero().flatten()
-                cols = (d[sl] > 0).any(0).nonzero().flatten()
-                lines.append(f"expert {e} tile ({tm},{tn}): {int((d[sl] > 0).sum())} wrong values in {len(rows)} rows "
-                             f"{int(rows.min())}-{int(rows.max())}, {len(cols)} columns {int(cols.min())}-{int(cols.max())}; "
-                             f"{explain_tile(r, cands)}; {scale_fit(r, [c[sl] for c in blocks], True)}; "
-                             f"{scale_fit(r, [c[sl] for c in blocks], False)}")  # fmt: skip
+                for tm2 in range(0, bad.shape[0], TILE_M):  # another tile of the same expert (of the same shape)
+                    for tn2 in range(0, bad.shape[1], TILE_N):
+                        o = (slice(tm2, tm2 + TILE_M), slice(tn2, tn2 + TILE_N))
+                        other = ref[e][o] - start[e][o]
+                        if (tm2, tn2) != (tm, tn) and other.shape == dw.shape:
+                            cands[f"tile ({tm2},{tn2})'s dW instead"] = other - dw
+                tile_blocks = [c[sl] for c in blocks]
+                lines.append(f"{where}; {explain_tile(r, cands)}; {scale_fit(r, tile_blocks, True)}; "
+                             f"{scale_fit(r, tile_blocks, False)}")  # fmt: skip
     return lines
 
 
