@@ -3,15 +3,16 @@
 time by kernel, for each expert weight layout (one weight per expert; one ``[E, N, K]`` weight).
 
     python -m tools.profile_grouped [--experts 128] [--tokens-per-expert 256] [--k 2048] [--n 1536]
-                                    [--backend triton] [--trace-dir DIR]
+                                    [--backend triton] [--top 12] [--trace-dir DIR]
 
 The layer is ``Fp8GroupedLinear`` with an fp32 ``main_grad`` per weight (Megatron's DDP protocol), device-side
 counts (balanced routing) and cached weights, as ``benchmarks/bench_grouped.py --main-grad --device-counts`` times
 it. Printed per layout:
 
 * ``wall``: ms per step over 50 steps back to back (one synchronisation at the end); ``host enqueue``: the host's
-  ms per step inside them (a step whose host time is about its wall time is host-bound); both for the cached and
-  the fresh (re-quantized) weight;
+  ms per step inside them; both for the cached and the fresh (re-quantized) weight. Host time about the wall time
+  means host-bound only where the GPU's work per step (below) is clearly less: a GPU-bound loop also makes the host
+  wait, once the launch queue is full;
 * ``cached events``: CUDA events around 20 cached steps, per step;
 * ``kernels per step``: from a ``torch.profiler`` trace of two cached steps (the GPU idle at its start and end),
   each kernel name's launches and ms per step, and their sum (the GPU's work per step; the rest of the wall time
