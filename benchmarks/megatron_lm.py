@@ -384,7 +384,8 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
     with log.open("w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     text = log.read_text()
-    row = {"arm": name, "args": extra, "rc": rc, "wall_s": round(time.time() - t0, 1), "log": str(log)}
+    row = {"arm": name, "args": extra, "env": dict(ARM_ENV.get(name, (None, {}))[1]), "rc": rc,
+           "wall_s": round(time.time() - t0, 1), "log": str(log)}  # fmt: skip
     if rc != 0:
         tail = "\n".join(text.splitlines()[-25:])
         print(f"[megatron_lm] {name} failed (rc={rc}); last lines of {log}:\n{tail}", flush=True)

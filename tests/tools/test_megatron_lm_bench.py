@@ -396,3 +396,26 @@ def test_the_run_says_where_megatrons_multi_tensor_kernels_come_from(monkeypatch
     assert mlm.multi_tensor_kernels() == "apex"
     found.add("transformer_engine.pytorch.optimizers")
     assert mlm.multi_tensor_kernels() == "TE"
+
+
+def test_each_row_records_the_environment_its_arm_ran_with(tmp_path, monkeypatch):
+    """Arms that differ only by environment (FP8 primary weights, the single grouped weight) say so in their rows:
+    their Megatron flags are another arm's."""
+    import argparse
+    import types
+
+    seen = {}
+
+    def fake_run(cmd, stdout, stderr, env):
+        seen.update(env)
+        return types.SimpleNamespace(returncode=1)  # a failed run: its row is returned before any parsing
+
+    monkeypatch.setattr(mlm.subprocess, "run", fake_run)
+    args = argparse.Namespace(profile=False, profile_step=0, megatron_lm=tmp_path, iters=2)
+    model = mlm.MODELS["llama8b_4l"]
+    def run(arm):
+        return mlm.run_arm(arm, mlm.arm_args(arm, model, plugin_grouped=False), args, model, tmp_path)
+
+    row = run("plugin_fast_fp8w")
+    assert row["env"] == {"PRIMUS_FP8_PARAMS": "1"} and seen["PRIMUS_FP8_PARAMS"] == "1"
+    assert run("plugin_fast")["env"] == {}
