@@ -142,11 +142,11 @@ def grouped_wgrad(
     where the portable grouped wgrad does: every accumulation into main_grad, and what
     ``gemm_grouped.wgrad_unsupported_reason`` refuses."""
     # Accumulation into main_grad: the portable kernel. The Gluon kernel gave wrong tiles in a few of 128 experts
-    # per call at 240/24 registers (H200 and H100; 0-3 with the TMA-stored epilogue, 9-19 with stores from registers,
-    # changing from run to run, never with one CTA; docs/results/grouped_wgrad_repeat_h200_2026-12-03.log), their
-    # wrong values only in the second consumer warpgroup's lower 64 rows and unlike any misplaced contribution
-    # (docs/results/grouped_wgrad_diagnose_h100_2026-12-05.log); clean at 232/40 in every call tried. Without a
-    # cause, a kernel that silently corrupts main_grad is not run.
+    # per call at 240/24 registers (H200: 0-3 with the TMA-stored epilogue, 9-19 with stores from registers,
+    # changing from run to run, never with one CTA, docs/results/grouped_wgrad_repeat_h200_2026-12-03.log; H100: in
+    # 2 of 6 calls), their wrong values only in the second consumer warpgroup's lower 64 rows and unlike any
+    # misplaced contribution (docs/results/grouped_wgrad_diagnose_h100_2026-12-05.log); clean at 232/40 in every
+    # call tried. Without a cause, a kernel that silently corrupts main_grad is not run.
     if accumulate_into is not None:
         return None
     if gemm_grouped.wgrad_unsupported_reason(a, b, out_dtype) is not None:
