@@ -48,7 +48,7 @@ SHAPES = {  # name: (hidden, heads, ffn, seq, micro batch)
 
 
 def main() -> int:
-    ap = bench_parser(__doc__, "(not used: the shapes are the SHAPES table; pick with --only)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--backends", nargs="*", default=["cublas", "triton"])
     ap.add_argument("--only", nargs="*", choices=sorted(SHAPES), help="shapes to run (default: all)")
     ap.add_argument("--attention", nargs="*", choices=["local", "sdpa"], default=["local", "sdpa"],

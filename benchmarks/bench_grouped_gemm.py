@@ -224,7 +224,7 @@ def plot(rows, path):
 
 
 def main(argv=None) -> int:
-    ap = bench_parser(__doc__, "unused (use --models / --tokens)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--tokens", nargs="*", type=int, default=[8192, 32768])
     ap.add_argument("--routing", nargs="*", default=["balanced", "skewed"], choices=["balanced", "skewed"])

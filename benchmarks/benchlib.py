@@ -303,12 +303,14 @@ def try_import_te():
         return None, str(err)
 
 
-def bench_parser(doc: str, shape_help: str) -> argparse.ArgumentParser:
-    """The options every benchmark takes: --json, --plot, --shapes."""
+def bench_parser(doc: str, shape_help: str | None = None) -> argparse.ArgumentParser:
+    """The options every benchmark takes: --json, --plot, and --shapes where the benchmark takes shapes
+    (``shape_help`` says their form)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--json", help="write the rows and the environment as JSON")
     ap.add_argument("--plot", help="write a PNG")
-    ap.add_argument("--shapes", nargs="*", help=shape_help)
+    if shape_help is not None:
+        ap.add_argument("--shapes", nargs="*", help=shape_help)
     return ap
 
 
