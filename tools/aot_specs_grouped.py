@@ -48,16 +48,18 @@ def _quant_weight_batched() -> dict:
     sig = {"w_table_ptr": "*i64", "w0_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32",
            "st_ptr": "*fp32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_we": "i32", "stride_s": "i32",
            "stride_st": "i32", "stride_se": "i32", "stride_ste": "i32", "fp8_max": "fp32", "amax_eps": "fp32",
-           "in_max": "fp32", "W_TABLE": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr", "SUB_M": "constexpr"}  # fmt: skip
+           "in_max": "fp32", "W_TABLE": "constexpr", "TABLE_ALIGN": "constexpr", "POW2": "constexpr", "BLOCK": "constexpr",
+           "SUB_M": "constexpr"}  # fmt: skip
     return dict(
         name="quantize_128x128_batched[bf16->fp8e4nv,table]",
         fn=quantize_grouped.quantize_128x128_batched_kernel,
         signature=sig,
-        constexprs={"W_TABLE": True, "POW2": True, "BLOCK": 128, "SUB_M": cfg.sub_m},
+        constexprs={"W_TABLE": True, "TABLE_ALIGN": 16, "POW2": True, "BLOCK": 128, "SUB_M": cfg.sub_m},
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         expect={
-            "sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"max\.NaN\.f32"],
+            # the weights read through the aligned table in 16-byte loads
+            "sm90": [r"cvt\.rn\.satfinite\.e4m3x2\.f32", r"max\.NaN\.f32", r"ld\.global(\.\w+)*\.v4\.b32"],
             "gfx950": ["v_cvt_scalef32_pk_fp8_f32", r"v_maximum3?_f32"],
         },
         ints_divisible=False,
@@ -65,9 +67,11 @@ def _quant_weight_batched() -> dict:
     )
 
 
-def _mma_expect(a_ty: str) -> dict:
+def _mma_expect(a_ty: str, main_grad: bool = False) -> dict:
     a = "e5m2" if a_ty == "fp8e5" else "e4m3"
-    return {"sm90": [rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.{a}\.e4m3", r"QGMMA"],
+    # main_grad: read and written through the aligned table in 16-byte accesses
+    vec = [r"ld\.global(\.\w+)*\.v4\.b32", r"st\.global(\.\w+)*\.v4\.b32"] if main_grad else []
+    return {"sm90": [rf"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.{a}\.e4m3", r"QGMMA", *vec],
             "gfx950": [r"v_mfma_f32_\w+_f8f6f4"]}  # fmt: skip
 
 
@@ -100,10 +104,10 @@ def _wgrad(accumulate: bool, a_ty: str = "fp8e4nv") -> dict:
     sig = {"a_ptr": f"*{a_ty}", "b_ptr": "*fp8e4nv", "c_table_ptr": "*i64" if accumulate else f"*{out_ty}",
            "c0_ptr": f"*{out_ty}", "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "offsets_ptr": "*i32", "padded_ptr": "*i32",
            "M": "i32", "N": "i32", "CAP": "i32", "stride_as": "i32", "stride_bs": "i32", "stride_ce": "i32",
-           "C_TABLE": "constexpr", "ACCUMULATE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "BLOCK_K": "constexpr", "GROUP_M": "constexpr"}  # fmt: skip
-    cons = {"C_TABLE": accumulate, "ACCUMULATE": accumulate, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-            "BLOCK_K": 128, "GROUP_M": cfg.group_m}  # fmt: skip
+           "C_TABLE": "constexpr", "TABLE_ALIGN": "constexpr", "ACCUMULATE": "constexpr", "BLOCK_M": "constexpr",
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr"}  # fmt: skip
+    cons = {"C_TABLE": accumulate, "TABLE_ALIGN": 16 if accumulate else 1, "ACCUMULATE": accumulate,
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "GROUP_M": cfg.group_m}  # fmt: skip
     return dict(
         name=f"grouped_wgrad[{'main_grad' if accumulate else 'bf16'}{',' + a_ty if a_ty != 'fp8e4nv' else ''}]",
         fn=gemm_grouped.grouped_wgrad_kernel,
@@ -111,7 +115,7 @@ def _wgrad(accumulate: bool, a_ty: str = "fp8e4nv") -> dict:
         constexprs=cons,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        expect=_mma_expect(a_ty),
+        expect=_mma_expect(a_ty, accumulate),
         ints_divisible=False,
         divisible=("M", "N", "CAP", "stride_as", "stride_bs") + (() if accumulate else ("stride_ce",)),
     )

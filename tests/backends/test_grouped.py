@@ -377,3 +377,43 @@ def test_grouped_swiglu_quantization_equals_swiglu_then_the_grouped_quantizer(h_
             where = parts.get(copy, (slice(None),))
             assert same(getattr(got, copy)[where], getattr(want, copy)[where]), f"{name}: {copy}"
         assert got.shape == (t, f) and got.orig_dtype == h_dtype
+
+
+def test_pointer_tables_declare_16_byte_alignment_only_where_every_address_has_it():
+    """A kernel declares a table's alignment for the pointers it loads from it (16-byte loads and stores of the
+    experts' weights and main_grads); one address off by an element makes the whole table's alignment 1."""
+    from primus_fp8_plugin.kernels.triton.pointer_table import pointer_table
+
+    buf = torch.zeros(4 * 64 + 1)
+    aligned = [buf[i * 64 : (i + 1) * 64] for i in range(4)]  # fp32: 256-byte steps from an aligned base
+    table = pointer_table(aligned)
+    assert table.align == 16 and table.addresses.tolist() == [t.data_ptr() for t in aligned]
+    assert pointer_table([*aligned[:2], buf[129:193], aligned[3]]).align == 1
+
+
+def test_weights_and_main_grads_at_unaligned_addresses_give_the_aligned_bits():
+    """The per-expert weights and main_grads reached through a pointer table, at 16-byte aligned addresses (the
+    kernels' vectorised path) and one element off (the table's alignment 1): the same bits."""
+    if not backend_availability("triton", "cpu"):
+        pytest.skip("the Triton interpreter is not active")
+    from primus_fp8_plugin.kernels.triton.pointer_table import pointer_table
+
+    counts = [130, 0, 7, 128]
+    x, dy, ws, _ = make_case(counts, 256, 128, seed=6)
+    p_x, p_w, p_g = QuantParams(torch.float8_e4m3fn, 1), QuantParams(torch.float8_e4m3fn, 2), QuantParams(torch.float8_e5m2, 1)
+    flat = torch.empty(len(ws) * ws[0].numel() + 1, dtype=ws[0].dtype)
+    shifted = [flat[1 + e * w.numel() :][: w.numel()].view_as(w).copy_(w) for e, w in enumerate(ws)]
+    assert pointer_table(ws).align == 16 and pointer_table(shifted).align == 1
+    wa, wb = (quantize_weight_grouped(w, p_w, backend="triton") for w in (ws, shifted))
+    assert all(same(getattr(wa, part), getattr(wb, part)) for part in COPIES)
+    xq = quantize_activation_grouped(x, counts, p_x, backend="triton")
+    dyq = quantize_activation_grouped(dy, counts, p_g, backend="triton")
+    start = [make_input(w.shape, seed=30 + e) for e, w in enumerate(ws)]
+    mg_aligned = [s.float().clone() for s in start]
+    mg_buf = torch.empty(len(ws) * ws[0].numel() + 1)
+    mg_shifted = [mg_buf[1 + e * s.numel() :][: s.numel()].view(s.shape).copy_(s.float()) for e, s in enumerate(start)]
+    assert pointer_table(mg_aligned).align == 16 and pointer_table(mg_shifted).align == 1
+    for mg in (mg_aligned, mg_shifted):
+        gemm_wgrad_grouped(dyq, xq, accumulate_into=mg, backend="triton")
+    assert all(same(a, b) for a, b in zip(mg_aligned, mg_shifted))
+    assert not all(same(a, s.float()) for a, s in zip(mg_aligned, start)), "dW was added"

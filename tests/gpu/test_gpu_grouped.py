@@ -125,6 +125,36 @@ def test_grouped_kernels_equal_a_loop_of_the_portable_dense_kernels(name, counts
             off += c
 
 
+def test_portable_kernels_through_unaligned_pointer_tables_give_the_aligned_bits():
+    """The portable batched weight quantizer and grouped wgrad read and write the per-expert weights and
+    main_grads through a pointer table in 16-byte accesses where every address allows it, in element accesses
+    where one does not (here: every tensor one element off): the same bits, and no misaligned access."""
+    from primus_fp8_plugin.kernels.triton.gemm_grouped import grouped_wgrad
+    from primus_fp8_plugin.kernels.triton.pointer_table import pointer_table
+    from primus_fp8_plugin.kernels.triton.quantize_grouped import quantize_128x128_batched
+
+    counts, k, n = [0, 1, 16, 129, 256, 300], 1024, 768
+    _, x, dy, ws, _, p = _case(counts, k, n, "E4M3")
+    flat = torch.empty(len(ws) * n * k + 1, dtype=ws[0].dtype, device="cuda")
+    shifted = [flat[1 + e * n * k :][: n * k].view(n, k).copy_(w) for e, w in enumerate(ws)]
+    assert pointer_table(ws).align == 16 and pointer_table(shifted).align == 1
+    wa, wb = quantize_128x128_batched(ws, p[1]), quantize_128x128_batched(shifted, p[1])
+    assert all(same(getattr(wa, part), getattr(wb, part)) for part in COPIES)
+    layout = group_layout(torch.tensor(counts, device="cuda"), x.shape[0], "cuda")
+    xq = quantize_activation_grouped(x, layout, p[0], backend="triton")
+    dyq = quantize_activation_grouped(dy, layout, p[2], backend="triton")
+    ops = (dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, layout)
+    start = torch.randn(len(counts), n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    aligned = [s.clone() for s in start]
+    mg_buf = torch.empty(len(counts) * n * k + 1, device="cuda")
+    unaligned = [mg_buf[1 + e * n * k :][: n * k].view(n, k).copy_(s) for e, s in enumerate(start)]
+    assert pointer_table(aligned).align == 16 and pointer_table(unaligned).align == 1
+    for mg in (aligned, unaligned):
+        grouped_wgrad(*ops, out_dtype=torch.float32, accumulate_into=mg)
+    assert all(same(a, b) for a, b in zip(aligned, unaligned))
+    assert not same(aligned[-1], start[-1]), "dW was added"
+
+
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 def test_grouped_gemms_against_the_backends_own_dense_gemms(gpu_backend, fmt):
     """Against the backend's dense GEMMs (on Hopper: Gluon for triton; cuBLAS for cublas; both for hopper).

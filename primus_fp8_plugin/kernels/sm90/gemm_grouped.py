@@ -602,7 +602,7 @@ def grouped_wgrad_gluon(
     if why is not None:
         raise GluonUnsupported(why)
     if accumulate_into is not None:
-        c0, table, stride_ce = outs[0], pointer_table(outs), 0
+        c0, table, stride_ce = outs[0], pointer_table(outs).addresses, 0
     else:
         stacked = torch.empty(e, m, n, dtype=out_dtype, device=a.device)
         outs = list(stacked.unbind(0))

@@ -90,8 +90,8 @@ def grouped_gemm_kernel(
 @triton.jit
 def grouped_wgrad_kernel(
     a_ptr, b_ptr, c_table_ptr, c0_ptr, a_s_ptr, b_s_ptr, offsets_ptr, padded_ptr, M, N, CAP, stride_as, stride_bs,
-    stride_ce, C_TABLE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    stride_ce, C_TABLE: tl.constexpr, TABLE_ALIGN: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     e = tl.program_id(1)
@@ -127,8 +127,8 @@ def grouped_wgrad_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
-    if C_TABLE:
-        c_e = tl.load(c_table_ptr + e).to(tl.pointer_type(c0_ptr.dtype.element_ty))
+    if C_TABLE:  # (TABLE_ALIGN: the table's alignment, so that the fp32 main_grad moves in 16-byte accesses)
+        c_e = tl.multiple_of(tl.load(c_table_ptr + e).to(tl.pointer_type(c0_ptr.dtype.element_ty)), TABLE_ALIGN)
     else:
         c_e = c0_ptr + e.to(tl.int64) * stride_ce
     c_ptrs = c_e + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -211,18 +211,18 @@ def grouped_wgrad(
     cfg = config or gemm_config()
     if accumulate_into is not None:
         outs = list(accumulate_into)
-        c0, table, stride_ce = outs[0], pointer_table(outs), 0
+        c0, (table, align), stride_ce = outs[0], pointer_table(outs), 0
     else:
         stacked = torch.empty(e, m, n, dtype=out_dtype, device=a.device)
         outs = list(stacked.unbind(0))
-        c0, table, stride_ce = stacked, stacked, m * n
+        c0, table, align, stride_ce = stacked, stacked, 1, m * n
     if m == 0 or n == 0:
         return outs
     grid = (ceil_div(m, cfg.block_m) * ceil_div(n, cfg.block_n), e)
     _launch_wgrad(
         grid, a, b, table, c0, a_scale_inv, b_scale_inv, layout.offsets, layout.padded_offsets, m, n, cap,
         a_scale_inv.stride(0), b_scale_inv.stride(0), stride_ce,
-        accumulate_into is not None, accumulate_into is not None, cfg.block_m, cfg.block_n, BLOCK, cfg.group_m,
+        accumulate_into is not None, align, accumulate_into is not None, cfg.block_m, cfg.block_n, BLOCK, cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return outs

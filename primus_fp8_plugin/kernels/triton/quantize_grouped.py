@@ -236,12 +236,12 @@ def quantize_grouped_1x128(
 @triton.jit
 def quantize_128x128_batched_kernel(
     w_table_ptr, w0_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, stride_wn, stride_we, stride_s, stride_st, stride_se,
-    stride_ste, fp8_max, amax_eps, in_max, W_TABLE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
-    SUB_M: tl.constexpr,
+    stride_ste, fp8_max, amax_eps, in_max, W_TABLE: tl.constexpr, TABLE_ALIGN: tl.constexpr, POW2: tl.constexpr,
+    BLOCK: tl.constexpr, SUB_M: tl.constexpr,
 ):  # fmt: skip
     e = tl.program_id(2)
-    if W_TABLE:
-        w_ptr = tl.load(w_table_ptr + e).to(tl.pointer_type(w0_ptr.dtype.element_ty))
+    if W_TABLE:  # (TABLE_ALIGN: the table's alignment, so that the weights are read in 16-byte accesses)
+        w_ptr = tl.multiple_of(tl.load(w_table_ptr + e).to(tl.pointer_type(w0_ptr.dtype.element_ty)), TABLE_ALIGN)
     else:
         w_ptr = w0_ptr + e.to(tl.int64) * stride_we
     qe = e.to(tl.int64) * N * K
@@ -285,13 +285,13 @@ def quantize_128x128_batched(
         raise ValueError(f"{e} weights [{n}, {k}]: K's blocks and the experts run on CUDA grid axes of at most 65535 "
                          f"programs (K <= {MAX_GRID_Y}, E <= 65535)")  # fmt: skip
     out = grouped_weight_out(e, first, params, out)
-    table = weights if stacked else pointer_table(weights)  # any tensor serves as the unused table when stacked
+    table, align = (weights, 1) if stacked else pointer_table(weights)  # (stacked: any tensor as the unused table)
     s, st = out.rowwise_scale_inv, out.columnwise_scale_inv
     _launch_weight(
         (ceil_div(n, BLOCK), ceil_div(k, BLOCK), e), table, first, out.rowwise_data, out.columnwise_data, s, st,
         n, k, first.stride(0), n * k, s.stride(1), st.stride(1), s.stride(0), st.stride(0),
         params.fp8_max, params.amax_epsilon, torch.finfo(first.dtype).max,
-        not stacked, params.pow2_scales, BLOCK, cfg.sub_m,  # W_TABLE, POW2, BLOCK, SUB_M
+        not stacked, align, params.pow2_scales, BLOCK, cfg.sub_m,  # W_TABLE, TABLE_ALIGN, POW2, BLOCK, SUB_M
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     out.orig_dtype = first.dtype
