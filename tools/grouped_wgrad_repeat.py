@@ -4,9 +4,10 @@ portable dense kernel, per register split and epilogue (Hopper only).
     python -m tools.grouped_wgrad_repeat [--reps 10] [--splits 24:240 40:232 56:224] [--output main_grad|bf16]
                                          [--diagnose 8]
 
-Why: at the default 240 / 24 consumer / producer registers the Gluon kernel gave wrong tiles in a few experts per
-call, differing from run to run (so main_grad takes the portable kernel: kernels/sm90/heuristics.grouped_wgrad;
-issue 39). The routing is tests/gpu/test_gpu_grouped.py's ``qwen-like-128`` (128 experts, skewed counts, K 2048,
+Why: before its pipeline stages were released behind a proxy fence (kernels/sm90/gemm_library.release_stage), the
+Gluon kernel gave wrong tiles in a few experts in about one call in five at 240 / 24 consumer / producer registers
+(a column-scale load still in flight when the producer's TMA overwrote the stage; issue 39): this repeats the call
+to show it does not recur. The routing is tests/gpu/test_gpu_grouped.py's ``qwen-like-128`` (128 experts, skewed counts, K 2048,
 N 1536) with device-side counts. The main_grads are views of one buffer, as Megatron's gradient buffer holds them:
 the TMA-stored epilogue (the wrapper refuses to accumulate through stores from registers, which failed at every
 split tried). ``--output bf16``: new bf16 dW instead (no accumulation), as the backend's grouped wgrad runs it at

@@ -164,8 +164,8 @@ def test_fwd_dgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt):
 def test_wgrad_equal_dense_gluon_loop_and_portable(name, counts, k, n, fmt, span):
     """main_grads as views of one buffer (as Megatron's gradient buffer holds them: the TMA-stored epilogue;
     ones not a whole number of rows apart are refused; one expert alone always lies in a span), and new bf16
-    outputs. Accumulation runs 8 times (its wrong tiles
-    came from run to run under another register split)."""
+    outputs. Accumulation runs 8 times (before the stage release was fenced its wrong tiles came in about one
+    call in five)."""
     x, dy, ws, _, p = _case(counts, k, n, fmt, seed=7)
     layout, xq, dyq, _ = _quantized(x, dy, ws, counts, p, device_counts=True)
     args = (dyq.columnwise_data, dyq.columnwise_scale_inv, xq.columnwise_data, xq.columnwise_scale_inv, layout)

@@ -89,6 +89,7 @@ from .gemm_library import (
     epilogue_add,
     k_block_256x128,
     promote,
+    release_stage,
     scale_desc,
     shared_layout,
     stages_that_fit,
@@ -224,7 +225,7 @@ def _consumer_128x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, a_s_ptr, b_s
             sa_n, sb_n = _load_scales(a_s_ptr, b_s_ptr, kb + 1, nk, offs_m, m_mask, offs_n, n_mask, sb_row_ptr,
                                       stride_as, stride_bs, B_2D)  # fmt: skip
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-            mbarrier.arrive(empty.index(s))
+            release_stage(empty, s)
             acc = promote(acc, part, sa, sb, B_2D)
             sa = sa_n
             sb = sb_n
@@ -283,7 +284,7 @@ def _k_block_128x256(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb,
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
         acc3 = promote(acc3, pb, sa_prev, sb3_prev, B_2D)
-        mbarrier.arrive(empty.index(s_prev))
+        release_stage(empty, s_prev)
     sb0 = _col_scales(bs_scales, s, 0, Q, col_layout, B_2D)
     sb1 = _col_scales(bs_scales, s, 1, Q, col_layout, B_2D)
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
@@ -368,7 +369,7 @@ def _consumer_128x256(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, bias_ptr, c_
             s_prev = s
             it += 1
         acc3 = promote(acc3, pb, sa3, _col_scales(bs_scales, s_prev, 3, Q, col_layout, B_2D), B_2D)
-        mbarrier.arrive(empty.index(s_prev))
+        release_stage(empty, s_prev)
 
         # ---- epilogue: four [64, 64] pieces (those that start inside N)
         store_pieces(acc0, acc1, acc2, acc3, off_m, off_n0, offs_m, m_mask, cols, c_desc, c_bufs, bias_ptr, c_ptr, N,
@@ -426,7 +427,7 @@ def _consumer_256x128(a_bufs, b_bufs, ready, empty, c_desc, c_bufs, c_ptr, M, N,
             s_prev = s
             it += 1
         acc3 = promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, True)
-        mbarrier.arrive(empty.index(s_prev))
+        release_stage(empty, s_prev)
 
         # ---- epilogue: pieces (rows h, columns q) = acc0 (0, 0), acc1 (0, 1), acc2 (1, 0), acc3 (1, 1)
         offs_m0 = off_m + gl.arange(0, H, layout=row_layout)

@@ -64,6 +64,7 @@ from .gemm_library import (
     b2d_block_scale,
     k_block_256x128,
     promote,
+    release_stage,
     scale_desc,
     shared_layout,
     stages_that_fit,
@@ -143,7 +144,7 @@ def _k_block_fwd(a_bufs, b_bufs, ready, empty, s, phase, kb, s_prev, pa, pb, acc
     pa = warpgroup_mma(a_op, bt.slice(0, Q).permute((1, 0)), pa, use_acc=False, is_async=True)
     if not FIRST:
         acc3 = promote(acc3, pb, sa_prev, 1.0, True)
-        mbarrier.arrive(empty.index(s_prev))
+        release_stage(empty, s_prev)
     pb = warpgroup_mma(a_op, bt.slice(Q, Q).permute((1, 0)), pb, use_acc=False, is_async=True)
     pa = warpgroup_mma_wait(num_outstanding=1, deps=(pa,))
     acc0 = promote(acc0, pa, s_lo, 1.0, True)
@@ -214,7 +215,7 @@ def _fwd_consumer(a_bufs, b_bufs, bs_bufs, ready, empty, c_desc, c_bufs, a_s_ptr
             s_prev = s
             it += 1
         acc3 = promote(acc3, pb, sa3, 1.0, True)
-        mbarrier.arrive(empty.index(s_prev))
+        release_stage(empty, s_prev)
 
         # ---- epilogue: the pieces that start inside N, of the rows before the expert's end
         bias_e = bias_ptr + e * stride_biase
@@ -387,7 +388,7 @@ def _wgrad_consumer(a_bufs, b_bufs, as_bufs, bs_bufs, ready, empty, c_desc, c_bu
                 s_prev = s
                 it += 1
             acc3 = promote(acc3, pb, sa3, bs_scales.index(s_prev).slice(Q, Q).load(col_layout), False, True)
-            mbarrier.arrive(empty.index(s_prev))
+            release_stage(empty, s_prev)
             c_e, row0 = _wgrad_out(c_table_ptr, c0_ptr, e, M, stride_ce, span_base, row_bytes, C_TABLE)
             _wgrad_epilogue(acc0, acc1, acc2, acc3, c_desc, c_bufs, c_e, row0, off_m, off_n, M, N, WG, H, Q, row_layout,
                             col_layout, ACCUMULATE, STORE_TMA)  # fmt: skip
@@ -499,7 +500,8 @@ def wgrad_unsupported_reason(
     """Why ``grouped_wgrad_gluon`` does not take ``a [M, C]`` x ``b [N, C]`` into ``accumulate_into`` or new
     ``out_dtype`` tensors, or None: sm_90, 16-byte aligned operands, M and N multiples of 16 (TMA boxes of the
     scales), a bf16/fp16 output or fp32 ``accumulate_into`` lying in one span of memory (``output_span``: the
-    register-store epilogue gave wrong tiles on the H200 when accumulating, module docstring)."""
+    register-store epilogue gave wrong tiles when accumulating, before the stage release was fenced
+    (``gemm_library.release_stage``), and has not been run so since)."""
     why = _device_reason(a, b)
     if why is not None:
         return why
@@ -511,8 +513,8 @@ def wgrad_unsupported_reason(
                 "output spills registers, as the dense 256x128 tile's)")  # fmt: skip
     if accumulate_into is not None and m and n and output_span(list(accumulate_into), m, n) is None:
         return ("accumulating into main_grads that do not lie in one span of memory (whole rows apart, m % 64 == 0) "
-                "is not supported: that epilogue (stores from registers) gave wrong tiles on the H200; use the "
-                "portable kernel (kernels/triton/gemm_grouped.py)")  # fmt: skip
+                "is not supported by the Gluon kernel (its register-store epilogue is not verified for accumulation); "
+                "use the portable kernel (kernels/triton/gemm_grouped.py)")  # fmt: skip
     return None
 
 
