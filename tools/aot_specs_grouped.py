@@ -98,8 +98,9 @@ def _gemm(direction: str, a_ty: str = "fp8e4nv") -> dict:
     )
 
 
-def _wgrad(accumulate: bool, a_ty: str = "fp8e4nv") -> dict:
-    cfg = portable.gemm_config()
+def _wgrad(accumulate: bool, a_ty: str = "fp8e4nv", tokens_per_expert: int = 256) -> dict:
+    cfg = portable.grouped_wgrad_config(tokens_per_expert)
+    tile = f",{cfg.block_m}x{cfg.block_n}"
     out_ty = "fp32" if accumulate else "bf16"
     sig = {"a_ptr": f"*{a_ty}", "b_ptr": "*fp8e4nv", "c_table_ptr": "*i64" if accumulate else f"*{out_ty}",
            "c0_ptr": f"*{out_ty}", "a_s_ptr": "*fp32", "b_s_ptr": "*fp32", "offsets_ptr": "*i32", "padded_ptr": "*i32",
@@ -109,7 +110,7 @@ def _wgrad(accumulate: bool, a_ty: str = "fp8e4nv") -> dict:
     cons = {"C_TABLE": accumulate, "TABLE_ALIGN": 16 if accumulate else 1, "ACCUMULATE": accumulate,
             "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": 128, "GROUP_M": cfg.group_m}  # fmt: skip
     return dict(
-        name=f"grouped_wgrad[{'main_grad' if accumulate else 'bf16'}{',' + a_ty if a_ty != 'fp8e4nv' else ''}]",
+        name=f"grouped_wgrad[{'main_grad' if accumulate else 'bf16'}{',' + a_ty if a_ty != 'fp8e4nv' else ''}{tile}]",
         fn=gemm_grouped.grouped_wgrad_kernel,
         signature=sig,
         constexprs=cons,
@@ -134,4 +135,6 @@ def grouped_kernel_specs() -> list[dict]:
         _wgrad(accumulate=True),
         _wgrad(accumulate=False),
         _wgrad(accumulate=True, a_ty="fp8e5"),  # HYBRID: E5M2 dY^T against the E4M3 X
+        _wgrad(accumulate=True, tokens_per_expert=1024),  # many tokens per expert: the dense tile
+        _wgrad(accumulate=False, tokens_per_expert=1024),
     ]

@@ -90,6 +90,10 @@ def test_portable_configs():
     assert portable.fused_quant_config(2, 64, 128, 256).sub_m == 64  # SwiGLU: halves of the tile
     assert portable.fused_quant_config(0, 64, 128, 130) is portable.FUSED_QUANT_RAGGED[0]  # the row stride
     assert portable.gemm_config().block_m == 128
+    # the grouped wgrad: small tiles over few tokens per expert, the dense tile over many
+    assert portable.grouped_wgrad_config(256) is portable.GROUPED_WGRAD_SHORT
+    assert portable.grouped_wgrad_config(512) is portable.GROUPED_WGRAD_SHORT
+    assert portable.grouped_wgrad_config(513) is portable.gemm_config()
 
 
 def test_gfx950_choices():

@@ -34,7 +34,7 @@ def test_every_kernel_compiled_for_both_targets(reports):
 
     kernels = {r["kernel"] for r in reports}
     assert {"blockwise_gemm[fwd]", "blockwise_gemm[wgrad]", "quantize_128x128[bf16->fp8e4nv]", "transpose_128x128[u8]"} <= kernels
-    grouped = {"grouped_gemm[fwd]", "grouped_gemm[dgrad]", "grouped_wgrad[main_grad]"}
+    grouped = {"grouped_gemm[fwd]", "grouped_gemm[dgrad]", "grouped_wgrad[main_grad,64x64]", "grouped_wgrad[main_grad,128x128]"}
     grouped |= {"quantize_128x128_batched[bf16->fp8e4nv,table]"}
     assert grouped <= kernels and any(k.startswith("quantize_grouped_1x128[") for k in kernels)  # the MoE kernels
     assert {spec["name"] for spec in aot_fused.kernel_specs()} <= kernels  # norm, SwiGLU, RoPE (no FMA, checked below)

@@ -32,7 +32,7 @@ import triton.language as tl
 from ...grouped_tensor import GroupLayout
 from ...recipe import BLOCK
 from ...tensor import ceil_div
-from .heuristics import GemmConfig, gemm_config
+from .heuristics import GemmConfig, gemm_config, grouped_wgrad_config
 from .launch import FastLauncher
 from .pointer_table import pointer_table
 from .quantize_grouped import block_e, find_group
@@ -208,7 +208,7 @@ def grouped_wgrad(
         raise ValueError(f"a is {tuple(a.shape)}, b {tuple(b.shape)}; both need the layout's {layout.capacity} token columns")
     if e > 65535:
         raise ValueError(f"{e} experts: the grouped wgrad runs them on a CUDA grid axis of at most 65535 programs")
-    cfg = config or gemm_config()
+    cfg = config or grouped_wgrad_config(cap / max(e, 1))
     if accumulate_into is not None:
         outs = list(accumulate_into)
         c0, (table, align), stride_ce = outs[0], pointer_table(outs), 0

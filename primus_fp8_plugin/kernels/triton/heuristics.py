@@ -105,8 +105,24 @@ GEMM = GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=3
 
 
 def gemm_config() -> GemmConfig:
-    """The portable dense and grouped GEMMs' launch: one config for every shape."""
+    """The portable dense GEMM's and grouped fprop/dgrad's launch: one config for every shape."""
     return GEMM
+
+
+# The grouped wgrad over few tokens per expert (an expert's dW tile over a few K blocks, then its fp32 main_grad
+# read and written): bound by each tile's latency, not by its math. The 128x128 tile with 8 warps takes ~240
+# registers, one program per SM, and nothing hides the main_grad round trip; 64x64 with 4 warps takes 127 and
+# three programs share an SM. H100, Qwen3 shapes, 128 experts, 128-256 tokens each (benchmarks/
+# bench_grouped_gemm.py --wgrad-configs): 1.16-1.19x faster, the same bits. Above ``GROUPED_WGRAD_SHORT_MAX_TOKENS``
+# (not timed there) the dense tile stays. gfx950: both compiled spill-free ahead of time, not timed.
+GROUPED_WGRAD_SHORT = GemmConfig(block_m=64, block_n=64, group_m=8, num_warps=4, num_stages=4)
+GROUPED_WGRAD_SHORT_MAX_TOKENS = 512
+
+
+def grouped_wgrad_config(tokens_per_expert: float) -> GemmConfig:
+    """The portable grouped wgrad's launch for ``tokens_per_expert`` (the layout's capacity over its experts:
+    the mean count's upper bound, known on the host when the counts are on the device)."""
+    return GROUPED_WGRAD_SHORT if tokens_per_expert <= GROUPED_WGRAD_SHORT_MAX_TOKENS else GEMM
 
 
 # --------------------------------------------------------------------------------------------------
