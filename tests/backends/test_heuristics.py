@@ -59,19 +59,23 @@ def test_grouped_fwd_kernel_and_config(grouped_on_hopper):
     assert sm90.grouped_gemm(a, fp8(4, 1536, 512), torch.bfloat16, bias) is None
 
 
-def test_grouped_wgrad_into_main_grad_takes_the_portable_kernel(grouped_on_hopper):
-    """The Gluon grouped wgrad takes main_grads that lie in one span (its own rule says so), yet the heuristics
-    send every accumulation to the portable kernel (wrong tiles now and then on the H200: issue 39); plain
-    bf16 outputs go to the Gluon kernel."""
+def test_grouped_wgrad_into_main_grad_takes_gluon_from_512_tokens_per_expert(grouped_on_hopper):
+    """The Gluon grouped wgrad takes main_grads that lie in one span (its own rule says so); the heuristics give
+    it the accumulations over at least 512 token columns per expert (the portable kernel is faster below), and
+    every plain bf16 output."""
     a, b = fp8(256, 384), fp8(512, 384)  # M = 256, N = 512 over 384 token columns
     main_grads = list(torch.zeros(3, 256, 512).unbind(0))  # views of one buffer: one span
     assert gemm_grouped.wgrad_unsupported_reason(a, b, torch.float32, main_grads) is None
-    assert sm90.grouped_wgrad(a, b, torch.float32, main_grads) is None
+    assert sm90.grouped_wgrad(a, b, torch.float32, main_grads) is None  # 128 columns per expert
+    long_a, long_b = fp8(256, 3 * 512), fp8(512, 3 * 512)
+    assert sm90.grouped_wgrad(long_a, long_b, torch.float32, main_grads) is sm90.GROUPED_WGRAD_MAIN_GRAD_256x128
+    assert sm90.grouped_wgrad(fp8(256, 3 * 512 - 16), fp8(512, 3 * 512 - 16), torch.float32, main_grads) is None
     assert sm90.grouped_wgrad(a, b, torch.bfloat16, None) is sm90.GROUPED_WGRAD_256x128
     assert sm90.grouped_wgrad(a, b, torch.float32, None) is None  # a plain fp32 output spills
     apart = [torch.zeros(256 * 512 + 4)[4 * (i % 2) :][: 256 * 512].view(256, 512) for i in range(3)]
-    assert "one span" in gemm_grouped.wgrad_unsupported_reason(a, b, torch.float32, apart)
-    assert sm90.grouped_wgrad_config(accumulate=True).consumer_regs == 232  # for direct calls (tests, tools)
+    assert "one span" in gemm_grouped.wgrad_unsupported_reason(long_a, long_b, torch.float32, apart)
+    assert sm90.grouped_wgrad(long_a, long_b, torch.float32, apart) is None
+    assert sm90.grouped_wgrad_config(accumulate=True).consumer_regs == 232
 
 
 def test_dense_gemm_tiles():

@@ -110,11 +110,13 @@ GROUPED_FWD_128x256 = GroupedConfig(block_m=128, block_n=256, consumer_regs=224,
 GROUPED_FWD_128x256_G4 = GroupedConfig(block_m=128, block_n=256, group_m=4, consumer_regs=224, producer_regs=56)
 # wgrad: the dense CONFIG_256x128's mainloop, 4 stages (no output buffers), group_m 8
 GROUPED_WGRAD_256x128 = GroupedConfig(block_m=256, block_n=128)
-# wgrad accumulated into main_grad, for direct calls only (grouped_wgrad below never picks the Gluon kernel for
-# it): 232 / 40 registers, where 240 / 24 gave wrong tiles now and then (3 of 30 calls on the H200); cause not found:
-# compute-sanitizer's racecheck reports only Triton's warp-specialisation state bytes, synccheck nothing
-# (docs/results/sanitizer_grouped_wgrad_h200_2026-12-05.log; tools/grouped_wgrad_repeat.py repeats it).
+# wgrad accumulated into main_grad: 232 / 40 registers (the config timed; 240 / 24 is as correct since the stage
+# release is fenced, gemm_library.release_stage). Against the portable kernel (H100, benchmarks/
+# bench_grouped_gemm.py --ops wgrad, balanced routing): 0.89-0.91x at 256 tokens per expert (Qwen3 shapes), 1.21-1.22x
+# at 1024, 1.23-1.64x at DeepSeek-V3 and Mixtral shapes (1024-16384): the Gluon kernel from
+# ``GROUPED_WGRAD_MAIN_GRAD_MIN_TOKENS`` tokens per expert on average (the layout's capacity over its experts).
 GROUPED_WGRAD_MAIN_GRAD_256x128 = GroupedConfig(block_m=256, block_n=128, consumer_regs=232, producer_regs=40)
+GROUPED_WGRAD_MAIN_GRAD_MIN_TOKENS = 512
 
 
 def grouped_fwd_config(n: int) -> GroupedConfig:
@@ -139,19 +141,15 @@ def grouped_wgrad(
     a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, accumulate_into: Sequence[torch.Tensor] | None
 ) -> GroupedConfig | None:
     """The config ``gemm_grouped.grouped_wgrad_gluon`` runs wgrad with (``a [M, C]``, ``b [N, C]``), or None
-    where the portable grouped wgrad does: every accumulation into main_grad, and what
-    ``gemm_grouped.wgrad_unsupported_reason`` refuses."""
-    # Accumulation into main_grad: the portable kernel. The Gluon kernel gave wrong tiles in a few of 128 experts
-    # per call at 240/24 registers (H200: 0-3 with the TMA-stored epilogue, 9-19 with stores from registers,
-    # changing from run to run, never with one CTA, docs/results/grouped_wgrad_repeat_h200_2026-12-03.log; H100: in
-    # 2 of 6 calls), their wrong values only in the second consumer warpgroup's lower 64 rows and unlike any
-    # misplaced contribution (docs/results/grouped_wgrad_diagnose_h100_2026-12-05.log); clean at 232/40 in every
-    # call tried. Without a cause, a kernel that silently corrupts main_grad is not run.
-    if accumulate_into is not None:
+    where the portable grouped wgrad does: what ``gemm_grouped.wgrad_unsupported_reason`` refuses, and an
+    accumulation into main_grad over fewer than ``GROUPED_WGRAD_MAIN_GRAD_MIN_TOKENS`` token columns per expert."""
+    if gemm_grouped.wgrad_unsupported_reason(a, b, out_dtype, accumulate_into) is not None:
         return None
-    if gemm_grouped.wgrad_unsupported_reason(a, b, out_dtype) is not None:
+    if accumulate_into is None:
+        return GROUPED_WGRAD_256x128
+    if a.shape[1] < GROUPED_WGRAD_MAIN_GRAD_MIN_TOKENS * len(accumulate_into):
         return None
-    return grouped_wgrad_config()
+    return GROUPED_WGRAD_MAIN_GRAD_256x128
 
 
 # Weight quantization (W and W^T of E experts): per expert through the dense Gluon kernel (one read of each
