@@ -155,6 +155,33 @@ def test_portable_kernels_through_unaligned_pointer_tables_give_the_aligned_bits
     assert not same(aligned[-1], start[-1]), "dW was added"
 
 
+def test_backend_wgrad_into_main_grad_over_many_tokens_per_expert_equals_the_dense_loop():
+    """At 512 or more tokens per expert the triton backend accumulates into main_grads lying in one span (Megatron's
+    gradient buffer) with the Gluon grouped wgrad on Hopper (kernels/sm90/heuristics.grouped_wgrad): bit for bit
+    the portable dense kernel per expert, over repeated calls."""
+    from primus_fp8_plugin.kernels.sm90 import heuristics as H
+
+    counts, k, n = [600, 700, 0, 1000, 513, 1300], 1024, 768
+    _, x, dy, _, _, p = _case(counts, k, n, "E4M3")
+    layout = group_layout(torch.tensor(counts, device="cuda"), x.shape[0], "cuda")
+    xq = quantize_activation_grouped(x, layout, p[0], backend="triton")
+    dyq = quantize_activation_grouped(dy, layout, p[2], backend="triton")
+    buf = torch.randn(len(counts) * n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(9))
+    mg = list(buf.view(len(counts), n, k).unbind(0))
+    on_hopper = H.grouped_wgrad(dyq.columnwise_data, xq.columnwise_data, torch.float32, mg) is not None
+    print(f"Gluon grouped wgrad chosen: {on_hopper}")
+    start = [m.clone() for m in mg]
+    for _ in range(3):
+        gemm_wgrad_grouped(dyq, xq, accumulate_into=mg, backend="triton")
+    xs, dys = xq.split(), dyq.split()
+    for e in range(len(counts)):
+        args = (dys[e].columnwise_data, dys[e].columnwise_scale_inv, xs[e].columnwise_data, xs[e].columnwise_scale_inv)
+        ref = start[e].clone()
+        for _ in range(3):
+            ref = blockwise_gemm(*args, b_block_dim=1, out_dtype=torch.float32, accumulate_into=ref)
+        assert same(mg[e], ref), f"expert {e} (count {counts[e]})"
+
+
 @pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
 def test_grouped_gemms_against_the_backends_own_dense_gemms(gpu_backend, fmt):
     """Against the backend's dense GEMMs (on Hopper: Gluon for triton; cuBLAS for cublas; both for hopper).
