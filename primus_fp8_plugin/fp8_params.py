@@ -77,10 +77,20 @@ def _refuse_torch_optimizers(optimizer, args, kwargs) -> None:
 register_optimizer_step_pre_hook(_refuse_torch_optimizers)
 
 
+_NAN: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def placeholder(p: torch.Tensor) -> torch.Tensor:
     """A parameter's data while its FP8 W is its primary form: its shape and dtype over one NaN element (any read
-    of it gives NaN, not plausible values)."""
-    return torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
+    of it gives NaN, not plausible values). Parameters of more than one element share one NaN per dtype and device
+    (no allocation or fill kernel per parameter and step; a write into an expanded view is refused by torch)."""
+    if p.numel() <= 1:  # a view of one element is writable: its own NaN
+        return torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
+    key = (p.dtype, p.device)
+    nan = _NAN.get(key)
+    if nan is None:
+        nan = _NAN[key] = torch.full((), float("nan"), dtype=p.dtype, device=p.device)
+    return nan.expand(p.shape)
 
 
 def fp8_layers(model: nn.Module) -> list[HoldsWeightCache]:

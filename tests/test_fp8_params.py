@@ -60,6 +60,23 @@ def test_held_weights_compute_what_the_cache_computes_without_their_bf16_data():
     assert model.scale.untyped_storage().nbytes() == 72 * 2  # not an FP8 weight: untouched
 
 
+def test_released_weights_share_one_nan_that_no_write_can_reach():
+    """Every released weight (more than one element) is a view of one NaN per dtype and device: no allocation or
+    fill per parameter and step; writing into it is refused, so no weight's placeholder can turn plausible."""
+    from primus_fp8_plugin.fp8_params import placeholder
+
+    model = Model()
+    primary = Fp8Params(model)
+    primary.release()
+    ptrs = {w.data_ptr() for w in primary.weights}
+    assert len(primary.weights) > 1 and len(ptrs) == 1
+    with pytest.raises(RuntimeError, match="single memory location"):
+        model.dense.weight.data.copy_(torch.zeros_like(model.dense.weight))
+    assert all(torch.isnan(w).all() for w in primary.weights)
+    one = torch.zeros(1, dtype=torch.bfloat16)
+    assert placeholder(one).data_ptr() not in ptrs and torch.isnan(placeholder(one)).all()  # writable: its own
+
+
 def test_restore_gives_nan_storage_until_written_then_the_next_release_quantizes_it():
     model, ref = Model(), Model(seed=5)
     primary = Fp8Params(model)
