@@ -113,7 +113,7 @@ def gemm_config() -> GemmConfig:
 # read and written): bound by each tile's latency, not by its math. The 128x128 tile with 8 warps takes ~240
 # registers, one program per SM, and nothing hides the main_grad round trip; 64x64 with 4 warps takes 127 and
 # three programs share an SM. H100, Qwen3 shapes, 128 experts, 128-256 tokens each (benchmarks/
-# bench_grouped_gemm.py --wgrad-configs): 1.16-1.19x faster, the same bits. Above ``GROUPED_WGRAD_SHORT_MAX_TOKENS``
+# bench_grouped_gemm.py --wgrad-configs): 1.15-1.19x faster, the same bits. Above ``GROUPED_WGRAD_SHORT_MAX_TOKENS``
 # (not timed there) the dense tile stays. gfx950: both compiled spill-free ahead of time, not timed.
 GROUPED_WGRAD_SHORT = GemmConfig(block_m=64, block_n=64, group_m=8, num_warps=4, num_stages=4)
 GROUPED_WGRAD_SHORT_MAX_TOKENS = 512
