@@ -168,8 +168,10 @@ def test_backend_wgrad_into_main_grad_over_many_tokens_per_expert_equals_the_den
     dyq = quantize_activation_grouped(dy, layout, p[2], backend="triton")
     buf = torch.randn(len(counts) * n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(9))
     mg = list(buf.view(len(counts), n, k).unbind(0))
-    on_hopper = H.grouped_wgrad(dyq.columnwise_data, xq.columnwise_data, torch.float32, mg) is not None
-    print(f"Gluon grouped wgrad chosen: {on_hopper}")
+    from primus_fp8_plugin.kernels.sm90.target import runs_on
+
+    chosen = H.grouped_wgrad(dyq.columnwise_data, xq.columnwise_data, torch.float32, mg)
+    assert (chosen is H.GROUPED_WGRAD_MAIN_GRAD_256x128) == runs_on(x.device), "Hopper takes the Gluon kernel here"
     start = [m.clone() for m in mg]
     for _ in range(3):
         gemm_wgrad_grouped(dyq, xq, accumulate_into=mg, backend="triton")
