@@ -66,6 +66,10 @@ category (GEMM, attention, quantization, permutation, elementwise, optimizer, ..
 no kernel ran (``kernel_profile.py``); the row and ``--json`` carry it. The profiled iteration runs with the profiler's overhead:
 put it after the timed ones' warm-up (``--profile-step``, default the last iteration).
 
+``--memory-peak`` records the CUDA allocator's trace in every arm (Python stacks of each allocation; slower, so not
+for timing) and prints where the run's peak of allocated memory falls and what is live there, by allocation site and
+step phase (``tools/memory_peak.py``); the row and ``--json`` carry it.
+
 ``pretrain()`` runs ``make`` in ``megatron/core/datasets``, whose Makefile a wheel install lacks;
 when the compiled helper imports, the entry shim (``megatron_lm_entry.py``) skips that step and says
 so. Each ``--spec`` is checked before any arm runs (``python -m primus_fp8_plugin.megatron.check_spec``
@@ -91,10 +95,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for path in (HERE, ROOT):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import kernel_profile  # noqa: E402 - benchmarks/ on the path first
+
+from tools import memory_peak  # noqa: E402
 
 # flags a run without TE and apex needs (Megatron's fused kernels come from them)
 TE_FREE = ("--transformer-impl local --no-persist-layer-norm --no-masked-softmax-fusion "
@@ -376,6 +383,9 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
            *shlex.split(profiled)]  # fmt: skip
     env = arm_env(name)
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    peak_json = log_dir / f"memory_peak_{name}{tag}.json"
+    if args.memory_peak:
+        env["PRIMUS_FP8_MEMORY_PEAK"] = str(peak_json)  # the entry shim records the allocator's trace (memory_peak.py)
     if (spec_of(extra) or ("",))[0].startswith("primus_fp8_plugin"):
         env["PRIMUS_FP8_CHECK_MODEL"] = "1"  # the entry shim stops the run if the model holds no FP8 layer
     log = log_dir / f"megatron_lm_{name}{tag}.log"
@@ -400,6 +410,12 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
             row["profile"] = kernel_profile.step_profile(kernel_profile.load_trace(trace), top_names=0)
             row["profile"]["trace"] = str(trace)
             print(f"[megatron_lm] {name} profile ({trace}):\n{kernel_profile.format_profile(row['profile'])}", flush=True)
+    if args.memory_peak:
+        if peak_json.is_file():
+            row["memory_peak"] = json.loads(peak_json.read_text())
+            print(f"[megatron_lm] {name} {memory_peak.format_report(row['memory_peak'])}", flush=True)
+        else:
+            print(f"[megatron_lm] {name}: --memory-peak wrote no report ({peak_json})", flush=True)
     print(f"[megatron_lm] {name}: {row['ms_per_iter']:.1f} ms/iter, first loss {row['first_loss']}, "
           f"last loss {row['last_loss']} ({row['wall_s']} s)", flush=True)  # fmt: skip
     return row
@@ -505,6 +521,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="profile one iteration per arm: GPU-busy share and kernel time by category")  # fmt: skip
     ap.add_argument("--profile-step", type=int, help="the iteration --profile records (default: the last)")
+    ap.add_argument("--memory-peak", action="store_true",
+                    help="record the CUDA allocator's trace per arm and print where its peak falls and what is live "
+                    "there, by allocation site (tools/memory_peak.py; slows the run: not for timing)")  # fmt: skip
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)

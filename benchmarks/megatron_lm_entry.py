@@ -8,6 +8,9 @@ else is Megatron-LM's own code, run unchanged with the checkout first on ``sys.p
 With ``PRIMUS_FP8_CHECK_MODEL=1`` every ``GPTModel`` built prints how many of primus_fp8_plugin's FP8 layers
 it holds and the run stops if it holds none (``check_spec.install_model_check``): Megatron trains its
 default spec when the ``--spec`` import fails.
+
+With ``PRIMUS_FP8_MEMORY_PEAK=REPORT.json`` the CUDA allocator records every allocation and free with its Python stack
+from the start, and at exit ``tools/memory_peak.py``'s report of the run's peak is written there.
 """
 
 from __future__ import annotations
@@ -36,6 +39,26 @@ def _skip_compile_if_built() -> None:
     utils.compile_helpers = compile_helpers
 
 
+def _record_memory_peak(report_path: Path) -> None:
+    import atexit
+    import json
+
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(1, str(root))
+    from tools.memory_peak import peak_report
+
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+
+    def write_report() -> None:
+        report = peak_report(torch.cuda.memory._snapshot())
+        report_path.write_text(json.dumps(report, indent=1))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    atexit.register(write_report)
+
+
 def main() -> None:
     if len(sys.argv) < 2 or not (Path(sys.argv[1]) / "pretrain_gpt.py").is_file():
         raise SystemExit("usage: megatron_lm_entry.py MEGATRON_LM_CHECKOUT [pretrain_gpt.py args...]")
@@ -46,6 +69,8 @@ def main() -> None:
         from primus_fp8_plugin.megatron.check_spec import install_model_check
 
         install_model_check()
+    if os.environ.get("PRIMUS_FP8_MEMORY_PEAK"):
+        _record_memory_peak(Path(os.environ["PRIMUS_FP8_MEMORY_PEAK"]))
     sys.argv = [str(checkout / "pretrain_gpt.py"), *sys.argv[2:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

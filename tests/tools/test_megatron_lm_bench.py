@@ -411,7 +411,7 @@ def test_each_row_records_the_environment_its_arm_ran_with(tmp_path, monkeypatch
         return types.SimpleNamespace(returncode=1)  # a failed run: its row is returned before any parsing
 
     monkeypatch.setattr(mlm.subprocess, "run", fake_run)
-    args = argparse.Namespace(profile=False, profile_step=0, megatron_lm=tmp_path, iters=2)
+    args = argparse.Namespace(profile=False, profile_step=0, megatron_lm=tmp_path, iters=2, memory_peak=False)
     model = mlm.MODELS["llama8b_4l"]
     def run(arm):
         return mlm.run_arm(arm, mlm.arm_args(arm, model, plugin_grouped=False), args, model, tmp_path)
@@ -419,3 +419,36 @@ def test_each_row_records_the_environment_its_arm_ran_with(tmp_path, monkeypatch
     row = run("plugin_fast_fp8w")
     assert row["env"] == {"PRIMUS_FP8_PARAMS": "1"} and seen["PRIMUS_FP8_PARAMS"] == "1"
     assert run("plugin_fast")["env"] == {}
+
+
+def test_memory_peak_asks_the_entry_for_a_report_and_prints_it(tmp_path, monkeypatch, capsys):
+    """``--memory-peak``: the arm's environment names the report file (the entry shim records the allocator's trace
+    and writes ``tools/memory_peak.py``'s report there at exit); the row carries it and the run prints it."""
+    import argparse
+    import types
+
+    seen = {}
+
+    def fake_run(cmd, stdout, stderr, env):
+        seen.update(env)
+        stdout.write("\n".join(_megatron_line(i + 1, 3, 500.0, 100.0, 9.0, 16) for i in range(3)) + "\n")
+        report = {"peak_bytes": 3 * 2**30, "start_bytes": 0, "end_bytes": 2**30, "events": 10, "peak_event_index": 7,
+                  "peak_site": "primus_fp8_plugin/ops/core.py:10(forward)", "peak_phase": "forward",
+                  "by_phase": {"forward": 3 * 2**30}, "other_sites_bytes": 0,
+                  "by_site": [["primus_fp8_plugin/ops/core.py:10(forward)", "forward", 3 * 2**30, 4]]}  # fmt: skip
+        Path(env["PRIMUS_FP8_MEMORY_PEAK"]).write_text(json.dumps(report))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(mlm.subprocess, "run", fake_run)
+    model = mlm.MODELS["llama8b_4l"]
+    args = argparse.Namespace(profile=False, profile_step=0, megatron_lm=tmp_path, iters=3, warmup=1, memory_peak=True)
+    row = mlm.run_arm("plugin_fast", mlm.arm_args("plugin_fast", model, plugin_grouped=False), args, model, tmp_path)
+    assert seen["PRIMUS_FP8_MEMORY_PEAK"] == str(tmp_path / "memory_peak_plugin_fast.json")
+    assert row["memory_peak"]["peak_bytes"] == 3 * 2**30
+    out = capsys.readouterr().out
+    assert "peak allocated: 3,072.0 MiB at event 7 of 10 (forward: primus_fp8_plugin/ops/core.py:10(forward))" in out
+
+
+def test_entry_shim_records_the_trace_only_when_asked():
+    text = (ROOT / "benchmarks" / "megatron_lm_entry.py").read_text()
+    assert 'os.environ.get("PRIMUS_FP8_MEMORY_PEAK")' in text and "_record_memory_history" in text

@@ -1,0 +1,181 @@
+"""Where a process's peak of allocated GPU memory falls and what is live there, from a CUDA caching-allocator trace.
+
+    python -m tools.memory_peak SNAPSHOT.pickle [--top 25] [--json out.json]
+
+``SNAPSHOT`` is ``torch.cuda.memory._snapshot()`` taken after ``torch.cuda.memory._record_memory_history()`` (the
+trace of every allocation and free, with the Python stack of each allocation). ``benchmarks/megatron_lm.py
+--memory-peak`` records one per arm through Megatron-LM's ``pretrain_gpt.py`` and prints this report.
+
+The allocated bytes, as requested (the allocator rounds each block up, to 512 bytes or more, so
+``torch.cuda.max_memory_allocated`` reads a little higher), are replayed over the trace: ``alloc`` adds a block,
+``free_completed`` removes it, as the allocator's own ``allocated_bytes`` counts them, starting from what the end
+state and the trace imply was allocated before the trace's first event. At the maximum the report gives:
+
+* ``peak_bytes``; ``start_bytes`` (allocated before the trace's first event) and ``end_bytes`` (the snapshot's live
+  blocks);
+* ``peak_site``: the allocation that reached the peak (its first frame outside torch, and the phase);
+* ``by_site``: the bytes live at the peak by allocation site (the innermost frame outside torch's own files),
+  largest first, with the phase each was allocated in; memory allocated before the trace began is one row,
+  ``(before the trace)``;
+* ``by_phase``: the same bytes by phase, from the stack's outer frames: ``forward`` / ``backward`` (Megatron's
+  ``forward_step`` / ``backward_step``, or torch's autograd), ``optimizer`` (``megatron/core/optimizer``),
+  ``setup`` (building the model, the optimizer's state), ``other``.
+
+Stacks are Python frames only (``_record_memory_history(stacks="python")``); an allocation made by the autograd
+engine's thread in a backward shows the frames of the Function's ``backward`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pickle
+import sys
+from pathlib import Path
+
+TORCH_PARTS = ("/torch/", "/site-packages/torch/", "<frozen")
+"""Frames in these files are skipped when naming an allocation's site: the caller outside torch is what allocated."""
+
+PHASE_RULES = (  # (phase, substring of a frame's "file:function"), outermost frame first wins
+    ("optimizer", "megatron/core/optimizer/"),
+    ("backward", ":backward_step"),
+    ("forward", ":forward_step"),
+    ("setup", ":setup_model_and_optimizer"),
+    ("backward", ":backward"),
+)
+
+
+def _short(filename: str) -> str:
+    """A frame's file from its package root (``.../site-packages/megatron/core/x.py`` -> ``megatron/core/x.py``)."""
+    for root in ("primus_fp8_plugin/", "megatron/", "transformer_engine/", "torch/", "benchmarks/", "tools/"):
+        at = filename.rfind("/" + root)
+        if at >= 0:
+            return filename[at + 1 :]
+    return filename.rsplit("/", 2)[-1] if "/" in filename else filename
+
+
+def site_of(frames: list[dict] | None) -> str:
+    """``file:line(function)`` of the innermost frame outside torch (frames innermost first, as the allocator records
+    them); ``(no stack)`` without frames."""
+    if not frames:
+        return "(no stack)"
+    for f in frames:
+        name = str(f.get("filename", ""))
+        if not any(p in name for p in TORCH_PARTS):
+            return f"{_short(name)}:{f.get('line', '?')}({f.get('name', '?')})"
+    f = frames[0]
+    return f"{_short(str(f.get('filename', '')))}:{f.get('line', '?')}({f.get('name', '?')})"
+
+
+def phase_of(frames: list[dict] | None) -> str:
+    """The step phase an allocation happened in, from its stack's outer frames (``PHASE_RULES``)."""
+    if not frames:
+        return "other"
+    keys = [f"{_short(str(f.get('filename', '')))}:{f.get('name', '')}" for f in reversed(frames)]
+    for phase, needle in PHASE_RULES:
+        if any(needle in k for k in keys):
+            return phase
+    return "other"
+
+
+def live_blocks(snapshot: dict, device: int = 0) -> dict[int, int]:
+    """Address -> requested bytes of the blocks allocated at the snapshot (``segments``' ``active_allocated``
+    blocks; the trace's events carry requested sizes too, not the allocator's rounded block sizes)."""
+    live = {}
+    for seg in snapshot.get("segments", []):
+        if seg.get("device", device) != device:
+            continue
+        addr = seg["address"]
+        for block in seg.get("blocks", []):
+            if block.get("state") == "active_allocated":
+                live[block.get("address", addr)] = block.get("requested_size", block["size"])
+            addr += block["size"]
+    return live
+
+
+def peak_report(snapshot: dict, device: int = 0, top: int = 25) -> dict:
+    """The report of the module docstring for ``device``'s trace in ``snapshot``."""
+    traces = snapshot.get("device_traces", [])
+    events = [e for e in (traces[device] if device < len(traces) else []) if e["action"] in ("alloc", "free_completed")]
+    if not events:
+        raise ValueError("the snapshot holds no allocation trace: record it with torch.cuda.memory._record_memory_history() "
+                         "before the allocations, then take torch.cuda.memory._snapshot()")  # fmt: skip
+    end_bytes = sum(live_blocks(snapshot, device).values())
+    delta = sum(e["size"] if e["action"] == "alloc" else -e["size"] for e in events)
+    start_bytes = end_bytes - delta
+    current, peak, peak_at = start_bytes, start_bytes, -1
+    for i, e in enumerate(events):
+        current += e["size"] if e["action"] == "alloc" else -e["size"]
+        if current > peak:
+            peak, peak_at = current, i
+    live: dict[int, dict] = {}
+    freed_before_allocated = 0  # blocks allocated before the trace and freed in it, up to the peak
+    for e in events[: peak_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif live.pop(e["addr"], None) is None:
+            freed_before_allocated += e["size"]
+    rows: dict[tuple, list] = collections.defaultdict(lambda: [0, 0])
+    phases: dict[str, int] = collections.Counter()
+    for e in live.values():
+        frames = e.get("frames")
+        key = (site_of(frames), phase_of(frames))
+        rows[key][0] += e["size"]
+        rows[key][1] += 1
+        phases[key[1]] += e["size"]
+    before = start_bytes - freed_before_allocated
+    if before:
+        rows[("(before the trace)", "setup")] = [before, 0]
+        phases["setup"] += before
+    by_site = sorted(([s, p, b, n] for (s, p), (b, n) in rows.items()), key=lambda r: -r[2])
+    peak_event = events[peak_at] if peak_at >= 0 else None
+    return {
+        "peak_bytes": peak,
+        "start_bytes": start_bytes,
+        "end_bytes": end_bytes,
+        "events": len(events),
+        "peak_event_index": peak_at,
+        "peak_site": None if peak_event is None else site_of(peak_event.get("frames")),
+        "peak_phase": None if peak_event is None else phase_of(peak_event.get("frames")),
+        "by_phase": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+        "by_site": by_site[:top],
+        "other_sites_bytes": sum(r[2] for r in by_site[top:]),
+    }
+
+
+def format_report(report: dict, label: str = "") -> str:
+    mib = 2**20
+    lines = [f"peak allocated{' ' + label if label else ''}: {report['peak_bytes'] / mib:,.1f} MiB at event "
+             f"{report['peak_event_index']} of {report['events']} ({report['peak_phase']}: {report['peak_site']})",
+             "by phase: " + ", ".join(f"{k} {v / mib:,.1f}" for k, v in report["by_phase"].items()) + " MiB",
+             f"{'MiB':>10}  {'blocks':>6}  {'phase':<9}  allocated at"]  # fmt: skip
+    for site, phase, nbytes, count in report["by_site"]:
+        lines.append(f"{nbytes / mib:10.1f}  {count:6d}  {phase:<9}  {site}")
+    if report["other_sites_bytes"]:
+        lines.append(f"{report['other_sites_bytes'] / mib:10.1f}  {'':6}  {'':<9}  (other sites)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("snapshot", type=Path, help="a pickle of torch.cuda.memory._snapshot() with its trace")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--top", type=int, default=25, help="allocation sites listed")
+    ap.add_argument("--json", type=Path, help="write the report as JSON")
+    args = ap.parse_args(argv)
+    with args.snapshot.open("rb") as f:
+        snapshot = pickle.load(f)
+    try:
+        report = peak_report(snapshot, args.device, args.top)
+    except ValueError as err:
+        print(f"memory_peak: {err}", file=sys.stderr)
+        return 2
+    print(format_report(report, str(args.snapshot)))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
