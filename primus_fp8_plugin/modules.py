@@ -32,7 +32,7 @@ class HoldsWeightCache:
     part of FP8 primary weights (``fp8_params.py``): ``hold_weights`` makes the cache's FP8 W the weights' primary
     form. Each layer says what its cache quantizes (``fp8_weight_source``)."""
 
-    weight_cache: WeightCache | GroupedWeightCache | None = None
+    weight_cache: WeightCache | None = None
 
     def fp8_weight_source(self) -> tuple[torch.Tensor | list[torch.Tensor], BlockwiseRecipe, str]:
         """``(weights, recipe, backend name)`` as the layer passes them to its op: one weight for a ``WeightCache``,

@@ -66,7 +66,6 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from collections.abc import Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -148,145 +147,6 @@ def same_bits(a: BlockwiseFp8Tensor, b: BlockwiseFp8Tensor) -> bool:
     return True
 
 
-class WeightCache:
-    """Quantized copies of one weight (W and W^T), served while the weight is provably unchanged.
-
-    Args:
-        check: compare every served copy with a fresh quantization and raise
-            ``StaleWeightCacheError`` on a difference (a debug mode). None (the default) reads
-            ``PRIMUS_FP8_CHECK_WEIGHT_CACHE`` (``1`` turns it on) when the cache is made.
-        keep_transpose: keep W^T beside W (default); False keeps W only (W^T made for each dgrad).
-
-    Attributes:
-        refreshes: how many times the weight was quantized through this cache.
-        checks: how many served copies check mode compared.
-        held: whether the cache holds its weight's FP8 primary form (``own``).
-    """
-
-    def __init__(self, *, check: bool | None = None, keep_transpose: bool = True) -> None:
-        self._value: BlockwiseFp8Tensor | None = None
-        self._tensor_ref: weakref.ref | None = None
-        self._storage_ref: StorageWeakRef | None = None
-        self._key: tuple | None = None
-        self.check = env.check_weight_cache() if check is None else bool(check)
-        self.keep_transpose = bool(keep_transpose)
-        self.held = False
-        self._held_key: tuple | None = None
-        self.refreshes = 0
-        self.checks = 0
-
-    @staticmethod
-    def _key_of(weight: torch.Tensor, version: int, params: QuantParams, backend: Backend) -> tuple:
-        return (
-            version,
-            _weight_epoch,
-            weight.data_ptr(),
-            weight.storage_offset(),
-            weight.stride(),
-            weight.shape,
-            weight.dtype,
-            weight.device,
-            params,
-            backend,
-        )
-
-    def _holds(self, weight: torch.Tensor, key: tuple) -> bool:
-        ref = self._tensor_ref
-        return (
-            ref is not None
-            and ref() is weight
-            and key == self._key
-            and weight.untyped_storage()._cdata == self._storage_ref.cdata
-        )
-
-    def get(self, weight: torch.Tensor, params: QuantParams, backend: Backend, *, refresh: bool = False) -> BlockwiseFp8Tensor:
-        """The quantized copies of ``weight`` [N, K] (W and W^T, or W only), re-made unless provably unchanged; the
-        held copy while the cache holds the weight's primary form."""
-        if self.held:
-            check_held([weight], [self._tensor_ref], self._held_key, params, backend)
-            return self._value
-        untracked = False
-        if weight.is_inference():
-            # no version counter; inside inference mode such tensors can be written in place untracked
-            untracked = torch.is_inference_mode_enabled()
-            version = -1
-        else:
-            version = weight._version
-        if untracked or capturing() or torch.compiler.is_compiling():
-            self.refreshes += 1
-            value = self._quantize(weight, params, backend)
-            self.invalidate()  # an entry made here is never served by key (see the module docstring)
-            self._value = value
-            return value
-        key = self._key_of(weight, version, params, backend)
-        if not refresh and self._holds(weight, key):
-            if self.check:
-                self._check(weight, params, backend)
-            return self._value
-        self._value = self._quantize(weight, params, backend)
-        self._tensor_ref = weakref.ref(weight)
-        self._storage_ref = StorageWeakRef(weight.untyped_storage())
-        self._key = key
-        self.refreshes += 1
-        return self._value
-
-    def _quantize(self, weight: torch.Tensor, params: QuantParams, backend: Backend) -> BlockwiseFp8Tensor:
-        with torch.no_grad():
-            value = backend.quantize_weight(weight.detach().contiguous(), params)
-        return value if self.keep_transpose else value.rowwise_only()
-
-    def own(self, weight: torch.Tensor, params: QuantParams, backend: Backend) -> BlockwiseFp8Tensor:
-        """Quantize ``weight`` now and hold W (W^T dropped) as its primary form: served for it until ``disown``,
-        whatever its data then holds (the caller may release them). Returns the held copy."""
-        self.disown()
-        with torch.autocast(weight.device.type, enabled=False):  # as inside the op (grouped stacking refuses FP8 under it)
-            value = self.get(weight, params, backend, refresh=True).rowwise_only()
-        self._value, self._tensor_ref, self.held, self._held_key = value, weakref.ref(weight), True, (params, backend)
-        return value
-
-    def disown(self) -> None:
-        """Stop holding the weight's primary form (its high-precision values are about to be written) and drop it."""
-        self.held = False
-        self.invalidate()
-
-    def _check(self, weight: torch.Tensor, params: QuantParams, backend: Backend) -> None:
-        self.checks += 1
-        if not same_bits(self._quantize(weight, params, backend), self._value):
-            raise StaleWeightCacheError(
-                f"the weight cache was about to serve a stale FP8 copy of a {weight.dtype} weight "
-                f"{list(weight.shape)} on {weight.device}: the weight's values changed without a version-counter "
-                "bump (a write through .data, through another tensor sharing its storage, or by a collective) "
-                "and outside an optimizer step. After such a write call invalidate() "
-                "(Fp8BlockwiseLinear.invalidate_weight_cache()) or "
-                "primus_fp8_plugin.weight_cache.mark_weights_changed(); see 'What the weight cache guarantees' "
-                "in the README."
-            )
-
-    def __getstate__(self) -> dict:
-        # copies (copy.copy / deepcopy of a module) and pickles start empty: a copy's weight is another
-        # tensor, and the storage weak reference must never be duplicated (each one frees itself once)
-        if self.held:
-            raise held_error("copy or pickle the layer")
-        return {"check": self.check, "keep_transpose": self.keep_transpose}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(check=state["check"], keep_transpose=state.get("keep_transpose", True))
-
-    def invalidate(self) -> None:
-        """Drop the cached copies; the next ``get`` re-quantizes. Refused while the cache holds the weight's primary
-        form (``HeldWeightError``)."""
-        if self.held:
-            raise held_error("drop the layer's FP8 weight (a move, a dtype conversion or invalidate_weight_cache())")
-        self._value = self._tensor_ref = self._storage_ref = self._key = None
-
-    @property
-    def nbytes(self) -> int:
-        """Device memory held by the cached copies (0 when empty)."""
-        return 0 if self._value is None else self._value.nbytes
-
-
-# ---- grouped (mixture-of-experts) weights: the same key rule over E experts ------------------------------------
-
 _deref = weakref.ref.__call__
 _version_of = operator.attrgetter("_version")
 _storage_of = operator.methodcaller("untyped_storage")
@@ -298,79 +158,93 @@ _dtype_of = operator.attrgetter("dtype")
 _device_of = operator.attrgetter("device")
 
 
-class GroupedWeightCache:
-    """The quantized copies (W and W^T, stacked) of ``E`` expert weights, valid while no weight changed.
+class WeightCache:
+    """Quantized copies of a weight (W and W^T), served while the weight is provably unchanged (module docstring).
 
-    It serves the stored copies only under the guarantees of the dense ``WeightCache`` (``weight_cache.py``),
-    checked for every expert: the same tensor objects (weak references: a new tensor at a freed address never
-    matches) over the same storage objects (weak storage references), the same data pointers (hence storage
-    offsets), strides, shapes and dtypes, unchanged version counters (in-place writes, ``load_state_dict``), the same
-    quantization parameters and backend, and no optimizer step or ``mark_weights_changed`` since (the
-    process-wide weight epoch); ``refresh=True`` always re-makes. Otherwise all experts' copies are re-made by
-    one batched quantization into new stacked buffers (the old ones are released first, so that a refresh
-    does not hold two copies). Under CUDA-graph capture, ``torch.compile`` tracing, and for inference tensors
-    inside inference mode it quantizes on every call and trusts nothing it made there afterwards.
+    One cache serves one dense weight ``[N, K]`` (``get(weight, ...)``); with ``grouped=True`` (``GroupedWeightCache``)
+    it serves ``E`` expert weights, ``E`` ``[N, K]`` tensors or one ``[E, N, K]`` tensor, whose copies are stacked
+    and re-made together by one batched quantization. The key is checked for every tensor by a fixed number of
+    C-level passes (``map`` with ``operator`` getters: about 0.3 us per expert on a CPU), with no per-expert Python.
+    A refresh releases the old copies before making the new ones, so that it never holds two.
 
-    Cost per call when nothing changed: a fixed number of C-level passes over the ``E`` weights (``map`` with
-    ``operator`` getters: about 0.3 us per expert on a CPU) and no per-expert Python code.
-    ``PRIMUS_FP8_CHECK_WEIGHT_CACHE=1`` (or ``check=True``) compares every served copy with a fresh one.
+    Args:
+        check: compare every served copy with a fresh quantization and raise
+            ``StaleWeightCacheError`` on a difference (a debug mode). None (the default) reads
+            ``PRIMUS_FP8_CHECK_WEIGHT_CACHE`` (``1`` turns it on) when the cache is made.
+        keep_transpose: keep W^T beside W (default); False keeps W only (W^T made for each dgrad).
+        grouped: serve ``E`` expert weights (``GroupedFp8Weight``) instead of one (``BlockwiseFp8Tensor``).
+
+    Attributes:
+        refreshes: how many times the weight was quantized through this cache.
+        checks: how many served copies check mode compared.
+        held: whether the cache holds its weight's FP8 primary form (``own``).
     """
 
-    def __init__(self, *, check: bool | None = None, keep_transpose: bool = True) -> None:
-        self._value: GroupedFp8Weight | None = None
+    def __init__(self, *, check: bool | None = None, keep_transpose: bool = True, grouped: bool = False) -> None:
+        self._value: BlockwiseFp8Tensor | GroupedFp8Weight | None = None
         self._refs: list | None = None
         self._storage_refs: list | None = None
         self._key: tuple | None = None
         self.check = env.check_weight_cache() if check is None else bool(check)
         self.keep_transpose = bool(keep_transpose)
+        self.grouped = bool(grouped)
         self.held = False
         self._held_key: tuple | None = None
-        self.refreshes = 0  # batched quantizations made (for tests and logs)
+        self.refreshes = 0
         self.checks = 0
 
+    def _tracked(self, weights) -> list[torch.Tensor]:
+        """The tensors the key covers: the dense weight; the ``E`` expert weights or the one stacked tensor."""
+        return [weights] if not self.grouped or isinstance(weights, torch.Tensor) else weights
+
     @staticmethod
-    def _key_of(weights: Sequence[torch.Tensor], params: QuantParams, backend: Backend) -> tuple[tuple, list]:
-        """(the key, the weights' storages); each part of the key is one C-level pass over the weights."""
-        storages = list(map(_storage_of, weights))
+    def _key_of(tracked: list[torch.Tensor], params: QuantParams, backend: Backend) -> tuple[tuple, list]:
+        """(the key, the tensors' storages); each part of the key is one C-level pass over the tensors (one tensor,
+        the dense weight's case: the same key read directly, half the host time)."""
+        if len(tracked) == 1:
+            (w,) = tracked
+            storage = w.untyped_storage()
+            try:
+                version = w._version
+            except RuntimeError:  # an inference tensor (no version counter)
+                version = -1
+            return ((version,), _weight_epoch, params, backend, (storage._cdata,), (w.data_ptr(),), (w.stride(),),
+                    (w.shape,), (w.dtype,)), [storage]  # fmt: skip
+        storages = list(map(_storage_of, tracked))
         try:
-            versions = tuple(map(_version_of, weights))
+            versions = tuple(map(_version_of, tracked))
         except RuntimeError:  # inference tensors have no version counter (none changes outside inference mode)
-            versions = tuple(-1 if w.is_inference() else w._version for w in weights)
+            versions = tuple(-1 if w.is_inference() else w._version for w in tracked)
         return (
             versions,
-            weight_epoch(),
+            _weight_epoch,
             params,
             backend,
             tuple(map(_cdata_of, storages)),
-            tuple(map(_ptr_of, weights)),  # with the storage and the dtype, this fixes the storage offset
-            tuple(map(_stride_of, weights)),
-            tuple(map(_shape_of, weights)),
-            tuple(map(_dtype_of, weights)),
+            tuple(map(_ptr_of, tracked)),  # with the storage and the dtype, this fixes the storage offset
+            tuple(map(_stride_of, tracked)),
+            tuple(map(_shape_of, tracked)),
+            tuple(map(_dtype_of, tracked)),
         ), storages
 
-    def _holds(self, weights: Sequence[torch.Tensor], key: tuple) -> bool:
+    def _holds(self, tracked: list[torch.Tensor], key: tuple) -> bool:
         refs = self._refs
-        return (
-            refs is not None
-            and len(refs) == len(weights)
-            and all(map(operator.is_, map(_deref, refs), weights))
-            and key == self._key
-        )
+        if refs is None or len(refs) != len(tracked) or key != self._key:
+            return False
+        return refs[0]() is tracked[0] if len(refs) == 1 else all(map(operator.is_, map(_deref, refs), tracked))
 
-    def get(
-        self, weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, backend: Backend, *, refresh: bool = False
-    ) -> GroupedFp8Weight:
-        """All experts' quantized copies, re-made (in one launch) unless every weight is provably unchanged; the held
-        copies while the cache holds the weights' primary form. ``weights``: ``E`` ``[N, K]`` tensors, or the
-        experts stacked in one ``[E, N, K]`` tensor (tracked as one tensor)."""
-        tracked = _tracked(weights)
+    def get(self, weights, params: QuantParams, backend: Backend, *, refresh: bool = False):
+        """The quantized copies (W and W^T, or W only) of the weight ``[N, K]`` (a ``BlockwiseFp8Tensor``), or of
+        the ``E`` expert weights (grouped: a ``GroupedFp8Weight``), re-made unless every tensor is provably
+        unchanged; the held copy while the cache holds the weights' primary form."""
+        tracked = self._tracked(weights)
         if self.held:
             check_held(tracked, self._refs, self._held_key, params, backend)
             return self._value
         untracked = torch.is_inference_mode_enabled() and any(w.is_inference() for w in tracked)
         if untracked or capturing() or torch.compiler.is_compiling():
-            _check_weights(weights, tracked[0].device)
-            self.invalidate()  # an entry made here is never served by key (weight_cache.py)
+            self._check_shapes(weights, tracked)
+            self.invalidate()  # an entry made here is never served by key (see the module docstring)
             self.refreshes += 1
             self._value = self._quantize(weights, params, backend)
             return self._value
@@ -379,8 +253,8 @@ class GroupedWeightCache:
             if self.check:
                 self._check(weights, params, backend)
             return self._value
-        _check_weights(weights, tracked[0].device)
-        self.invalidate()  # release the old buffers before allocating the new ones
+        self._check_shapes(weights, tracked)
+        self.invalidate()  # release the old copies before allocating the new ones
         self._value = self._quantize(weights, params, backend)
         self._refs = [weakref.ref(w) for w in tracked]
         self._storage_refs = [StorageWeakRef(s) for s in storages]
@@ -388,68 +262,84 @@ class GroupedWeightCache:
         self.refreshes += 1
         return self._value
 
-    def _quantize(self, weights, params: QuantParams, backend: Backend) -> GroupedFp8Weight:
+    def _check_shapes(self, weights, tracked) -> None:
+        if self.grouped:
+            _check_expert_weights(weights, tracked[0].device)
+
+    def _quantize(self, weights, params: QuantParams, backend: Backend):
         with torch.no_grad():
-            if isinstance(weights, torch.Tensor):
+            if not self.grouped:
+                value = backend.quantize_weight(weights.detach().contiguous(), params)
+            elif isinstance(weights, torch.Tensor):
                 value = backend.quantize_weight_grouped(weights.detach().contiguous(), params)
             else:
                 value = backend.quantize_weight_grouped([w.detach().contiguous() for w in weights], params)
         return value if self.keep_transpose else value.rowwise_only()
 
-    def own(self, weights: Sequence[torch.Tensor] | torch.Tensor, params: QuantParams, backend: Backend) -> GroupedFp8Weight:
-        """As ``WeightCache.own``, for all experts' weights."""
+    def own(self, weights, params: QuantParams, backend: Backend):
+        """Quantize the weights now and hold W (W^T dropped) as their primary form: served for them until
+        ``disown``, whatever their data then hold (the caller may release them). Returns the held copy."""
         self.disown()
-        tracked = _tracked(weights)
-        with torch.autocast(tracked[0].device.type, enabled=False):
+        tracked = self._tracked(weights)
+        with torch.autocast(tracked[0].device.type, enabled=False):  # as inside the op (grouped stacking refuses FP8 under it)
             value = self.get(weights, params, backend, refresh=True).rowwise_only()
         self._value, self._refs, self.held, self._held_key = value, [weakref.ref(w) for w in tracked], True, (params, backend)
         return value
 
     def disown(self) -> None:
-        """As ``WeightCache.disown``."""
+        """Stop holding the weights' primary form (their high-precision values are about to be written) and drop it."""
         self.held = False
         self.invalidate()
 
-    def _check(self, weights, params, backend) -> None:
+    def _check(self, weights, params: QuantParams, backend: Backend) -> None:
         self.checks += 1
         fresh, held = self._quantize(weights, params, backend), self._value
-        for e in range(len(weights)):
+        if not self.grouped:
+            if not same_bits(fresh, held):
+                raise _stale(f"a {weights.dtype} weight {list(weights.shape)} on {weights.device}")
+            return
+        for e in range(held.num_groups):
             if not same_bits(fresh.expert(e), held.expert(e)):
-                raise StaleWeightCacheError(
-                    f"the grouped weight cache was about to serve a stale FP8 copy of expert {e}'s weight "
-                    f"{list(weights[e].shape)}: its values changed without a version-counter bump (a write through "
-                    ".data, through another tensor sharing its storage, or by a collective) and outside an optimizer "
-                    "step. After such a write call invalidate() (invalidate_weight_cache() on the layer) or "
-                    "primus_fp8_plugin.weight_cache.mark_weights_changed()."
-                )
+                raise _stale(f"expert {e}'s weight {list(held.shape)}")
 
     def __getstate__(self) -> dict:
-        # copies and pickles start empty (their weights are other tensors; storage weak references must never
-        # be duplicated)
+        # copies (copy.copy / deepcopy of a module) and pickles start empty: a copy's weight is another
+        # tensor, and the storage weak reference must never be duplicated (each one frees itself once)
         if self.held:
             raise held_error("copy or pickle the layer")
-        return {"check": self.check, "keep_transpose": self.keep_transpose}
+        return {"check": self.check, "keep_transpose": self.keep_transpose, "grouped": self.grouped}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(check=state["check"], keep_transpose=state.get("keep_transpose", True))
+        self.__init__(check=state["check"], keep_transpose=state.get("keep_transpose", True), grouped=state.get("grouped", False))
 
     def invalidate(self) -> None:
-        """Drop the cached copies; the next ``get`` re-quantizes (refused while held, as ``WeightCache``'s)."""
+        """Drop the cached copies; the next ``get`` re-quantizes. Refused while the cache holds the weights' primary
+        form (``HeldWeightError``)."""
         if self.held:
-            raise held_error("drop the layer's FP8 weights (a move, a dtype conversion or invalidate_weight_cache())")
+            raise held_error("drop the layer's FP8 weight (a move, a dtype conversion or invalidate_weight_cache())")
         self._value = self._refs = self._storage_refs = self._key = None
 
     @property
     def nbytes(self) -> int:
+        """Device memory held by the cached copies (0 when empty)."""
         return 0 if self._value is None else self._value.nbytes
 
 
-def _tracked(weights) -> list[torch.Tensor]:
-    """The tensors a grouped cache keys on: the ``E`` expert weights, or the one stacked ``[E, N, K]`` tensor."""
-    return [weights] if isinstance(weights, torch.Tensor) else weights
+def GroupedWeightCache(*, check: bool | None = None, keep_transpose: bool = True) -> WeightCache:  # noqa: N802 - a cache kind
+    """A ``WeightCache`` for the ``E`` expert weights of a grouped linear (``grouped=True``)."""
+    return WeightCache(check=check, keep_transpose=keep_transpose, grouped=True)
 
 
-def _check_weights(weights, device: torch.device) -> None:
+def _stale(what: str) -> StaleWeightCacheError:
+    return StaleWeightCacheError(
+        f"the weight cache was about to serve a stale FP8 copy of {what}: its values changed without a "
+        "version-counter bump (a write through .data, through another tensor sharing its storage, or by a collective) "
+        "and outside an optimizer step. After such a write call invalidate() (invalidate_weight_cache() on the layer) "
+        "or primus_fp8_plugin.weight_cache.mark_weights_changed(); see 'What the weight cache guarantees' in the README."
+    )
+
+
+def _check_expert_weights(weights, device: torch.device) -> None:
     """Every expert weight 2-D, of weight 0's shape, on ``device`` (one C-level pass per property; the loop over
     the experts runs only to name the first wrong one); stacked weights: one 3-D tensor on ``device``."""
     if isinstance(weights, torch.Tensor):
