@@ -7,13 +7,16 @@ expert group: ``buffers``, ``expert_parallel_buffers``, each with its ``param_da
 optimizer writes its shard of bf16(master) and which it all-gathers; ``Fp8Params`` frees and re-makes those buffers
 as a whole. Without the distributed optimizer the parameters keep their own storage.
 
-The hooks (``install_hooks``, installed once when a plugin layer is built with ``PRIMUS_FP8_PARAMS=1``): torch's
-global module forward pre-hook releases the weights of a DDP model whenever it runs a training forward (grad mode on,
-``model.training``; the first call of a step does it, later microbatches find them released), attaching
-``Fp8Params`` to it the first time; torch's global optimizer step pre-hook restores them before any optimizer steps
-(Megatron's optimizers step their inner ``torch.optim`` optimizer before they write bf16(master) into the model),
-and refuses (NotImplementedError) a step before any DDP model trained: the variable asked for something no model
-got (FSDP, a model outside Megatron's DDP). Evaluation (no grad) and checkpoints, between a step and the next
+The hooks (``install_hooks``, when a plugin layer is built with ``PRIMUS_FP8_PARAMS=1``): a forward pre-hook releases
+the weights of a DDP model whenever it runs a training forward (grad mode on, ``model.training``; the first call of a
+step does it, later microbatches find them released), attaching ``Fp8Params`` to it the first time; torch's global
+optimizer step pre-hook restores them before any optimizer steps (Megatron's optimizers step their inner
+``torch.optim`` optimizer before they write bf16(master) into the model), and refuses (NotImplementedError) a step
+before any DDP model trained: the variable asked for something no model got (FSDP, a model outside Megatron's DDP).
+Until that first step the forward pre-hook is torch's global module hook (the DDP models are not known before they
+run); the step moves it onto each DDP model that trained and removes the global one, whose presence sends every
+module call in the process through torch's slower hook path (~1.3 us a call on a CPU). A layer built later installs
+the global hook again until the next step. Evaluation (no grad) and checkpoints, between a step and the next
 training forward, see the bf16 weights.
 """
 
@@ -65,20 +68,27 @@ def attach(model: nn.Module) -> Fp8Params:
 
 
 _hooked: weakref.WeakSet = weakref.WeakSet()  # DDP models the hooks attached Fp8Params to
-_handles: list = []  # the installed hooks' handles
+_on_model: weakref.WeakSet = weakref.WeakSet()  # DDP models holding the forward pre-hook themselves
+_step_hook: list = []  # the optimizer step pre-hook's handle
+_global_hook: list = []  # the global module forward pre-hook's handle, until the first step after it
+_model_hooks: list = []  # the per-model forward pre-hooks' handles
 
 
 def install_hooks() -> None:
-    """Drive FP8 primary weights by torch's global hooks (module docstring); once per process."""
-    if not _handles:
-        _handles.extend([register_module_forward_pre_hook(release_before_training_forward),
-                         register_optimizer_step_pre_hook(restore_before_optimizer_step)])  # fmt: skip
+    """Drive FP8 primary weights by hooks (module docstring): the optimizer step hook once per process, the global
+    module forward hook until the next optimizer step."""
+    if not _step_hook:
+        _step_hook.append(register_optimizer_step_pre_hook(restore_before_optimizer_step))
+    if not _global_hook:
+        _global_hook.append(register_module_forward_pre_hook(release_before_training_forward))
 
 
 def remove_hooks() -> None:
     """Remove the hooks (the models they attached keep their ``Fp8Params``: restore them before another step)."""
-    while _handles:
-        _handles.pop().remove()
+    for handles in (_step_hook, _global_hook, _model_hooks):
+        while handles:
+            handles.pop().remove()
+    _on_model.clear()
 
 
 def release_before_training_forward(module: nn.Module, args) -> None:
@@ -98,3 +108,8 @@ def restore_before_optimizer_step(optimizer, args, kwargs) -> None:
         )
     for model in list(_hooked):
         getattr(model, ATTACHED).restore()
+        if model not in _on_model:  # from now on the model's own hook releases its weights
+            _model_hooks.append(model.register_forward_pre_hook(release_before_training_forward))
+            _on_model.add(model)
+    while _global_hook:  # every DDP model that trained in this step ran its forward before it
+        _global_hook.pop().remove()

@@ -65,6 +65,9 @@ def train(job: dict, fp8_params: bool) -> dict:
                 loss = ddp(ids, pos, None, labels=ids).float().mean() / MICRO
                 loss.backward()
                 out["losses"].append(loss.item())
+                if micro == 0:  # the param buffers while each step runs (freed in every step, hooks or loop)
+                    out.setdefault("buffers_each_step", []).append(
+                        [flat.untyped_storage().nbytes() for flat, _ in ddp_param_buffers(ddp)])
                 if step == 0 and micro == 0:  # what the model holds while it runs
                     held = getattr(ddp, ATTACHED, None)
                     out["held"] = {
@@ -78,6 +81,10 @@ def train(job: dict, fp8_params: bool) -> dict:
                 primary.restore()
             ok, norm, _ = opt.step()
             assert ok
+            if hooks and step == 0:  # the first step moved the release hook onto the model
+                from primus_fp8_plugin.megatron import fp8_params as megatron_fp8_params
+
+                out["global_hook_after_first_step"] = bool(megatron_fp8_params._global_hook)
             out["norms"].append(float(norm))
         out["weights"] = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
     return out

@@ -34,6 +34,8 @@ def check_same_run(result: dict, dist_opt: bool) -> None:
     assert bf16["held"]["buffers"] == [] or min(bf16["held"]["buffers"]) > 0
     assert held["param_bytes"] < fp8["param_bytes_before"] == bf16["param_bytes_before"] == bf16["held"]["param_bytes"]
     assert held["fp8_bytes"] > 0
+    if dist_opt:  # released in every step, not only the first (the hooks: the model's own hook from step 2 on)
+        assert all(b == [0] * len(b) for b in fp8["buffers_each_step"]) and len(fp8["buffers_each_step"]) > 1
 
 
 @pytest.mark.parametrize(
@@ -88,6 +90,8 @@ def spawned(tmp_path_factory):
 def test_two_ranks(spawned, name):
     result, job = spawned[name]
     check_same_run(result, job.get("dist_opt", False))
+    if job.get("hooks"):  # no global module hook left to slow every module call after the first step
+        assert result["fp8"]["global_hook_after_first_step"] is False
 
 
 def test_the_hooks_refuse_a_step_no_ddp_model_trained_for():
