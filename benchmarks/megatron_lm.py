@@ -412,8 +412,13 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
             print(f"[megatron_lm] {name} profile ({trace}):\n{kernel_profile.format_profile(row['profile'])}", flush=True)
     if args.memory_peak:
         if peak_json.is_file():
-            row["memory_peak"] = json.loads(peak_json.read_text())
-            print(f"[megatron_lm] {name} {memory_peak.format_report(row['memory_peak'])}", flush=True)
+            report = json.loads(peak_json.read_text())
+            row["memory_peak"] = {k: v for k, v in report.items() if k != "timeline"}  # the plot keeps the timeline
+            print(f"[megatron_lm] {name} {memory_peak.format_report(report)}", flush=True)
+            try:
+                memory_peak.plot_report(report, peak_json.with_suffix(".png"), f"pretrain_gpt.py, {name}")
+            except ImportError:  # matplotlib is optional
+                pass
         else:
             print(f"[megatron_lm] {name}: --memory-peak wrote no report ({peak_json})", flush=True)
     print(f"[megatron_lm] {name}: {row['ms_per_iter']:.1f} ms/iter, first loss {row['first_loss']}, "

@@ -1,6 +1,6 @@
 """Where a process's peak of allocated GPU memory falls and what is live there, from a CUDA caching-allocator trace.
 
-    python -m tools.memory_peak SNAPSHOT.pickle [--top 25] [--json out.json]
+    python -m tools.memory_peak SNAPSHOT.pickle [--top 25] [--json out.json] [--plot out.png]
 
 ``SNAPSHOT`` is ``torch.cuda.memory._snapshot()`` taken after ``torch.cuda.memory._record_memory_history()`` (the
 trace of every allocation and free, with the Python stack of each allocation). ``benchmarks/megatron_lm.py
@@ -17,6 +17,8 @@ state and the trace imply was allocated before the trace's first event. At the m
 * ``by_site``: the bytes live at the peak by allocation site (the innermost frame outside torch's own files),
   largest first, with the phase each was allocated in; memory allocated before the trace began is one row,
   ``(before the trace)``;
+* ``timeline``: about ``TIMELINE_POINTS`` points ``(event index, the most bytes allocated since the previous
+  point)``, for a plot (``--plot``: the timeline with the peak marked, and the largest sites at the peak);
 * ``by_phase``: the same bytes by phase, from the stack's outer frames: ``forward`` / ``backward`` (Megatron's
   ``forward_step`` / ``backward_step``, or torch's autograd), ``optimizer`` (``megatron/core/optimizer``),
   ``setup`` (building the model, the optimizer's state), ``other``.
@@ -33,6 +35,9 @@ import json
 import pickle
 import sys
 from pathlib import Path
+
+TIMELINE_POINTS = 2000
+"""The report's timeline keeps about this many points: each the most bytes allocated since the previous one."""
 
 TORCH_PARTS = ("/torch/", "/site-packages/torch/", "<frozen")
 """Frames in these files are skipped when naming an allocation's site: the caller outside torch is what allocated."""
@@ -105,10 +110,16 @@ def peak_report(snapshot: dict, device: int = 0, top: int = 25) -> dict:
     delta = sum(e["size"] if e["action"] == "alloc" else -e["size"] for e in events)
     start_bytes = end_bytes - delta
     current, peak, peak_at = start_bytes, start_bytes, -1
+    stride = max(1, len(events) // TIMELINE_POINTS)
+    timeline, window_max = [], start_bytes  # (event index, the most allocated in the window ending there)
     for i, e in enumerate(events):
         current += e["size"] if e["action"] == "alloc" else -e["size"]
+        window_max = max(window_max, current)
         if current > peak:
             peak, peak_at = current, i
+        if i % stride == stride - 1 or i == len(events) - 1:
+            timeline.append((i, window_max))
+            window_max = current
     live: dict[int, dict] = {}
     freed_before_allocated = 0  # blocks allocated before the trace and freed in it, up to the peak
     for e in events[: peak_at + 1]:
@@ -141,6 +152,7 @@ def peak_report(snapshot: dict, device: int = 0, top: int = 25) -> dict:
         "by_phase": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
         "by_site": by_site[:top],
         "other_sites_bytes": sum(r[2] for r in by_site[top:]),
+        "timeline": timeline,
     }
 
 
@@ -157,12 +169,40 @@ def format_report(report: dict, label: str = "") -> str:
     return "\n".join(lines)
 
 
+def plot_report(report: dict, path: Path, title: str = "") -> None:
+    """A PNG: allocated MiB over the trace's events with the peak marked, and the largest sites live at the peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mib = 2**20
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    xs, ys = zip(*report["timeline"]) if report["timeline"] else ((), ())
+    ax.plot(xs, [y / mib for y in ys], lw=0.8)
+    ax.axhline(report["peak_bytes"] / mib, color="tab:red", lw=0.6, ls="--")
+    at = max(report["peak_event_index"], 0)
+    ax.annotate(f"peak {report['peak_bytes'] / mib:,.1f} MiB ({report['peak_phase']})", (at, report["peak_bytes"] / mib),
+                color="tab:red", fontsize=8, ha="right" if at > report["events"] / 2 else "left", va="bottom")  # fmt: skip
+    ax.set_xlabel("allocator event")
+    ax.set_ylabel("allocated MiB")
+    ax.set_title(title or "allocated memory over the trace", fontsize=9)
+    rows = report["by_site"][:10][::-1]
+    bx.barh(range(len(rows)), [r[2] / mib for r in rows])
+    bx.set_yticks(range(len(rows)), [f"{r[0][-48:]} [{r[1]}]" for r in rows], fontsize=6)
+    bx.set_xlabel("MiB live at the peak")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("snapshot", type=Path, help="a pickle of torch.cuda.memory._snapshot() with its trace")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--top", type=int, default=25, help="allocation sites listed")
     ap.add_argument("--json", type=Path, help="write the report as JSON")
+    ap.add_argument("--plot", type=Path, help="write a PNG: allocated memory over the trace, the sites at the peak")
     args = ap.parse_args(argv)
     with args.snapshot.open("rb") as f:
         snapshot = pickle.load(f)
@@ -174,6 +214,8 @@ def main(argv=None) -> int:
     print(format_report(report, str(args.snapshot)))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot_report(report, args.plot, str(args.snapshot))
     return 0
 
 

@@ -435,7 +435,8 @@ def test_memory_peak_asks_the_entry_for_a_report_and_prints_it(tmp_path, monkeyp
         report = {"peak_bytes": 3 * 2**30, "start_bytes": 0, "end_bytes": 2**30, "events": 10, "peak_event_index": 7,
                   "peak_site": "primus_fp8_plugin/ops/core.py:10(forward)", "peak_phase": "forward",
                   "by_phase": {"forward": 3 * 2**30}, "other_sites_bytes": 0,
-                  "by_site": [["primus_fp8_plugin/ops/core.py:10(forward)", "forward", 3 * 2**30, 4]]}  # fmt: skip
+                  "by_site": [["primus_fp8_plugin/ops/core.py:10(forward)", "forward", 3 * 2**30, 4]],
+                  "timeline": [[3, 2**30], [7, 3 * 2**30], [9, 2**30]]}  # fmt: skip
         Path(env["PRIMUS_FP8_MEMORY_PEAK"]).write_text(json.dumps(report))
         return types.SimpleNamespace(returncode=0)
 
@@ -444,7 +445,8 @@ def test_memory_peak_asks_the_entry_for_a_report_and_prints_it(tmp_path, monkeyp
     args = argparse.Namespace(profile=False, profile_step=0, megatron_lm=tmp_path, iters=3, warmup=1, memory_peak=True)
     row = mlm.run_arm("plugin_fast", mlm.arm_args("plugin_fast", model, plugin_grouped=False), args, model, tmp_path)
     assert seen["PRIMUS_FP8_MEMORY_PEAK"] == str(tmp_path / "memory_peak_plugin_fast.json")
-    assert row["memory_peak"]["peak_bytes"] == 3 * 2**30
+    assert row["memory_peak"]["peak_bytes"] == 3 * 2**30 and "timeline" not in row["memory_peak"]
+    assert (tmp_path / "memory_peak_plugin_fast.png").is_file()
     out = capsys.readouterr().out
     assert "peak allocated: 3,072.0 MiB at event 7 of 10 (forward: primus_fp8_plugin/ops/core.py:10(forward))" in out
 

@@ -54,8 +54,9 @@ def _snapshot(rng: random.Random):
     return {"segments": segments, "device_traces": [events]}, best, by_site, sites
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_peak_and_live_sites_match_a_brute_force_replay(seed):
+@pytest.mark.parametrize("seed, points", [(0, 2000), (1, 2000), (2, 7)])
+def test_peak_and_live_sites_match_a_brute_force_replay(seed, points, monkeypatch):
+    monkeypatch.setattr(memory_peak, "TIMELINE_POINTS", points)  # 7: windows of many events each
     snapshot, peak, by_site, sites = _snapshot(random.Random(seed))
     report = memory_peak.peak_report(snapshot, top=100)
     assert report["peak_bytes"] == peak
@@ -68,6 +69,9 @@ def test_peak_and_live_sites_match_a_brute_force_replay(seed):
             assert phase == expected[phase_of_site[site]]
     text = memory_peak.format_report(report)
     assert f"{peak / 2**20:,.1f} MiB" in text
+    assert max(y for _, y in report["timeline"]) == peak  # each point keeps its window's maximum
+    assert len(report["timeline"]) <= 2 * points
+    assert [x for x, _ in report["timeline"]] == sorted({x for x, _ in report["timeline"]})
 
 
 def test_a_trace_that_begins_after_frees_of_older_blocks_counts_them_from_the_end_state():
@@ -90,9 +94,10 @@ def test_cli_reads_a_pickle_and_refuses_a_snapshot_without_a_trace(tmp_path, cap
     snapshot, peak, _, _ = _snapshot(random.Random(5))
     path = tmp_path / "s.pickle"
     path.write_bytes(pickle.dumps(snapshot))
-    assert memory_peak.main([str(path), "--json", str(tmp_path / "r.json")]) == 0
+    assert memory_peak.main([str(path), "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 0
     assert f"{peak / 2**20:,.1f} MiB" in capsys.readouterr().out
     assert (tmp_path / "r.json").is_file()
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]]}))
     assert memory_peak.main([str(path)]) == 2
     assert "_record_memory_history" in capsys.readouterr().err
