@@ -310,7 +310,8 @@ class WeightCache:
         return {"check": self.check, "keep_transpose": self.keep_transpose, "grouped": self.grouped}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(check=state["check"], keep_transpose=state.get("keep_transpose", True), grouped=state.get("grouped", False))
+        grouped = state.get("grouped", type(self) is not WeightCache)  # pickles made before the two were one class
+        self.__init__(check=state["check"], keep_transpose=state.get("keep_transpose", True), grouped=grouped)
 
     def invalidate(self) -> None:
         """Drop the cached copies; the next ``get`` re-quantizes. Refused while the cache holds the weights' primary
@@ -325,9 +326,14 @@ class WeightCache:
         return 0 if self._value is None else self._value.nbytes
 
 
-def GroupedWeightCache(*, check: bool | None = None, keep_transpose: bool = True) -> WeightCache:  # noqa: N802 - a cache kind
-    """A ``WeightCache`` for the ``E`` expert weights of a grouped linear (``grouped=True``)."""
-    return WeightCache(check=check, keep_transpose=keep_transpose, grouped=True)
+class GroupedWeightCache(WeightCache):
+    """A ``WeightCache`` for the ``E`` expert weights of a grouped linear (``grouped=True``); its own class so that
+    ``isinstance`` and pickles of layers made with it keep working."""
+
+    def __init__(self, *, check: bool | None = None, keep_transpose: bool = True, grouped: bool = True) -> None:
+        if not grouped:
+            raise ValueError("a GroupedWeightCache serves expert weights (grouped=True); use WeightCache for one weight")
+        super().__init__(check=check, keep_transpose=keep_transpose, grouped=True)
 
 
 def _stale(what: str) -> StaleWeightCacheError:

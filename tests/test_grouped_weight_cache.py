@@ -236,3 +236,22 @@ def test_stacked_weights_are_one_tracked_tensor():
     assert not torch.equal(again.expert(2).rowwise_data.view(torch.uint8), first.expert(2).rowwise_data.view(torch.uint8))
     with pytest.raises(ValueError, match=r"must be one \[E, N, K\] tensor \(E >= 1\) on cpu, got \(128, 128\)"):
         GroupedWeightCache().get(stacked[0], params, ref)
+
+
+def test_a_grouped_cache_pickles_as_its_own_kind():
+    """``GroupedWeightCache`` is the grouped form of ``WeightCache`` and stays one through copies and pickles (layers
+    saved whole with ``torch.save`` hold it); a dense form is refused by name."""
+    import pickle
+
+    from primus_fp8_plugin import WeightCache
+
+    cache = GroupedWeightCache(keep_transpose=False)
+    back = pickle.loads(pickle.dumps(cache))
+    assert type(back) is GroupedWeightCache and back.grouped and not back.keep_transpose
+    assert isinstance(back, WeightCache) and not WeightCache().grouped
+    state = {"check": False, "keep_transpose": True}  # a pickle's state from before the two were one class
+    old = GroupedWeightCache.__new__(GroupedWeightCache)
+    old.__setstate__(state)
+    assert old.grouped
+    with pytest.raises(ValueError, match="use WeightCache for one weight"):
+        GroupedWeightCache(grouped=False)
