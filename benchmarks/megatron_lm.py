@@ -386,6 +386,7 @@ def run_arm(name: str, extra: str, args, model: dict, log_dir: Path, tag: str = 
     peak_json = log_dir / f"memory_peak_{name}{tag}.json"
     if args.memory_peak:
         env["PRIMUS_FP8_MEMORY_PEAK"] = str(peak_json)  # the entry shim records the allocator's trace (memory_peak.py)
+        peak_json.unlink(missing_ok=True)  # an earlier run's report is never read as this one's
     if (spec_of(extra) or ("",))[0].startswith("primus_fp8_plugin"):
         env["PRIMUS_FP8_CHECK_MODEL"] = "1"  # the entry shim stops the run if the model holds no FP8 layer
     log = log_dir / f"megatron_lm_{name}{tag}.log"

@@ -10,7 +10,8 @@ it holds and the run stops if it holds none (``check_spec.install_model_check``)
 default spec when the ``--spec`` import fails.
 
 With ``PRIMUS_FP8_MEMORY_PEAK=REPORT.json`` the CUDA allocator records every allocation and free with its Python stack
-from the start, and at exit ``tools/memory_peak.py``'s report of the run's peak is written there.
+from the start, and at exit rank 0 writes ``tools/memory_peak.py``'s report of its peak there, with
+``torch.cuda.max_memory_allocated`` beside it.
 """
 
 from __future__ import annotations
@@ -49,10 +50,15 @@ def _record_memory_peak(report_path: Path) -> None:
     sys.path.insert(1, str(root))
     from tools.memory_peak import peak_report
 
-    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    max_entries = 2_000_000  # events kept (a ring buffer); with Python stacks, several GB of host memory when full
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=max_entries)
 
     def write_report() -> None:
-        report = peak_report(torch.cuda.memory._snapshot())
+        if os.environ.get("RANK", "0") != "0":  # one report, rank 0's
+            return
+        device = torch.cuda.current_device()
+        report = peak_report(torch.cuda.memory._snapshot(), device=device, max_entries=max_entries)
+        report["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
         report_path.write_text(json.dumps(report, indent=1))
         torch.cuda.memory._record_memory_history(enabled=None)
 

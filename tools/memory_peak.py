@@ -17,14 +17,15 @@ state and the trace imply was allocated before the trace's first event. At the m
 * ``by_site``: the bytes live at the peak by allocation site (the innermost frame outside torch's own files),
   largest first, with the phase each was allocated in; memory allocated before the trace began is one row,
   ``(before the trace)``;
-* ``timeline``: about ``TIMELINE_POINTS`` points ``(event index, the most bytes allocated since the previous
+* ``timeline``: ``TIMELINE_POINTS`` to twice as many points ``(event index, the most bytes allocated since the previous
   point)``, for a plot (``--plot``: the timeline with the peak marked, and the largest sites at the peak);
 * ``by_phase``: the same bytes by phase, from the stack's outer frames: ``forward`` / ``backward`` (Megatron's
   ``forward_step`` / ``backward_step``, or torch's autograd), ``optimizer`` (``megatron/core/optimizer``),
   ``setup`` (building the model, the optimizer's state), ``other``.
 
 Stacks are Python frames only (``_record_memory_history(stacks="python")``); an allocation made by the autograd
-engine's thread in a backward shows the frames of the Function's ``backward`` only.
+engine's thread in a backward shows the frames of a Python ``backward`` only, and one made there by a built-in
+op's backward has no frame at all (``(no stack)``, phase ``other``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ TIMELINE_POINTS = 2000
 TORCH_PARTS = ("/torch/", "/site-packages/torch/", "<frozen")
 """Frames in these files are skipped when naming an allocation's site: the caller outside torch is what allocated."""
 
-PHASE_RULES = (  # (phase, substring of a frame's "file:function"), outermost frame first wins
+PHASE_RULES = (  # (phase, substring of any frame's "file:function"): the first rule that some frame matches wins
     ("optimizer", "megatron/core/optimizer/"),
     ("backward", ":backward_step"),
     ("forward", ":forward_step"),
@@ -85,23 +86,27 @@ def phase_of(frames: list[dict] | None) -> str:
 
 
 def live_blocks(snapshot: dict, device: int = 0) -> dict[int, int]:
-    """Address -> requested bytes of the blocks allocated at the snapshot (``segments``' ``active_allocated``
-    blocks; the trace's events carry requested sizes too, not the allocator's rounded block sizes)."""
+    """Address -> requested bytes of the blocks allocated at the snapshot (``segments``' blocks not ``inactive``: a
+    block freed while a stream still used it is ``active_pending_free`` until its ``free_completed``; the trace's
+    events carry requested sizes too, not the allocator's rounded block sizes)."""
     live = {}
     for seg in snapshot.get("segments", []):
         if seg.get("device", device) != device:
             continue
         addr = seg["address"]
         for block in seg.get("blocks", []):
-            if block.get("state") == "active_allocated":
+            if block.get("state", "inactive") != "inactive":  # active_pending_free: freed, no free_completed yet
                 live[block.get("address", addr)] = block.get("requested_size", block["size"])
             addr += block["size"]
     return live
 
 
-def peak_report(snapshot: dict, device: int = 0, top: int = 25) -> dict:
-    """The report of the module docstring for ``device``'s trace in ``snapshot``."""
+def peak_report(snapshot: dict, device: int = 0, top: int = 25, max_entries: int | None = None) -> dict:
+    """The report of the module docstring for ``device``'s trace in ``snapshot``; ``max_entries``: the recording's
+    limit (its ring buffer drops the oldest events when full: ``trace_full`` then says that the peak is the kept
+    window's, which may miss an earlier, higher one)."""
     traces = snapshot.get("device_traces", [])
+    raw = len(traces[device]) if device < len(traces) else 0
     events = [e for e in (traces[device] if device < len(traces) else []) if e["action"] in ("alloc", "free_completed")]
     if not events:
         raise ValueError("the snapshot holds no allocation trace: record it with torch.cuda.memory._record_memory_history() "
@@ -153,6 +158,7 @@ def peak_report(snapshot: dict, device: int = 0, top: int = 25) -> dict:
         "by_site": by_site[:top],
         "other_sites_bytes": sum(r[2] for r in by_site[top:]),
         "timeline": timeline,
+        "trace_full": max_entries is not None and raw >= max_entries,
     }
 
 
@@ -162,6 +168,11 @@ def format_report(report: dict, label: str = "") -> str:
              f"{report['peak_event_index']} of {report['events']} ({report['peak_phase']}: {report['peak_site']})",
              "by phase: " + ", ".join(f"{k} {v / mib:,.1f}" for k, v in report["by_phase"].items()) + " MiB",
              f"{'MiB':>10}  {'blocks':>6}  {'phase':<9}  allocated at"]  # fmt: skip
+    if report.get("trace_full"):
+        lines.insert(1, "the trace filled its buffer: this is the peak of the events kept, not necessarily the run's")
+    if report.get("max_memory_allocated") is not None:
+        lines.insert(1, f"torch.cuda.max_memory_allocated over the run: {report['max_memory_allocated'] / mib:,.1f} MiB "
+                        "(rounded block sizes)")  # fmt: skip
     for site, phase, nbytes, count in report["by_site"]:
         lines.append(f"{nbytes / mib:10.1f}  {count:6d}  {phase:<9}  {site}")
     if report["other_sites_bytes"]:

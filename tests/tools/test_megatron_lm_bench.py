@@ -451,6 +451,25 @@ def test_memory_peak_asks_the_entry_for_a_report_and_prints_it(tmp_path, monkeyp
     assert "peak allocated: 3,072.0 MiB at event 7 of 10 (forward: primus_fp8_plugin/ops/core.py:10(forward))" in out
 
 
+def test_an_earlier_runs_memory_report_is_never_read_as_this_ones(tmp_path, monkeypatch, capsys):
+    import argparse
+    import types
+
+    stale = tmp_path / "memory_peak_plugin_fast.json"
+    stale.write_text(json.dumps({"peak_bytes": 1}))
+
+    def fake_run(cmd, stdout, stderr, env):  # this run ends without writing a report
+        stdout.write("\n".join(_megatron_line(i + 1, 3, 500.0, 100.0, 9.0, 16) for i in range(3)) + "\n")
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(mlm.subprocess, "run", fake_run)
+    model = mlm.MODELS["llama8b_4l"]
+    args = argparse.Namespace(profile=False, profile_step=0, megatron_lm=tmp_path, iters=3, warmup=1, memory_peak=True)
+    row = mlm.run_arm("plugin_fast", mlm.arm_args("plugin_fast", model, plugin_grouped=False), args, model, tmp_path)
+    assert "memory_peak" not in row and not stale.exists()
+    assert "--memory-peak wrote no report" in capsys.readouterr().out
+
+
 def test_entry_shim_records_the_trace_only_when_asked():
     text = (ROOT / "benchmarks" / "megatron_lm_entry.py").read_text()
     assert 'os.environ.get("PRIMUS_FP8_MEMORY_PEAK")' in text and "_record_memory_history" in text

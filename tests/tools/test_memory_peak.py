@@ -101,3 +101,18 @@ def test_cli_reads_a_pickle_and_refuses_a_snapshot_without_a_trace(tmp_path, cap
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]]}))
     assert memory_peak.main([str(path)]) == 2
     assert "_record_memory_history" in capsys.readouterr().err
+
+
+def test_blocks_pending_free_count_as_live_and_a_full_trace_says_so():
+    """A block freed while a stream still used it stays allocated (``active_pending_free``) until its
+    ``free_completed``; a trace as long as the recording's limit is flagged: older events were dropped."""
+    f = _frames("primus_fp8_plugin/ops/core.py", 10, "forward", "forward_step")
+    events = [{"action": "alloc", "addr": 2, "size": 300, "frames": f},
+              {"action": "free_requested", "addr": 2, "size": 300, "frames": []}]  # fmt: skip
+    segments = [{"device": 0, "address": 2, "total_size": 4096,
+                 "blocks": [{"address": 2, "size": 512, "requested_size": 300, "state": "active_pending_free"},
+                            {"address": 514, "size": 3584, "requested_size": 0, "state": "inactive"}]}]  # fmt: skip
+    report = memory_peak.peak_report({"segments": segments, "device_traces": [events]}, max_entries=2)
+    assert report["start_bytes"] == 0 and report["peak_bytes"] == 300 and report["end_bytes"] == 300
+    assert report["trace_full"] and "filled its buffer" in memory_peak.format_report(report)
+    assert not memory_peak.peak_report({"segments": segments, "device_traces": [events]}, max_entries=3)["trace_full"]
