@@ -16,8 +16,10 @@ before any DDP model trained: the variable asked for something no model got (FSD
 Until that first step the forward pre-hook is torch's global module hook (the DDP models are not known before they
 run); the step moves it onto each DDP model that trained and removes the global one, whose presence sends every
 module call in the process through torch's slower hook path (~1.3 us a call on a CPU). A layer built later installs
-the global hook again until the next step. Evaluation (no grad) and checkpoints, between a step and the next
-training forward, see the bf16 weights.
+the global hook again until the next step. So a DDP model whose first training forward comes after an optimizer
+step and after the last plugin layer was built (a second model trained later in the process) is not released: it
+trains on BF16 weights and the weight cache, the same numerics, without the memory saving. Evaluation (no grad)
+and checkpoints, between a step and the next training forward, see the bf16 weights.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def restore_before_optimizer_step(optimizer, args, kwargs) -> None:
     for model in list(_hooked):
         getattr(model, ATTACHED).restore()
         if model not in _on_model:  # from now on the model's own hook releases its weights
-            _model_hooks.append(model.register_forward_pre_hook(release_before_training_forward))
+            _model_hooks.append(model.register_forward_pre_hook(release_before_training_forward, prepend=True))
             _on_model.add(model)
     while _global_hook:  # every DDP model that trained in this step ran its forward before it
         _global_hook.pop().remove()
