@@ -158,27 +158,27 @@ def test_copies_start_empty_and_compute_the_same():
     assert torch.equal(run(twin, x), y)
 
 
-def test_a_refresh_releases_the_old_buffers_before_making_new_ones():
-    """At most one set of stacked copies is alive while the cache re-quantizes (nothing else holds the old)."""
-    be, p = get_backend("reference", "cpu"), BlockwiseRecipe().params(TensorRole.WEIGHT)
-    cache = GroupedWeightCache()
-    ws = [torch.randn(N, K, dtype=torch.bfloat16) for _ in range(E)]
-    old = cache.get(ws, p, be)
-    alive_at_quantize = []
-
-    class Spy:
-        name = be.name
-
-        def quantize_weight_grouped(self, weights, params):
-            alive_at_quantize.append(old_ref() is not None)
-            return be.quantize_weight_grouped(weights, params)
-
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "dense"])
+def test_a_refresh_releases_the_old_buffers_before_making_new_ones(grouped):
+    """At most one set of copies is alive while the cache re-quantizes (nothing else holds the old), in both of the
+    cache's forms (the dense one is the same mechanism over one weight)."""
     import weakref
 
-    old_ref = weakref.ref(old)
-    del old
-    cache.get(ws, p, Spy())  # another backend: a refresh
-    assert alive_at_quantize == [False]
+    be, p = get_backend("reference", "cpu"), BlockwiseRecipe().params(TensorRole.WEIGHT)
+    cache = GroupedWeightCache() if grouped else WeightCache()
+    ws = [torch.randn(N, K, dtype=torch.bfloat16) for _ in range(E)] if grouped else torch.randn(256, 128, dtype=torch.bfloat16)
+    old_ref = weakref.ref(cache.get(ws, p, be))
+    alive_at_quantize = []
+    method = "quantize_weight_grouped" if grouped else "quantize_weight"
+
+    def spy_quantize(self, weights, params):
+        alive_at_quantize.append(old_ref() is not None)
+        return getattr(be, method)(weights, params)
+
+    spy = type("Spy", (), {"name": be.name, method: spy_quantize})()
+    fresh = cache.get(ws, p, spy)  # another backend: a refresh
+    assert alive_at_quantize == [False] and cache.refreshes == 2
+    assert cache.get(ws, p, spy) is fresh and cache.refreshes == 2
 
 
 def test_the_check_runs_no_per_expert_python():

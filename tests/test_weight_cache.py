@@ -403,28 +403,3 @@ def test_a_collective_writing_the_weight_is_caught_by_check_mode(tmp_path):
     assert on_rank1 == {False: "stale", True: "raised", "after_invalidate": "fresh"}, on_rank1
     assert torch.load(tmp_path / "rank0.pt") == {False: "fresh", True: "fresh"}  # the sender's weight is unchanged
 
-
-def test_a_refresh_releases_the_old_copies_before_making_new_ones():
-    """The dense cache is the grouped one's mechanism over one weight: at most one W/W^T pair is alive while it
-    re-quantizes (nothing else holds the old pair)."""
-    import weakref
-
-    from primus_fp8_plugin import BlockwiseRecipe, TensorRole
-    from primus_fp8_plugin.backends import get_backend
-
-    be, p = get_backend("reference", "cpu"), BlockwiseRecipe().params(TensorRole.WEIGHT)
-    cache, w = WeightCache(), torch.randn(256, 128, dtype=torch.bfloat16)
-    old_ref = weakref.ref(cache.get(w, p, be))
-    alive_at_quantize = []
-
-    class Spy:
-        name = be.name
-
-        def quantize_weight(self, weight, params):
-            alive_at_quantize.append(old_ref() is not None)
-            return be.quantize_weight(weight, params)
-
-    spy = Spy()
-    fresh = cache.get(w, p, spy)  # another backend: a refresh
-    assert alive_at_quantize == [False] and cache.refreshes == 2
-    assert cache.get(w, p, spy) is fresh and cache.refreshes == 2
